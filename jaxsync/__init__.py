@@ -1,0 +1,27 @@
+"""jaxsync: sync-free multimodal and KV paths for JAX serving stacks, with proofs.
+
+Core API:
+  DeviceCache, default_cache  - per-placement device copies of host constant tables.
+  async_h2d, upload_packed    - explicit, alias-safe host->device uploads (one transfer).
+  Packed                      - a packed upload; index it by field name inside jit.
+  bucket                      - pad sizes to buckets so many inputs share one program.
+  jit_method                  - jit an NNX module method with its graph split once.
+Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
+jaxsync.testing, jaxsync.models, jaxsync.kv.
+"""
+
+from jaxsync._device_cache import (
+    CacheEntry as CacheEntry,
+    DeviceCache as DeviceCache,
+    default_cache as default_cache,
+)
+from jaxsync._jit import JitMethod as JitMethod, jit_method as jit_method
+from jaxsync._transfer import (
+    Packed as Packed,
+    async_h2d as async_h2d,
+    bucket as bucket,
+    upload_packed as upload_packed,
+)
+
+
+__version__ = "0.1.0"

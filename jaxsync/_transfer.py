@@ -1,0 +1,161 @@
+"""Explicit, alias-safe host->device uploads: one array, or many small ones packed into one transfer.
+
+`jax.device_put` of a NumPy array is asynchronous and may read (or alias) the host buffer after it
+returns (measured on CPU and H200, see docs/design.md). Every upload here first copies the caller's
+data into a fresh private host buffer that nobody mutates afterwards, so a caller may reuse its
+staging arrays immediately. The copy costs one small host allocation; it never waits on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsync._placement import Placement, resolve
+
+
+def async_h2d(data: Any, *, dtype: Any = None, placement: Placement = None) -> jax.Array:
+    """Uploads a list or ndarray with one explicit transfer; never an implicit one.
+
+    Args:
+      data: host data (list, tuple, scalar or ndarray). A `jax.Array` is rejected: it is already on a
+        device, and converting it would be a device->host read.
+      dtype: optional target dtype (converted on the host).
+      placement: device, sharding, or None for the default device.
+
+    Returns:
+      A `jax.Array` whose value is independent of later mutation of `data`.
+
+    >>> import numpy as np
+    >>> ids = np.array([3, 1, 2], dtype=np.int32)
+    >>> x = async_h2d(ids)
+    >>> ids[:] = 0  # the caller may reuse its buffer at once
+    >>> x.tolist()
+    [3, 1, 2]
+    """
+    if isinstance(data, jax.Array):
+        raise TypeError("async_h2d takes host data; got a jax.Array (already on a device)")
+    host = np.array(data, dtype=dtype, copy=True)  # private copy: see module docstring
+    return jax.device_put(host, resolve(placement))
+
+
+_WORD = np.dtype(np.uint32)
+_PACKABLE = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dtype(np.bool_))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int  # in 32-bit words
+    size: int  # in 32-bit words
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """Several small host arrays moved in one transfer, split on device.
+
+    The layout (names, shapes, dtypes, offsets) is static pytree aux data, so a jitted function that
+    takes a `Packed` is compiled once per layout and `packed["name"]` is a static slice there.
+    """
+
+    def __init__(self, buffer: jax.Array, layout: tuple[_Field, ...]):
+        self.buffer = buffer  # [W] uint32
+        self.layout = layout
+
+    def tree_flatten(self):
+        return (self.buffer,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.layout)
+
+    def __getitem__(self, name: str) -> jax.Array:
+        for f in self.layout:
+            if f.name == name:
+                words = jax.lax.slice_in_dim(self.buffer, f.offset, f.offset + f.size)
+                if f.dtype == np.bool_:
+                    return (words != 0).reshape(f.shape)
+                if f.dtype != _WORD:
+                    words = jax.lax.bitcast_convert_type(words, jnp.dtype(f.dtype))
+                return words.reshape(f.shape)
+        raise KeyError(f"{name!r} is not in this upload; fields: {self.names}")
+
+    def unpack(self) -> dict[str, jax.Array]:
+        """All fields as a dict (call inside jit: each is a static slice)."""
+        return {f.name: self[f.name] for f in self.layout}
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}{list(f.shape)}:{f.dtype}" for f in self.layout)
+        return f"Packed({fields})"
+
+
+def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> Packed:
+    """Packs host arrays (int32/uint32/float32/bool) into one buffer and uploads it once.
+
+    >>> import jax, numpy as np
+    >>> p = upload_packed({"ids": np.array([4, 5], np.int32), "w": np.array([0.5], np.float32)})
+    >>> @jax.jit
+    ... def f(p):
+    ...     return p["ids"] * 2, p["w"] + 1
+    >>> [a.tolist() for a in f(p)]
+    [[8, 10], [1.5]]
+    """
+    layout, chunks, offset = [], [], 0
+    for name, value in fields.items():
+        if isinstance(value, jax.Array):
+            raise TypeError(f"field {name!r} is a jax.Array; upload_packed takes host data")
+        arr = np.asarray(value)
+        if arr.dtype == np.int64 or arr.dtype == np.uint64:
+            if arr.size and (
+                arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max
+            ):
+                raise ValueError(f"field {name!r} does not fit in int32")
+            arr = arr.astype(np.int32)
+        elif arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        if arr.dtype not in _PACKABLE:
+            raise TypeError(
+                f"field {name!r} has dtype {arr.dtype}; packable: int32, uint32, float32, bool"
+            )
+        words = (arr.astype(np.uint32) if arr.dtype == np.bool_ else arr).reshape(-1).view(_WORD)
+        layout.append(_Field(name, tuple(arr.shape), arr.dtype, offset, words.size))
+        chunks.append(words)
+        offset += words.size
+    # One fresh buffer per upload: never reused, so device_put's aliasing cannot leak mutations.
+    host = np.concatenate(chunks) if chunks else np.zeros((0,), _WORD)
+    return Packed(jax.device_put(host, resolve(placement)), tuple(layout))
+
+
+def bucket(n: int, buckets: tuple[int, ...] | list[int] | None = None, *, minimum: int = 8) -> int:
+    """The smallest bucket >= n, so that many sizes share one compiled program.
+
+    Args:
+      n: the real size (host metadata).
+      buckets: explicit ascending sizes; default: powers of two >= `minimum`.
+      minimum: smallest default bucket.
+
+    >>> bucket(5), bucket(9), bucket(0), bucket(70, [64, 128, 256])
+    (8, 16, 8, 128)
+    """
+    if n < 0:
+        raise ValueError(f"size must be >= 0, got {n}")
+    if buckets is not None:
+        for b in sorted(buckets):
+            if n <= b:
+                return int(b)
+        raise ValueError(f"size {n} exceeds the largest bucket {max(buckets)}")
+    size = max(int(minimum), 1)
+    while size < n:
+        size *= 2
+    return size

@@ -1,0 +1,1 @@
+"""`jaxsync bench`: every registered path side by side with its PyTorch baselines."""

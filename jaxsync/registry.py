@@ -1,0 +1,153 @@
+"""Registry of sync-free paths, read by `jaxsync verify` and `jaxsync bench`.
+
+Each path family registers itself in its `_verify.py` module; `load_all()` imports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+# Modules whose import registers paths. A missing one is an error: the package is incomplete.
+PATH_MODULES: tuple[str, ...] = ("jaxsync._demo",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parity:
+    """Result of a comparison against the PyTorch reference.
+
+    Attributes:
+      max_err: the measured error (see `metric`).
+      tol: the bound it must not exceed.
+      metric: "rel" (max-norm relative), "abs", or "mismatches" (count of unequal ids).
+      detail: free text (reference used, sizes).
+    """
+
+    max_err: float
+    tol: float
+    metric: str = "rel"
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.max_err <= self.tol
+
+    def __str__(self) -> str:
+        return (
+            f"{self.metric} {self.max_err:.2e} <= {self.tol:.0e}"
+            if self.ok
+            else (f"{self.metric} {self.max_err:.2e} > {self.tol:.0e}")
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PathCase:
+    """What `verify` runs for one path.
+
+    Attributes:
+      fn: the entry point.
+      inputs: two or more argument tuples of one bucket (the first warms up).
+      parity: zero-argument callable comparing against the PyTorch reference; raises ImportError
+        when torch/transformers are missing.
+      kwargs: keyword arguments for every call.
+    """
+
+    fn: Callable[..., Any]
+    inputs: Sequence[tuple]
+    parity: Callable[[], Parity] | None = None
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PathSpec:
+    """A registered path.
+
+    Attributes:
+      name: "family.path", e.g. "chameleon.image_tokens".
+      description: one line.
+      build: `(checkpoint: str | None) -> PathCase`.
+    """
+
+    name: str
+    description: str
+    build: Callable[[str | None], PathCase]
+
+    @property
+    def family(self) -> str:
+        return self.name.split(".")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One benchmark row: the jaxsync path and its PyTorch baselines on the same inputs.
+
+    Attributes:
+      name: row label (path and size).
+      jax_fn: zero-argument closure that dispatches one forward (rotating inputs) and returns outputs.
+      torch_fns: label -> zero-argument closure doing the same in torch on the same device.
+      bytes_moved: bytes read + written per forward, for bandwidth-bound paths (None otherwise).
+    """
+
+    name: str
+    jax_fn: Callable[[], Any]
+    torch_fns: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    bytes_moved: int | None = None
+
+
+_paths: dict[str, PathSpec] = {}
+_benches: dict[str, Callable[[str, str], list[BenchCase]]] = {}
+
+
+def register_path(name: str, description: str = "") -> Callable:
+    """Decorator registering `build(checkpoint) -> PathCase` under `name`."""
+
+    def deco(build: Callable[[str | None], PathCase]) -> Callable[[str | None], PathCase]:
+        if name in _paths and _paths[name].build is not build:
+            raise ValueError(f"path {name!r} is registered twice")
+        _paths[name] = PathSpec(name, description, build)
+        return build
+
+    return deco
+
+
+def register_bench(family: str) -> Callable:
+    """Decorator registering `fn(device, size) -> list[BenchCase]` for a family."""
+
+    def deco(fn: Callable[[str, str], list[BenchCase]]) -> Callable[[str, str], list[BenchCase]]:
+        _benches[family] = fn
+        return fn
+
+    return deco
+
+
+def load_all() -> None:
+    """Imports every registering module."""
+    for module in PATH_MODULES:
+        importlib.import_module(module)
+
+
+def paths(selected: Sequence[str] | None = None) -> list[PathSpec]:
+    """Registered paths, optionally filtered by name or family prefix."""
+    load_all()
+    specs = sorted(_paths.values(), key=lambda s: s.name)
+    if not selected:
+        return specs
+    chosen = [s for s in specs if any(s.name == p or s.family == p for p in selected)]
+    unknown = [p for p in selected if not any(s.name == p or s.family == p for s in specs)]
+    if unknown:
+        raise ValueError(f"unknown path(s) {unknown}; known: {[s.name for s in specs]}")
+    return chosen
+
+
+def benches(
+    selected: Sequence[str] | None = None,
+) -> dict[str, Callable[[str, str], list[BenchCase]]]:
+    """Registered bench builders by family."""
+    load_all()
+    if not selected:
+        return dict(_benches)
+    families = {p.split(".")[0] for p in selected}
+    return {f: b for f, b in _benches.items() if f in families}

@@ -1,0 +1,100 @@
+"""Shared helpers for parity tests against PyTorch / transformers references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _host(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor
+        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.dtype.kind == "V" or str(arr.dtype) == "bfloat16":
+        arr = arr.astype(np.float32)
+    return arr
+
+
+def rel_err(actual: Any, expected: Any) -> float:
+    """Max-norm relative error: max|a - b| / max|b| (0 when both are all zero).
+
+    >>> rel_err([1.0, 2.0], [1.0, 2.5])
+    0.2
+    """
+    a, b = _host(actual).astype(np.float64), _host(expected).astype(np.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"shape mismatch: {a.shape} vs {b.shape}")
+    scale = np.max(np.abs(b)) if b.size else 0.0
+    diff = np.max(np.abs(a - b)) if a.size else 0.0
+    if scale == 0.0:
+        return float(diff)
+    return float(diff / scale)
+
+
+def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float = 0.0, err_msg: str = ""):
+    """Asserts max|a - b| <= atol + rtol * max|b| and reports both errors on failure.
+
+    The relative part is against the max-norm of `expected` (the convention of every jaxsync parity
+    test); NaN never passes.
+    """
+    a, b = _host(actual).astype(np.float64), _host(expected).astype(np.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"{err_msg}: shape mismatch {a.shape} vs {b.shape}")
+    if np.isnan(a).any() or np.isnan(b).any():
+        raise AssertionError(f"{err_msg}: NaN in {'actual' if np.isnan(a).any() else 'expected'}")
+    diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    if diff > atol + rtol * scale:
+        rel = diff / scale if scale else float("inf")
+        raise AssertionError(
+            f"{err_msg}: max abs err {diff:.3e}, max-norm rel err {rel:.3e} "
+            f"(allowed atol={atol:g}, rtol={rtol:g}; scale {scale:.3e})"
+        )
+
+
+def save_torch_state(module_or_state: Any, path: str | Path) -> str:
+    """Saves a torch module's state_dict (or a dict of tensors) as one safetensors file.
+
+    Tied / shared tensors are cloned so safetensors accepts them; non-contiguous ones are made
+    contiguous. Returns the path as a string.
+    """
+    from safetensors.torch import save_file
+
+    state = (
+        module_or_state.state_dict() if hasattr(module_or_state, "state_dict") else module_or_state
+    )
+    seen: dict[int, str] = {}
+    out = {}
+    for key, t in state.items():
+        t = t.detach().cpu()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+        if ptr in seen and ptr != -1:
+            t = t.clone()
+        seen[ptr] = key
+        out[key] = t.contiguous()
+    save_file(out, str(path))
+    return str(path)
+
+
+def torch_available() -> bool:
+    """True when torch and transformers import."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _requires_torch():
+    import pytest
+
+    return pytest.mark.skipif(not torch_available(), reason="torch/transformers not installed")
+
+
+def __getattr__(name: str):
+    if name == "requires_torch":  # built lazily so importing this module does not need pytest
+        return _requires_torch()
+    raise AttributeError(name)
