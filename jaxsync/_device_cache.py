@@ -54,8 +54,8 @@ class DeviceCache:
     [0, 1, 4, 9, 16]
     >>> cache.get("squares", lambda: 1 / 0) is table  # never rebuilt
     True
-    >>> len(cache), cache.nbytes
-    (1, 40)
+    >>> len(cache), cache.nbytes  # 5 int32 (JAX stores int64 as int32 unless x64 is on)
+    (1, 20)
     """
 
     def __init__(self) -> None:

@@ -140,8 +140,8 @@ def sync_guard(mode: Mode = "error") -> Iterator[None]:
     >>> import jax.numpy as jnp
     >>> x = jnp.arange(3)
     >>> with sync_guard():
-    ...     y = x * 2          # dispatch only: fine
-    ...     int(y[0])          # a read: raises
+    ...     y = (x + x).sum()  # dispatch only: fine
+    ...     int(y)             # a read: raises
     Traceback (most recent call last):
     ...
     jaxsync.check._guard.SyncError: host sync inside a jaxsync sync_guard: jax.Array.__int__. ...

@@ -105,8 +105,8 @@ def check_sync_free(
                     outs.append(fn(*c, **kwargs))
         except SyncError as e:
             guard_row = Row("runtime: sync_guard", False, str(e).split(". ")[0])
-        except jax.errors.JaxRuntimeError as e:  # JAX's own transfer guard (GPU/TPU)
-            guard_row = Row("runtime: sync_guard", False, f"transfer guard: {str(e)[:160]}")
+        except Exception as e:  # JAX's own transfer guard (GPU/TPU), or a guard hit in a callback
+            guard_row = Row("runtime: sync_guard", False, f"{type(e).__name__}: {str(e)[:200]}")
     jax.block_until_ready(outs)
     report.rows.append(guard_row)
     report.compiles = log.count
