@@ -6,6 +6,7 @@ Core API:
   Packed                      - a packed upload; index it by field name inside jit.
   bucket                      - pad sizes to buckets so many inputs share one program.
   jit_method                  - jit an NNX module method with its graph split once.
+  precompile                  - compile every bucket of every path ahead of serving.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
 jaxsync.testing, jaxsync.models, jaxsync.kv.
 """
@@ -16,6 +17,7 @@ from jaxsync._device_cache import (
     default_cache as default_cache,
 )
 from jaxsync._jit import JitMethod as JitMethod, jit_method as jit_method
+from jaxsync._precompile import Compiled as Compiled, precompile as precompile
 from jaxsync._transfer import (
     Packed as Packed,
     async_h2d as async_h2d,

@@ -79,7 +79,8 @@ def _print_table(rows: list[dict[str, Any]], backend: str) -> None:
 
         blocked = f"{r['blocked_ms']:.2f} ms" if "blocked_ms" in r else "-"
         print(
-            f"{r['path']:<30} {parity:<28} {v(static):<7} {v(checks.get('runtime: sync_guard')):<6} "
+            f"{r['path']:<30} {parity:<28} {v(static):<7} "
+            f"{v(checks.get('runtime: sync_guard')):<6} "
             f"{v(checks.get('no recompile')):<7} {blocked:>10}  {'yes' if r.get('ok') else 'NO'}"
         )
         if "error" in r:

@@ -67,4 +67,10 @@ def _parity() -> Parity:
 def _build(checkpoint: str | None) -> PathCase:
     if checkpoint is not None:
         raise ValueError("core.table_gather has no checkpoint")
-    return PathCase(table_gather, [([1, 2, 3],), ([7] * 8,), ([96, 0],)], _parity)
+    return PathCase(
+        table_gather,
+        [([1, 2, 3],), ([7] * 8,), ([96, 0],)],
+        _parity,
+        make_inputs=lambda b: (list(range(b)),),
+        buckets=(8, 16, 32),
+    )

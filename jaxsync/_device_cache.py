@@ -43,8 +43,9 @@ class DeviceCache:
     """Lazily built device copies of host constant tables, keyed by (name, placement).
 
     A placement is a `jax.Device` or a `jax.sharding.Sharding`; a table replicated over a mesh
-    (`NamedSharding(mesh, P())`) is one entry. The first `get` builds the host table, makes a private
-    copy and moves it with one explicit `jax.device_put`; later calls return the same array. Concurrent
+    (`NamedSharding(mesh, P())`) is one entry. The first `get` builds the host table, makes a
+    private copy and moves it with one explicit `jax.device_put`; later calls return the same array.
+    Concurrent
     first use from several threads builds once.
 
     >>> import numpy as np

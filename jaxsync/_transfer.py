@@ -1,4 +1,4 @@
-"""Explicit, alias-safe host->device uploads: one array, or many small ones packed into one transfer.
+"""Explicit, alias-safe host->device uploads: one array, or many small ones in one transfer.
 
 `jax.device_put` of a NumPy array is asynchronous and may read (or alias) the host buffer after it
 returns (measured on CPU and H200, see docs/design.md). Every upload here first copies the caller's
@@ -23,8 +23,8 @@ def async_h2d(data: Any, *, dtype: Any = None, placement: Placement = None) -> j
     """Uploads a list or ndarray with one explicit transfer; never an implicit one.
 
     Args:
-      data: host data (list, tuple, scalar or ndarray). A `jax.Array` is rejected: it is already on a
-        device, and converting it would be a device->host read.
+      data: host data (list, tuple, scalar or ndarray). A `jax.Array` is rejected: it is already
+        on a device, and converting it would be a device->host read.
       dtype: optional target dtype (converted on the host).
       placement: device, sharding, or None for the default device.
 

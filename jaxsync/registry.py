@@ -53,12 +53,17 @@ class PathCase:
       parity: zero-argument callable comparing against the PyTorch reference; raises ImportError
         when torch/transformers are missing.
       kwargs: keyword arguments for every call.
+      make_inputs: optional `(bucket) -> argument tuple` giving an input of that bucket, used by
+        `jaxsync.precompile` to compile every bucket ahead of serving.
+      buckets: the buckets `precompile` compiles by default.
     """
 
     fn: Callable[..., Any]
     inputs: Sequence[tuple]
     parity: Callable[[], Parity] | None = None
     kwargs: dict = dataclasses.field(default_factory=dict)
+    make_inputs: Callable[[int], tuple] | None = None
+    buckets: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,7 @@ class BenchCase:
 
     Attributes:
       name: row label (path and size).
-      jax_fn: zero-argument closure that dispatches one forward (rotating inputs) and returns outputs.
+      jax_fn: zero-argument closure that dispatches one forward (rotating inputs), returns outputs.
       torch_fns: label -> zero-argument closure doing the same in torch on the same device.
       bytes_moved: bytes read + written per forward, for bandwidth-bound paths (None otherwise).
     """

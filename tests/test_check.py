@@ -98,7 +98,7 @@ def test_hlo_scan_finds_host_transfers(name):
 
 def test_hlo_text_patterns():
     # TPU callbacks lower to host send/recv; old JAX to outfeed.
-    text = 'a = send(x), is_host_transfer=true\nb = outfeed(y)\nc = add(x, y)'
+    text = "a = send(x), is_host_transfer=true\nb = outfeed(y)\nc = add(x, y)"
     found = check.scan_hlo_text(text, "compiled")
     assert [f.what for f in found] == ["host send/recv", "infeed/outfeed"]
 

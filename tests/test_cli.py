@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxsync import _cli, registry
@@ -124,3 +125,65 @@ def test_pytest_plugin(tmp_path):
     out = proc.stdout
     assert "2 failed, 2 passed, 1 skipped" in out, out
     assert "test_reads" in out and "test_recompiles" in out
+
+
+def test_precompile_then_mixed_stream_does_not_recompile(capsys):
+    import jaxsync
+    from jaxsync._demo import table_gather
+    from jaxsync.check import no_recompile
+
+    done = jaxsync.precompile(["core.table_gather"], buckets=[8, 16, 32, 64])
+    assert [c.bucket for c in done] == [8, 16, 32, 64]
+    assert "precompile [" in capsys.readouterr().err
+    rng = np.random.default_rng(0)
+    with no_recompile():
+        for n in rng.integers(1, 64, size=40):
+            table_gather(rng.integers(0, 97, size=int(n)).tolist())
+
+
+def test_without_precompile_a_new_bucket_recompiles():
+    from jaxsync._demo import table_gather
+    from jaxsync.check import RecompileError, no_recompile
+
+    with pytest.raises(RecompileError), no_recompile():
+        table_gather(list(range(90)))  # bucket 128 was never compiled
+
+
+def test_bench_refuses_without_accelerator(capsys):
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("an accelerator is present")
+    assert _cli.main(["bench"]) == 2
+    assert "numbers would mean nothing" in capsys.readouterr().out
+
+
+def test_bench_markdown_and_chart(tmp_path):
+    from jaxsync.bench._render import markdown, render
+
+    m = {"device_ms": 1.0, "blocked_ms": 0.01, "first_call_ms": 100.0}
+    result = {
+        "environment": {
+            "date": "d",
+            "device": "X",
+            "jax": "j",
+            "torch": "t",
+            "transformers": "h",
+            "python": "3",
+        },
+        "copy_ceiling_gbps": {"jax": 4000.0, "torch": 4100.0},
+        "rows": [
+            {
+                "family": "kv",
+                "size": "tiny",
+                "name": "copy 64",
+                "bytes_moved": 10,
+                "jaxsync": dict(m, gbps=3500.0),
+                "vllm post-PR": dict(m, device_ms=4.0, kernels=3),
+            }
+        ],
+    }
+    text = markdown(result)
+    assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) |" in text
+    render(result, tmp_path)
+    assert (tmp_path / "bench.md").exists()

@@ -17,7 +17,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, ROOT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            out,
+            ROOT,
+        ],
         check=True,
         capture_output=True,
         timeout=300,

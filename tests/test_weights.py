@@ -41,7 +41,9 @@ def _torch_like_state(rng, dtype=np.float32):
     for i in range(2):
         state[f"model.layers.{i}.fc.weight"] = rng.standard_normal((7, 5))  # torch [out, in]
         state[f"model.layers.{i}.fc.bias"] = rng.standard_normal(7)
-        state[f"model.layers.{i}.conv.weight"] = rng.standard_normal((11, 3, 3, 2))  # [O, I, kh, kw]
+        state[f"model.layers.{i}.conv.weight"] = rng.standard_normal(
+            (11, 3, 3, 2)
+        )  # [O, I, kh, kw]
         state[f"model.layers.{i}.conv.bias"] = rng.standard_normal(11)
     state["lm_head.weight"] = rng.standard_normal((3, 3))  # belongs to another module
     return {k: v.astype(dtype) for k, v in state.items()}
@@ -57,7 +59,9 @@ def test_loads_and_transforms(tmp_path):
     state = _torch_like_state(np.random.default_rng(0))
     save_file(state, tmp_path / "model.safetensors")
     net = _load(tmp_path / "model.safetensors")
-    np.testing.assert_array_equal(net.blocks[1].proj.kernel[...], state["model.layers.1.fc.weight"].T)
+    np.testing.assert_array_equal(
+        net.blocks[1].proj.kernel[...], state["model.layers.1.fc.weight"].T
+    )
     np.testing.assert_array_equal(
         net.blocks[0].conv.kernel[...], state["model.layers.0.conv.weight"].transpose(2, 3, 1, 0)
     )
@@ -113,10 +117,16 @@ def test_sharding_per_parameter(tmp_path):
     "mutate, message",
     [
         (lambda s: s.update({"model.layers.0.extra": s["model.scale"]}), "matches no mapping rule"),
-        (lambda s: s.pop("model.layers.1.conv.bias"), r"not in the checkpoint: \['blocks.1.conv.bias'\]"),
+        (
+            lambda s: s.pop("model.layers.1.conv.bias"),
+            r"not in the checkpoint: \['blocks.1.conv.bias'\]",
+        ),
         (lambda s: s.update({"model.scale": np.zeros(12, np.float32)}), r"shape \(12,\)"),
         (lambda s: s.update({"model.scale": np.zeros(13, np.int32)}), "dtype int32"),
-        (lambda s: s.update({"model.layers.7.fc.bias": s["model.scale"]}), "not a module parameter"),
+        (
+            lambda s: s.update({"model.layers.7.fc.bias": s["model.scale"]}),
+            "not a module parameter",
+        ),
     ],
     ids=["unknown-key", "missing-param", "shape", "dtype", "bad-target"],
 )
@@ -134,7 +144,9 @@ def test_two_keys_one_target_and_missing_file(tmp_path):
     save_file(state, tmp_path / "m.safetensors")
     rules = [*RULES, Rule("alias", "scale")]
     with pytest.raises(WeightError, match="both map to 'scale'"):
-        weights.load_weights(_Net, tmp_path / "m.safetensors", rules, select=r"model\.", strip="model.")
+        weights.load_weights(
+            _Net, tmp_path / "m.safetensors", rules, select=r"model\.", strip="model."
+        )
     with pytest.raises(WeightError, match="does not exist"):
         _load(tmp_path / "nope.safetensors")
     with pytest.raises(WeightError, match="no \\*.safetensors"):
@@ -157,5 +169,7 @@ def test_factory_is_not_materialised(tmp_path, monkeypatch):
         seen.append(type(net.scale.get_value()).__name__)
         return net
 
-    weights.load_weights(factory, tmp_path / "m.safetensors", RULES, select=r"model\.", strip="model.")
+    weights.load_weights(
+        factory, tmp_path / "m.safetensors", RULES, select=r"model\.", strip="model."
+    )
     assert seen == ["DynamicJaxprTracer"]  # traced abstractly, never a concrete array

@@ -19,7 +19,7 @@ CALLBACK_PRIMITIVES = frozenset(
 _HOST_IO_PRIMITIVES = frozenset({"infeed", "outfeed"})
 
 # HLO text patterns of host transfers: python-callback custom calls of every backend (CPU, GPU,
-# partitioned and legacy variants, buffer callbacks), host send/recv (TPU callbacks) and infeed/outfeed.
+# partitioned and legacy variants, buffer callbacks), host send/recv (TPU callbacks), in/outfeed.
 _HLO_PATTERNS = (
     ("python callback custom call", re.compile(r"custom_call.*(callback|python)", re.IGNORECASE)),
     ("host send/recv", re.compile(r"is_host_transfer\s*=\s*true", re.IGNORECASE)),
@@ -94,7 +94,8 @@ def _source(eqn: Any) -> str:
 def scan_jaxpr(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Finding]:
     """Traces `fn` and reports every host-callback primitive, however deeply nested.
 
-    Host values among the arguments (lists, ints, numpy arrays) stay static; device arrays are traced.
+    Host values among the arguments (lists, ints, numpy arrays) stay static; device arrays are
+    traced.
     A device->host read inside `fn` fails tracing and is reported as a finding too.
 
     >>> import jax, jax.numpy as jnp

@@ -1,7 +1,8 @@
 """Strict loading of Hugging Face safetensors checkpoints into NNX modules.
 
-The module is built abstractly (`nnx.eval_shape`, nothing allocated), every checkpoint tensor is read
-on the host CPU device, mapped through the rules, checked, and placed once; then the module is merged.
+The module is built abstractly (`nnx.eval_shape`, nothing allocated), every checkpoint tensor is
+read on the host CPU device, mapped through the rules, checked, and placed once; then the module is
+merged.
 """
 
 from __future__ import annotations

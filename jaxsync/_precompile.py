@@ -1,0 +1,81 @@
+"""Ahead-of-serving compilation of every bucket of every chosen path, with progress.
+
+JAX compiles on first call; a server that has not warmed up pays it on a live request. `precompile`
+runs each path once per bucket so later calls hit the in-memory cache. If the user configured JAX's
+persistent compilation cache (`jax_compilation_cache_dir`), compiled programs are also written there
+and reused by the next process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One precompiled (path, bucket) and how long its first call took."""
+
+    path: str
+    bucket: int | None
+    seconds: float
+
+
+def _items(paths: Sequence[str] | None, buckets: Sequence[int] | None):
+    from jaxsync import registry
+
+    items = []
+    for spec in registry.paths(paths):
+        case = spec.build(None)
+        chosen = tuple(buckets) if buckets else case.buckets
+        if case.make_inputs is not None and chosen:
+            for b in chosen:
+                items.append((spec.name, b, case.fn, case.make_inputs(b), case.kwargs))
+        else:
+            for args in case.inputs[:1]:
+                items.append((spec.name, None, case.fn, args, case.kwargs))
+    return items
+
+
+def precompile(
+    paths: Sequence[str] | None = None,
+    buckets: Sequence[int] | None = None,
+    *,
+    progress: bool = True,
+) -> list[Compiled]:
+    """Compiles every bucket of every chosen path (all registered paths by default).
+
+    Args:
+      paths: path names or families; None for all.
+      buckets: bucket sizes to compile for paths that can make inputs per bucket; None uses each
+        path's own default buckets.
+      progress: print a progress bar to stderr.
+
+    Returns:
+      One record per compiled (path, bucket).
+    """
+    items = _items(paths, buckets)
+    done: list[Compiled] = []
+    total = len(items)
+    if jax.config.jax_compilation_cache_dir and progress:
+        print(
+            f"persistent compilation cache: {jax.config.jax_compilation_cache_dir}", file=sys.stderr
+        )
+    for i, (name, b, fn, args, kwargs) in enumerate(items, 1):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args, **kwargs))
+        done.append(Compiled(name, b, time.perf_counter() - t0))
+        if progress:
+            filled = int(30 * i / total)
+            label = f"{name}" + (f" bucket={b}" if b is not None else "")
+            print(
+                f"\rprecompile [{'#' * filled}{'.' * (30 - filled)}] {i}/{total} {label:<40}",
+                end="" if i < total else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
+    return done

@@ -1,0 +1,108 @@
+"""`jaxsync bench`: every registered bench case, jaxsync vs its PyTorch baselines, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+REFERENCE_LABELS = ("vllm post-PR", "transformers eager")  # the chart's baseline, first present
+
+
+def _environment() -> dict[str, Any]:
+    import jax
+    import torch
+
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "torch_device": torch.cuda.get_device_name(0),
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "transformers": tf,
+        "python": platform.python_version(),
+    }
+
+
+def _accelerator_or_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not importable: the PyTorch baselines cannot run"
+    import jax
+
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        return f"no GPU for JAX (backend {jax.default_backend()!r}): numbers would mean nothing"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device: the baselines cannot run on the same device"
+    return None
+
+
+def bench(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="jaxsync bench", description=__doc__)
+    ap.add_argument("--paths", nargs="*", help="families or path names (default: all)")
+    ap.add_argument(
+        "--sizes", nargs="*", default=["released"], help="size presets (tiny, released)"
+    )
+    ap.add_argument("--repeat", type=int, default=5, help="timed repeats per row (median)")
+    ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
+    args = ap.parse_args(argv)
+
+    reason = _accelerator_or_reason()
+    if reason:
+        print(f"jaxsync bench: {reason}")
+        return 2
+
+    import jax
+
+    from jaxsync import registry
+    from jaxsync.bench._render import render
+    from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure, torch_kernels_per_call
+
+    jax.config.update("jax_default_matmul_precision", "default")  # serving precision
+    env = _environment()
+    jax_side, torch_side = _Side("jax"), _Side("torch")
+    ceilings = {"jax": copy_ceiling_gbps("jax"), "torch": copy_ceiling_gbps("torch")}
+    rows = []
+    for family, build in registry.benches(args.paths).items():
+        for size in args.sizes:
+            try:
+                cases = build("cuda", size)
+            except Exception as e:
+                rows.append({"family": family, "size": size, "error": f"build failed: {e!r}"})
+                continue
+            for case in cases:
+                row: dict[str, Any] = {"family": family, "size": size, "name": case.name}
+                try:
+                    row["jaxsync"] = measure(case.jax_fn, jax_side, repeat=args.repeat)
+                    for label, fn in case.torch_fns.items():
+                        row[label] = measure(fn, torch_side, repeat=args.repeat)
+                        row[label]["kernels"] = torch_kernels_per_call(fn)
+                    if case.bytes_moved:
+                        row["bytes_moved"] = case.bytes_moved
+                        for label in ["jaxsync", *case.torch_fns]:
+                            ms = row[label]["device_ms"]
+                            row[label]["gbps"] = (
+                                case.bytes_moved / (ms * 1e-3) / 1e9 if ms else None
+                            )
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+                print(f"  measured {case.name}", flush=True)
+    result = {"environment": env, "copy_ceiling_gbps": ceilings, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
+    render(result, out)
+    return 0 if rows and not any("error" in r for r in rows) else 1

@@ -1,0 +1,100 @@
+"""Terminal table, markdown table and PNG chart of a `jaxsync bench` result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _baseline(row: dict[str, Any]) -> str | None:
+    from jaxsync.bench._cli import REFERENCE_LABELS
+
+    return next((label for label in REFERENCE_LABELS if label in row), None)
+
+
+def _labels(row: dict[str, Any]) -> list[str]:
+    skip = {"family", "size", "name", "bytes_moved", "error"}
+    return [k for k in row if k not in skip]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    ceil = result["copy_ceiling_gbps"]
+    lines = [
+        f"{env['date']} · {env['device']} · jax {env['jax']} · torch {env['torch']} · "
+        f"transformers {env['transformers']} · Python {env['python']}",
+        f"device-to-device copy ceiling: JAX {ceil['jax']:.0f} GB/s, "
+        f"torch {ceil['torch']:.0f} GB/s",
+        "",
+        "| case | impl | device ms/fwd | host-blocked ms | first call ms | torch kernels "
+        "| GB/s (% ceiling) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(
+                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} | | | | |"
+            )
+            continue
+        for label in _labels(row):
+            m = row[label]
+            gbps = ""
+            if m.get("gbps"):
+                c = ceil["jax" if label == "jaxsync" else "torch"]
+                gbps = f"{m['gbps']:.0f} ({100 * m['gbps'] / c:.0f}%)"
+            kernels = "" if m.get("kernels") is None else str(m["kernels"])
+            lines.append(
+                f"| {row['name']} | {label} | {m['device_ms']:.3f} | {m['blocked_ms']:.3f} | "
+                f"{m['first_call_ms']:.0f} | {kernels} | {gbps} |"
+            )
+    return "\n".join(lines)
+
+
+def render(result: dict[str, Any], out: Path) -> None:
+    text = markdown(result)
+    (out / "bench.md").write_text(text + "\n")
+    try:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(text))
+    except ImportError:
+        print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    rows = [r for r in result["rows"] if "error" not in r and _baseline(r)]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(14, max(3, 0.45 * len(rows) + 1.5)))
+    names = [r["name"] for r in rows]
+    for ax, metric, title in (
+        (axes[0], "device_ms", "device time / forward, ratio to baseline (lower is better)"),
+        (axes[1], "blocked_ms", "host-blocked time, ratio to baseline (lower is better)"),
+    ):
+        labels = sorted({lab for r in rows for lab in _labels(r)})
+        height = 0.8 / len(labels)
+        for i, label in enumerate(labels):
+            vals = []
+            for r in rows:
+                base = r[_baseline(r)][metric]
+                v = r.get(label, {}).get(metric)
+                vals.append(v / base if v is not None and base > 0 else float("nan"))
+            ax.barh([j + i * height for j in range(len(rows))], vals, height, label=label)
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_yticks([j + 0.4 - height / 2 for j in range(len(rows))], names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8)
+    env = result["environment"]
+    fig.suptitle(
+        f"jaxsync bench · {env['device']} · jax {env['jax']} · torch {env['torch']}", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=110)

@@ -1,0 +1,153 @@
+"""Timing that means the same thing for JAX and PyTorch on one accelerator.
+
+- device time per forward: queue a known amount of busy work first, then dispatch `k` forwards,
+  wait, and subtract the busy time. The device never idles waiting for the host, so this is device
+  time even when dispatch is slow (the forwards queue up behind the busy work and run after it).
+- host-blocked time: queue ~30 ms of busy work, then time how long one forward takes to return.
+- first call: wall time of the first call, compile included.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class _Side:
+    """Busy work and synchronisation for one framework."""
+
+    def __init__(self, framework: str):
+        self.framework = framework
+        if framework == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            from jaxsync.check._probe import _calibrated_steps, _spin
+
+            self._x, self._steps = _calibrated_steps(jax.devices()[0], 30.0)
+            self._n = jax.device_put(self._steps, jax.devices()[0])
+            self._spin = lambda: _spin(self._x, self._n)
+            self._sync = jax.block_until_ready
+            self._jnp = jnp
+        else:
+            import torch
+
+            x = torch.full((1024, 1024), 0.5, device="cuda")
+            self._x = x
+            self._steps = self._calibrate_torch()
+            self._spin = self._torch_spin
+            self._sync = lambda _=None: torch.cuda.synchronize()
+
+    def _torch_spin(self, steps: int | None = None):
+        import torch
+
+        y = self._x
+        for _ in range(steps or self._steps):
+            y = torch.tanh(y @ y * 0.001 + 0.5)
+        return y
+
+    def _calibrate_torch(self) -> int:
+        import torch
+
+        steps = 4
+        self._torch_spin(steps)
+        while True:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self._torch_spin(steps)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+            if ms > 8 or steps > 1 << 16:
+                return max(1, int(steps * 30.0 / ms))
+            steps *= 2
+
+    def busy_ms(self) -> float:
+        self._sync(None)
+        t0 = time.perf_counter()
+        self._sync(self._spin())
+        return (time.perf_counter() - t0) * 1e3
+
+    def spin(self) -> Any:
+        return self._spin()
+
+    def sync(self, out: Any = None) -> None:
+        self._sync(out)
+
+
+def measure(
+    fn: Callable[[], Any], side: _Side, *, repeat: int = 5, k: int = 10
+) -> dict[str, float]:
+    """First-call time, device time per forward, and host-blocked time for a zero-arg closure."""
+    t0 = time.perf_counter()
+    side.sync(fn())
+    first_ms = (time.perf_counter() - t0) * 1e3
+    side.sync(fn())
+
+    device, blocked = [], []
+    for _ in range(repeat):
+        busy = side.busy_ms()
+        side.sync()
+        t0 = time.perf_counter()
+        side.spin()
+        outs = [fn() for _ in range(k)]
+        side.sync(outs)
+        device.append(max((time.perf_counter() - t0) * 1e3 - busy, 0.0) / k)
+
+        side.sync()
+        side.spin()
+        t1 = time.perf_counter()
+        out = fn()
+        blocked.append((time.perf_counter() - t1) * 1e3)
+        side.sync(out)
+    return {
+        "first_call_ms": first_ms,
+        "device_ms": statistics.median(device),
+        "blocked_ms": statistics.median(blocked),
+    }
+
+
+def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), measured now."""
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+        copy = jax.jit(lambda a: a + jnp.bfloat16(0))  # a full read + write pass
+        jax.block_until_ready(copy(x))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready([copy(x) for _ in range(5)])
+            times.append((time.perf_counter() - t0) / 5)
+        return 2 * nbytes / min(times) / 1e9
+    import torch
+
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / 5)
+    return 2 * nbytes / min(times) / 1e9
+
+
+def torch_kernels_per_call(fn: Callable[[], Any]) -> int | None:
+    """Number of device kernels one call of a torch closure launches (torch profiler)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
