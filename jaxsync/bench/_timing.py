@@ -24,11 +24,9 @@ class _Side:
             import jax
             import jax.numpy as jnp
 
-            from jaxsync.check._probe import _calibrated_steps, _spin
+            from jaxsync.check._probe import spin_for
 
-            self._x, self._steps = _calibrated_steps(jax.devices()[0], 30.0)
-            self._n = jax.device_put(self._steps, jax.devices()[0])
-            self._spin = lambda: _spin(self._x, self._n)
+            self._spin = spin_for(jax.devices()[0], 30.0).run
             self._sync = jax.block_until_ready
             self._jnp = jnp
         else:

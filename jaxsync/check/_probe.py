@@ -42,44 +42,82 @@ class BlockingReport:
         )
 
 
-@functools.partial(jax.jit, static_argnums=())
-def _spin(x: jax.Array, steps: jax.Array) -> jax.Array:
-    # A dependent chain of small matmuls: runs `steps` iterations, cannot be optimised away.
+@jax.jit
+def _spin_loop(x: jax.Array, steps: jax.Array) -> jax.Array:
+    # CPU: a dependent chain of small matmuls with a dynamic trip count (one compile).
     def body(_, y):
         return jnp.tanh(y @ y * 0.01 + 0.5)
 
     return jax.lax.fori_loop(0, steps, body, x)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _spin_unrolled(x: jax.Array, steps: int) -> jax.Array:
+    # GPU/TPU: the chain is unrolled. A while loop with a dynamic trip count is driven from the
+    # host there (the predicate is read back every iteration), so it is not queued ahead at
+    # dispatch and later work could slip in between its iterations.
+    for _ in range(steps):
+        x = jnp.tanh(x @ x * 0.01 + 0.5)
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Spin:
+    """Calibrated busy work on one device: `run()` queues about `target_ms` of device time."""
+
+    x: jax.Array
+    steps: Any  # a device scalar (CPU loop) or a static int (unrolled chain)
+    unrolled: bool
+    target_ms: float
+
+    def run(self) -> jax.Array:
+        if self.unrolled:
+            return _spin_unrolled(self.x, self.steps)
+        return _spin_loop(self.x, self.steps)
+
+    def time_ms(self) -> float:
+        t0 = time.perf_counter()
+        self.run().block_until_ready()
+        return (time.perf_counter() - t0) * 1e3
+
+
+_spins: dict[Any, Spin] = {}
+
+
 @jax.jit
 def _gate(token: jax.Array, leaf: jax.Array) -> jax.Array:
-    # optimization_barrier ties `leaf` to `token`: the result is ready only after the spin.
-    return jax.lax.optimization_barrier((token, leaf))[1]
+    # optimization_barrier ties `leaf` to `token`: the result is ready only after the spin. The
+    # `+ 0` keeps XLA from forwarding the input buffer unchanged (which would drop the dependency).
+    token, leaf = jax.lax.optimization_barrier((token, leaf))
+    return leaf + jnp.zeros((), leaf.dtype) if leaf.dtype != jnp.bool_ else leaf | False
 
 
-_calibration: dict[Any, int] = {}
-
-
-def _time_spin(x: jax.Array, steps: int) -> float:
-    n = jax.device_put(steps, x.sharding)
-    t0 = time.perf_counter()
-    _spin(x, n).block_until_ready()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _calibrated_steps(device: jax.Device, queue_ms: float) -> tuple[jax.Array, int]:
-    x = jax.device_put(jnp.full((256, 256), 0.5, jnp.float32), device)
+def spin_for(device: jax.Device, queue_ms: float) -> Spin:
+    """A calibrated `Spin` of about `queue_ms` on `device` (cached per device and length)."""
     key = (device, queue_ms)
-    if key not in _calibration:
+    if key in _spins:
+        return _spins[key]
+    if device.platform == "cpu":
+        x = jax.device_put(jnp.full((256, 256), 0.5, jnp.float32), device)
         steps = 16
-        _time_spin(x, steps)  # compile
         while True:
-            ms = _time_spin(x, steps)
+            spin = Spin(x, jax.device_put(steps, device), False, queue_ms)
+            spin.time_ms()  # compile / warm
+            ms = spin.time_ms()
             if ms >= queue_ms / 4 or steps > 1 << 24:
                 break
             steps *= 4
-        _calibration[key] = max(1, int(steps * queue_ms / max(ms, 1e-3)))
-    return x, _calibration[key]
+        steps = max(1, int(steps * queue_ms / max(ms, 1e-3)))
+        spin = Spin(x, jax.device_put(steps, device), False, queue_ms)
+    else:
+        x = jax.device_put(jnp.full((4096, 4096), 0.5, jnp.float32), device)
+        probe = Spin(x, 2, True, queue_ms)
+        probe.time_ms()
+        per_step = probe.time_ms() / 2
+        spin = Spin(x, max(1, round(queue_ms / max(per_step, 1e-3))), True, queue_ms)
+    spin.time_ms()  # compile the final length outside any measurement
+    _spins[key] = spin
+    return spin
 
 
 def _token_for(leaf: jax.Array, token: jax.Array) -> jax.Array | None:
@@ -110,14 +148,13 @@ def measure_blocking(
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
     device = arrays[0].sharding._device_assignment[0] if arrays else jax.devices()[0]
-    x, steps = _calibrated_steps(device, queue_ms)
-    n = jax.device_put(steps, device)
-    _gate(x[0, 0], x[0, 0]).block_until_ready()  # compile the gate for the token shape
+    spin = spin_for(device, queue_ms)
+    _gate(spin.x[0, 0], spin.x[0, 0]).block_until_ready()  # compile the gate for the token shape
 
     blocked, queued, gated = [], [], 0
     for _ in range(repeats):
-        queued.append(_time_spin(x, steps))
-        busy = _spin(x, n)
+        queued.append(spin.time_ms())
+        busy = spin.run()
         token = busy[0, 0]
         new_leaves, gated = [], 0
         for leaf in leaves:
