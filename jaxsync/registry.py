@@ -12,7 +12,10 @@ from typing import Any
 
 
 # Modules whose import registers paths. A missing one is an error: the package is incomplete.
-PATH_MODULES: tuple[str, ...] = ("jaxsync._demo",)
+PATH_MODULES: tuple[str, ...] = (
+    "jaxsync._demo",
+    "jaxsync.models.chameleon._verify",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,276 @@
+"""Chameleon configuration for the image-token paths (VQ-VAE tokenizer, logit mask, merge).
+
+Only the fields these paths read are modelled. `from_hf_config` is strict: a VQ-VAE field that
+changes the tokenizer's behaviour and that we do not implement raises, and so does any key it
+does not know. The text decoder is not part of these paths; its architecture fields are accepted
+and ignored (listed in `_DECODER_FIELDS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+# Generic `PreTrainedConfig` bookkeeping keys: they never change a model's computation.
+_GENERIC_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "chunk_size_feed_forward",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+        "is_encoder_decoder",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+        "use_cache",
+        "initializer_range",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "tie_word_embeddings",
+    }
+)
+# Text-decoder architecture: outside the image-token paths, so any value is accepted.
+_DECODER_FIELDS = frozenset(
+    {
+        "attention_bias",
+        "attention_dropout",
+        "hidden_act",
+        "intermediate_size",
+        "max_position_embeddings",
+        "mlp_bias",
+        "model_parallel_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_parameters",
+        "rope_theta",
+        "rope_scaling",
+        "swin_norm",
+    }
+)
+_VQ_FIELDS = frozenset(
+    {
+        "embed_dim",
+        "num_embeddings",
+        "double_latent",
+        "latent_channels",
+        "resolution",
+        "in_channels",
+        "base_channels",
+        "channel_multiplier",
+        "num_res_blocks",
+        "attn_resolutions",
+        "dropout",
+        "attn_type",
+    }
+)
+GROUP_NORM_GROUPS = 32
+"""Every GroupNorm of the Chameleon VQ encoder uses 32 groups (fixed in the architecture)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChameleonVQConfig:
+    """The Chameleon VQ-VAE encoder + quantizer (defaults = released `facebook/chameleon-7b`).
+
+    Attributes:
+      embed_dim: codebook vector size (output channels of `quant_conv`).
+      num_embeddings: codebook size (number of VQ codes).
+      latent_channels: encoder output channels (input channels of `quant_conv`).
+      resolution: input image height and width in pixels.
+      in_channels: image channels.
+      base_channels: channels of the first level; level i has `base_channels * multiplier[i]`.
+      channel_multiplier: one multiplier per level; every level but the last halves the grid.
+      num_res_blocks: residual blocks per level.
+      attn_resolutions: grid sizes at which each residual block of a level is followed by a
+        self-attention block (empty: none; the mid block always has one).
+    """
+
+    embed_dim: int = 256
+    num_embeddings: int = 8192
+    latent_channels: int = 256
+    resolution: int = 512
+    in_channels: int = 3
+    base_channels: int = 128
+    channel_multiplier: tuple[int, ...] = (1, 1, 2, 2, 4)
+    num_res_blocks: int = 2
+    attn_resolutions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        ints = ("embed_dim", "num_embeddings", "latent_channels", "resolution", "in_channels")
+        for name in (*ints, "base_channels", "num_res_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"ChameleonVQConfig.{name} must be >= 1, got {getattr(self, name)}"
+                )
+        if not self.channel_multiplier or min(self.channel_multiplier) < 1:
+            raise ValueError(
+                f"channel_multiplier must be non-empty and >= 1: {self.channel_multiplier}"
+            )
+        for width in self.level_channels:
+            if width % GROUP_NORM_GROUPS:
+                raise ValueError(
+                    f"every level's channel count must be divisible by {GROUP_NORM_GROUPS} "
+                    f"(GroupNorm groups); got {self.level_channels}"
+                )
+        if self.latent_grid < 1:
+            raise ValueError(
+                f"resolution {self.resolution} is too small for {self.num_levels} levels"
+            )
+
+    @property
+    def num_levels(self) -> int:
+        """Number of encoder levels."""
+        return len(self.channel_multiplier)
+
+    @property
+    def level_channels(self) -> tuple[int, ...]:
+        """Output channels of each level."""
+        return tuple(self.base_channels * m for m in self.channel_multiplier)
+
+    @property
+    def level_resolutions(self) -> tuple[int, ...]:
+        """Grid size at each level (the stride-2 downsample with (0, 1) padding floors r / 2)."""
+        res = [self.resolution]
+        for _ in range(self.num_levels - 1):
+            res.append(res[-1] // 2)
+        return tuple(res)
+
+    @property
+    def latent_grid(self) -> int:
+        """Height (= width) of the latent grid."""
+        return self.level_resolutions[-1]
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Image tokens per image (1024 for the released model)."""
+        return self.latent_grid**2
+
+    @classmethod
+    def from_hf_config(cls, vq: Mapping[str, Any]) -> ChameleonVQConfig:
+        """Builds the config from a HF `ChameleonVQVAEConfig` dict, rejecting what we don't run.
+
+        Raises:
+          ValueError: `double_latent=True`, `attn_type != "vanilla"`, or an unknown key.
+        """
+        vq = dict(vq)
+        unknown = set(vq) - _VQ_FIELDS - _GENERIC_FIELDS
+        if unknown:
+            raise ValueError(f"unsupported Chameleon vq_config fields: {sorted(unknown)}")
+        if vq.get("double_latent", False):
+            raise ValueError(
+                "vq_config.double_latent=True is not supported (HF cannot run it either)"
+            )
+        if vq.get("attn_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"vq_config.attn_type={vq['attn_type']!r} is not supported (only 'vanilla')"
+            )
+        # dropout is inactive at inference (the VQ model is frozen and in eval mode), so any value
+        # computes the same tokens.
+        kwargs = {
+            k: vq[k] for k in _VQ_FIELDS - {"double_latent", "attn_type", "dropout"} if k in vq
+        }
+        if "channel_multiplier" in kwargs:
+            kwargs["channel_multiplier"] = tuple(kwargs["channel_multiplier"])
+        kwargs["attn_resolutions"] = tuple(kwargs.get("attn_resolutions") or ())
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChameleonConfig:
+    """What the Chameleon image-token paths need from a `ChameleonConfig`.
+
+    Attributes:
+      vocab_size: text vocabulary size (logits width).
+      hidden_size: model width (embedding size).
+      vocabulary_map: tokenizer token -> id map (holds the `IMGIMG*` image tokens and `<image>`).
+      vq: the VQ-VAE image tokenizer.
+    """
+
+    vocab_size: int = 65536
+    hidden_size: int = 4096
+    vocabulary_map: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    vq: ChameleonVQConfig = dataclasses.field(default_factory=ChameleonVQConfig)
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or self.hidden_size < 1:
+            raise ValueError("vocab_size and hidden_size must be >= 1")
+        bad = {k: v for k, v in self.vocabulary_map.items() if not 0 <= int(v) < self.vocab_size}
+        if bad:
+            raise ValueError(f"vocabulary_map ids outside [0, {self.vocab_size}): {_head(bad)}")
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The `<image>` placeholder id (None if the map has none)."""
+        return self.vocabulary_map.get("<image>")
+
+    @classmethod
+    def from_hf_config(cls, hf_cfg: Any) -> ChameleonConfig:
+        """Builds the config from a HF Chameleon config.
+
+        Args:
+          hf_cfg: a dict, a path to `config.json` (or its directory), or an object with
+            `to_dict()` (e.g. `transformers.ChameleonConfig`).
+
+        Raises:
+          ValueError: unknown or unsupported fields, or an inconsistent `image_token_id`.
+        """
+        if isinstance(hf_cfg, str | os.PathLike):
+            path = os.fspath(hf_cfg)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                hf_cfg = json.load(f)
+        elif not isinstance(hf_cfg, Mapping):
+            hf_cfg = hf_cfg.to_dict()
+        d = dict(hf_cfg)
+        if d.get("model_type", "chameleon") != "chameleon":
+            raise ValueError(f"not a Chameleon config: model_type={d['model_type']!r}")
+        known = (
+            _GENERIC_FIELDS
+            | _DECODER_FIELDS
+            | {
+                "vocab_size",
+                "hidden_size",
+                "vocabulary_map",
+                "vq_config",
+                "image_token_id",
+            }
+        )
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unsupported Chameleon config fields: {sorted(unknown)}")
+        vocab_map = {str(k): int(v) for k, v in (d.get("vocabulary_map") or {}).items()}
+        vq = d.get("vq_config") or {}
+        if not isinstance(vq, Mapping):
+            vq = vq.to_dict()
+        cfg = cls(
+            vocab_size=int(d.get("vocab_size", 65536)),
+            hidden_size=int(d.get("hidden_size", 4096)),
+            vocabulary_map=vocab_map,
+            vq=ChameleonVQConfig.from_hf_config(vq),
+        )
+        given = d.get("image_token_id")
+        if given is not None and given != cfg.image_token_id:
+            raise ValueError(
+                f"image_token_id={given} disagrees with "
+                f"vocabulary_map['<image>']={cfg.image_token_id}"
+            )
+        return cfg
+
+
+def _head(d: Mapping[Any, Any], n: int = 5) -> str:
+    items = list(d.items())
+    more = f" ... ({len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(f"{k!r}: {v!r}" for k, v in items[:n]) + more

@@ -1,0 +1,114 @@
+# ruff: noqa: F722 - jaxtyping shape strings are not forward references
+"""Image-token logit mask: every `IMGIMG` id gets `finfo(dtype).min`, so text decoding never emits
+raw image tokens (the begin/end-image specials are not masked).
+
+vLLM pre-PR indexed with a Python list (a host-built index and a blocking upload per call);
+post-PR caches the index per device and uses `index_fill_`. Here the ids are a `DeviceCache`
+constant and the fill is one `.at[..., ids].set` inside jit, in place when the caller donates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+import jaxsync
+import jaxsync.check
+from jaxsync.models.chameleon._vocab import ImageVocabularyMapping
+
+
+def _fill(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    # ids are sorted, unique and validated in range on the host (from shape metadata).
+    return logits.at[..., ids].set(
+        jnp.finfo(logits.dtype).min,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode="promise_in_bounds",
+    )
+
+
+_mask = jax.jit(_fill)
+_mask_donated = jax.jit(_fill, donate_argnums=0)
+
+
+@jax.jit
+def _logits_masked(hidden: jax.Array, weight: jax.Array, ids: jax.Array) -> jax.Array:
+    logits = jnp.einsum("...d,vd->...v", hidden, weight)  # [..., V]
+    return _fill(logits, ids)
+
+
+def table_placement(x: jax.Array) -> jax.Device | jax.sharding.Sharding | None:
+    """Where a constant table used together with `x` should live (None while tracing)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    sharding = x.sharding
+    if len(sharding.device_set) == 1:
+        return next(iter(sharding.device_set))
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def _check_logits(logits: jax.Array, mapping: ImageVocabularyMapping) -> None:
+    if not isinstance(logits, jax.Array):
+        raise TypeError(f"logits must be a jax.Array on a device, got {type(logits).__name__}")
+    if logits.ndim not in (2, 3):
+        raise ValueError(f"logits must be 2-D [T, V] or 3-D [B, T, V], got shape {logits.shape}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if logits.shape[-1] <= mapping.max_image_id:
+        raise ValueError(
+            f"logits vocab {logits.shape[-1]} does not cover the largest image token id "
+            f"{mapping.max_image_id}"
+        )
+
+
+@jaxsync.check.entry_point
+def mask_image_logits(
+    logits: Float[Array, "*B T V"], mapping: ImageVocabularyMapping, *, donate: bool = False
+) -> Float[Array, "*B T V"]:
+    """Sets every image-token column of `logits` to `finfo(logits.dtype).min`.
+
+    Args:
+      logits: `[T, V]` or `[B, T, V]` device logits.
+      mapping: the image vocabulary.
+      donate: donate `logits` so the fill happens in place (the input is then deleted).
+
+    Raises:
+      TypeError / ValueError: host logits, wrong rank, non-float dtype, or `V` not above the
+        largest image id (checked from shape metadata before dispatch).
+    """
+    _check_logits(logits, mapping)
+    ids = mapping.image_token_ids_on(table_placement(logits))
+    return (_mask_donated if donate else _mask)(logits, ids)
+
+
+@jaxsync.check.entry_point
+def compute_logits(
+    hidden: Float[Array, "*B T D"],
+    lm_head_weight: Float[Array, "V D"],
+    mapping: ImageVocabularyMapping,
+) -> Float[Array, "*B T V"]:
+    """`hidden @ lm_head_weight.T` with the image tokens masked, in one jitted program.
+
+    Args:
+      hidden: `[T, D]` or `[B, T, D]` final hidden states.
+      lm_head_weight: `[V, D]` (the torch `lm_head.weight` layout).
+      mapping: the image vocabulary.
+    """
+    if hidden.ndim not in (2, 3):
+        raise ValueError(f"hidden must be [T, D] or [B, T, D], got shape {hidden.shape}")
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [V, {hidden.shape[-1]}], got shape {lm_head_weight.shape}"
+        )
+    if hidden.dtype != lm_head_weight.dtype:
+        raise ValueError(f"dtype mismatch: hidden {hidden.dtype}, lm_head {lm_head_weight.dtype}")
+    if lm_head_weight.shape[0] <= mapping.max_image_id:
+        raise ValueError(
+            f"lm_head vocab {lm_head_weight.shape[0]} does not cover the largest image token id "
+            f"{mapping.max_image_id}"
+        )
+    ids = mapping.image_token_ids_on(table_placement(hidden))
+    return _logits_masked(hidden, lm_head_weight, ids)

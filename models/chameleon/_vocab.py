@@ -1,0 +1,134 @@
+"""The Chameleon image vocabulary: VQ code <-> BPE id tables, built once on the host.
+
+Upstream (HF / vLLM `ChameleonImageVocabularyMapping`) derives the tables lazily from the
+tokenizer's `vocabulary_map`. Two of its behaviours are silent and wrong, and are errors here:
+a VQ code without an `IMGIMG` name maps to BPE id 0, and two names decoding to the same code
+let the later one win. The device copies live in a `jaxsync.DeviceCache`, one per placement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+import jaxsync
+
+
+Placement = jax.Device | jax.sharding.Sharding | None
+IMAGE_PREFIX = "IMGIMG"
+_LETTER_DIGITS = {chr(ord("A") + i): str(i) for i in range(10)}
+
+
+def decode_image_token_name(name: str) -> int:
+    """VQ code of an `IMGIMG` token name, decoded as upstream does.
+
+    The prefix and the last character are dropped and the letters A..J become digits 0..9
+    (other characters are kept), then the string is parsed as an integer.
+
+    >>> decode_image_token_name("IMGIMGBAZ")
+    10
+
+    Raises:
+      ValueError: the name does not decode to a non-negative integer.
+    """
+    body = "".join(_LETTER_DIGITS.get(c, c) for c in name[len(IMAGE_PREFIX) : -1])
+    try:
+        code = int(body)
+    except ValueError:
+        raise ValueError(f"image token name {name!r} does not decode to an integer") from None
+    if code < 0:
+        raise ValueError(f"image token name {name!r} decodes to a negative code {code}")
+    return code
+
+
+class ImageVocabularyMapping:
+    """Host tables mapping VQ codes to BPE ids and back, plus their cached device copies.
+
+    Args:
+      vocab_map: tokenizer token -> id map (`ChameleonConfig.vocabulary_map`).
+      num_embeddings: the VQ codebook size. Codes `0..num_embeddings-1` must all have a name
+        unless `missing_code_id` is given. None: the codebook is taken as `max(code) + 1`.
+      missing_code_id: the BPE id a code without a name maps to. None (default) makes a missing
+        code an error. Upstream uses 0 silently; pass 0 to reproduce it, deliberately.
+      cache: where the device copies live.
+
+    Attributes:
+      image_token_ids: int32 `[K]`, the sorted BPE ids of every `IMGIMG` token.
+      img2bpe: int32 `[num_codes]`, VQ code -> BPE id.
+      bpe2img: dict BPE id -> VQ code.
+      missing_codes: the codes that had no name (empty unless `missing_code_id` was given).
+      image_token_id: the `<image>` placeholder id, or None.
+      max_image_id: the largest image BPE id (logits must be wider than this).
+
+    Raises:
+      ValueError: no `IMGIMG` token, an undecodable name, two names with one code, a code
+        outside the codebook, or a code without a name while `missing_code_id` is None.
+    """
+
+    def __init__(
+        self,
+        vocab_map: Mapping[str, int],
+        *,
+        num_embeddings: int | None = None,
+        missing_code_id: int | None = None,
+        cache: jaxsync.DeviceCache | None = None,
+    ):
+        self._cache = jaxsync.default_cache if cache is None else cache
+        self.image_token_id = vocab_map.get("<image>")
+        named = sorted((int(v), k) for k, v in vocab_map.items() if k.startswith(IMAGE_PREFIX))
+        if not named:
+            raise ValueError(f"vocabulary_map has no {IMAGE_PREFIX!r} image tokens")
+        self.bpe2img: dict[int, int] = {}
+        owner: dict[int, str] = {}
+        for bpe, name in named:
+            code = decode_image_token_name(name)
+            if code in owner:
+                raise ValueError(
+                    f"image tokens {owner[code]!r} and {name!r} both decode to VQ code {code}"
+                )
+            owner[code] = name
+            self.bpe2img[bpe] = code
+        max_code = max(owner)
+        num_codes = max_code + 1 if num_embeddings is None else num_embeddings
+        if max_code >= num_codes:
+            raise ValueError(
+                f"image token {owner[max_code]!r} decodes to code {max_code}, outside the "
+                f"codebook of {num_codes} codes"
+            )
+        self.image_token_ids = np.array([b for b, _ in named], dtype=np.int32)
+        self.max_image_id = int(self.image_token_ids[-1])
+        table = np.full((num_codes,), -1, dtype=np.int64)
+        for bpe, code in self.bpe2img.items():
+            table[code] = bpe
+        self.missing_codes = np.flatnonzero(table < 0)
+        if self.missing_codes.size:
+            if missing_code_id is None:
+                shown = self.missing_codes[:8].tolist()
+                raise ValueError(
+                    f"{self.missing_codes.size} VQ codes have no {IMAGE_PREFIX} name (first: "
+                    f"{shown}); upstream maps them silently to BPE id 0. Pass missing_code_id "
+                    "to choose their id explicitly."
+                )
+            table[self.missing_codes] = missing_code_id
+        self.img2bpe = table.astype(np.int32)
+        # Content-addressed names: two mappings with equal tables share one device copy.
+        digest = hashlib.sha1(self.img2bpe.tobytes() + self.image_token_ids.tobytes()).hexdigest()
+        self._key = digest[:16]
+
+    @property
+    def num_codes(self) -> int:
+        """Length of the `img2bpe` table (the codebook size)."""
+        return int(self.img2bpe.shape[0])
+
+    def img2bpe_on(self, placement: Placement = None) -> jax.Array:
+        """Device copy of `img2bpe` at `placement` (built once, then cached)."""
+        return self._cache.get(f"chameleon.img2bpe.{self._key}", self.img2bpe, placement=placement)
+
+    def image_token_ids_on(self, placement: Placement = None) -> jax.Array:
+        """Device copy of `image_token_ids` at `placement` (built once, then cached)."""
+        return self._cache.get(
+            f"chameleon.image_ids.{self._key}", self.image_token_ids, placement=placement
+        )

@@ -1,0 +1,278 @@
+"""Chameleon image paths: config strictness, bad inputs, sync-freedom, buckets, donation,
+registration. Parity with transformers lives in test_chameleon_vs_hf.py."""
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsync.check
+from jaxsync.models.chameleon import (
+    VQ_RULES,
+    ChameleonConfig,
+    ChameleonImagePaths,
+    ChameleonVQConfig,
+    ChameleonVQVAE,
+    ImageVocabularyMapping,
+    _reference as ref,
+    decode_image_token_name,
+)
+
+
+@pytest.fixture(scope="module")
+def paths():
+    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
+    return ChameleonImagePaths(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4,))
+
+
+def _px(batch, paths, seed=0):
+    return ref.random_pixels(batch, paths.cfg.vq, seed=seed)
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_sources_agree(tmp_path):
+    d = ref.tiny_hf_config()
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    a = ChameleonConfig.from_hf_config(d)
+    assert ChameleonConfig.from_hf_config(tmp_path) == a
+    assert ChameleonConfig.from_hf_config(tmp_path / "config.json") == a
+    assert a.vq.tokens_per_image == 121 and a.vq.attn_resolutions == (22,)
+
+
+def test_config_from_transformers_object_and_released_defaults():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.ChameleonConfig(vocabulary_map=ref.synth_vocab_map(8192, seed=0))
+    cfg = ChameleonConfig.from_hf_config(hf)
+    assert cfg.vq == ChameleonVQConfig() and cfg.vq.tokens_per_image == 1024
+    assert cfg.image_token_id == hf.image_token_id
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(vq_config=dict(double_latent=True)), "double_latent"),
+        (dict(vq_config=dict(attn_type="none")), "attn_type"),
+        (dict(vq_config=dict(mystery=1)), "vq_config fields"),
+        (dict(new_field=1), "unsupported Chameleon config fields"),
+        (dict(image_token_id=3), "disagrees"),
+        (dict(vq_config=dict(base_channels=48)), "divisible by 32"),
+        (dict(vocab_size=10), "outside"),
+    ],
+)
+def test_config_rejects(change, match):
+    d = ref.tiny_hf_config()
+    for k, v in change.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) else v
+    with pytest.raises(ValueError, match=match):
+        ChameleonConfig.from_hf_config(d)
+
+
+# ---------------------------------------------------------------- vocabulary edge cases
+
+
+def test_vocabulary_bad_maps():
+    assert decode_image_token_name("IMGIMGBJ1Z") == 191
+    with pytest.raises(ValueError, match="no 'IMGIMG' image tokens"):
+        ImageVocabularyMapping({"<image>": 1, "hello": 2})
+    with pytest.raises(ValueError, match="does not decode"):
+        ImageVocabularyMapping({"IMGIMGAZ": 1, "IMGIMGxyZ": 2})
+    with pytest.raises(ValueError, match="outside the codebook of 2"):
+        ImageVocabularyMapping({"IMGIMGAZ": 1, "IMGIMGBZ": 2, "IMGIMGCZ": 3}, num_embeddings=2)
+    with pytest.raises(ValueError, match="1 VQ codes have no IMGIMG name"):
+        ImageVocabularyMapping({"IMGIMGAZ": 1}, num_embeddings=2)
+
+
+def test_tables_are_cached_per_placement():
+    cache = jaxsync.DeviceCache()
+    m = ImageVocabularyMapping(ref.synth_vocab_map(97, seed=1), cache=cache)
+    d0, d1 = jax.devices()[:2]
+    a = m.img2bpe_on(d0)
+    assert m.img2bpe_on(d0) is a and cache.builds == 1
+    b = m.img2bpe_on(d1)
+    assert b.devices() == {d1} and cache.builds == 2
+    np.testing.assert_array_equal(np.asarray(b), m.img2bpe)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_bad_pixels(paths):
+    good = _px(1, paths)
+    for bad, match in [
+        (good[:, :2], "shape"),
+        (good[:, :, :21, :21], "shape"),
+        (good[0], "shape"),
+        (good.astype(np.int32), "float32"),
+        (good[:0], "no image"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            paths.get_image_tokens(bad)
+
+
+def test_bad_logits(paths):
+    v = paths.mapping.max_image_id
+    with pytest.raises(ValueError, match=f"does not cover the largest image token id {v}"):
+        paths.mask_image_logits(jnp.zeros((2, v)))
+    with pytest.raises(ValueError, match="2-D"):
+        paths.mask_image_logits(jnp.zeros((paths.cfg.vocab_size,)))
+    with pytest.raises(TypeError, match="jax.Array"):
+        paths.mask_image_logits(np.zeros((2, paths.cfg.vocab_size), np.float32))
+    with pytest.raises(ValueError, match="lm_head vocab"):
+        paths.compute_logits(jnp.zeros((2, 5)), jnp.zeros((v, 5)))
+
+
+def test_bad_merge(paths):
+    t = paths.cfg.vq.tokens_per_image
+    img = paths.mapping.image_token_id
+    text, image = jnp.zeros((1, t + 3, 8)), jnp.zeros((1, t, 8))
+    ids = np.array([[1] + [img] * (t - 1) + [2, 3, 4]])
+    with pytest.raises(ValueError, match=f"{t - 1} placeholder position.* but {t} image token"):
+        paths.merge_image_embeddings(text, image, input_ids=ids)
+    with pytest.raises(TypeError, match="host data"):
+        paths.merge_image_embeddings(text, image, input_ids=jnp.asarray(ids))
+    with pytest.raises(ValueError, match="repeat"):
+        paths.merge_image_embeddings(text, image[:, :2], positions=np.array([4, 4]))
+    with pytest.raises(ValueError, match="lie in"):
+        paths.merge_image_embeddings(text, image[:, :2], positions=np.array([4, t + 3]))
+
+
+# ---------------------------------------------------------------- buckets and sync-freedom
+
+
+def test_padded_vs_unpadded_invariance(paths):
+    four = _px(4, paths, seed=7)  # the bucket size itself: no padding
+    full = np.asarray(paths.get_image_tokens(four))
+    for n in (1, 2, 3):
+        got = np.asarray(paths.get_image_tokens(four[:n]))
+        np.testing.assert_array_equal(got, full[:n])
+        dev = np.asarray(paths.get_image_tokens(jax.device_put(four[:n])))
+        np.testing.assert_array_equal(dev, full[:n])
+    padded = paths.tokenizer.get_image_tokens_padded(four[:3])
+    assert padded.shape == (4, paths.cfg.vq.tokens_per_image)
+    np.testing.assert_array_equal(np.asarray(padded[:3]), full[:3])
+
+
+def test_image_tokens_sync_free_device_pixels(paths):
+    xs = [jax.device_put(_px(b, paths, seed=b)) for b in (3, 1, 2)]
+    jaxsync.check.assert_sync_free(paths.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]])
+
+
+def test_image_tokens_sync_free_host_pixels(paths):
+    # static=False: with host pixels every argument is static and the compiled-HLO scan would
+    # constant-fold the whole encoder; the same program is scanned by the device-pixel test.
+    xs = [_px(b, paths, seed=b) for b in (3, 1, 2)]
+    jaxsync.check.assert_sync_free(
+        paths.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]], static=False
+    )
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_mask_sync_free(paths, lead):
+    keys = jax.random.split(jax.random.key(0), 3)
+    xs = [jax.random.normal(k, (*lead, paths.cfg.vocab_size)) for k in keys]
+    jaxsync.check.assert_sync_free(paths.mask_image_logits, xs[0], inputs=[(x,) for x in xs[1:]])
+
+
+def test_mask_donated_in_place(paths):
+    x = jax.random.normal(jax.random.key(1), (3, paths.cfg.vocab_size))
+    want = np.asarray(paths.mask_image_logits(x))
+    y = jnp.copy(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "donated buffers were not usable" would fail here
+        out = paths.mask_image_logits(y, donate=True)
+    assert y.is_deleted()
+    np.testing.assert_array_equal(np.asarray(out), want)
+    ids = paths.mapping.image_token_ids
+    assert (want[:, ids] == np.finfo(np.float32).min).all()
+    keep = np.setdiff1d(np.arange(want.shape[1]), ids)
+    np.testing.assert_array_equal(want[:, keep], np.asarray(x)[:, keep])
+
+    def fresh(z):  # each call donates a fresh copy, as a caller would its logits buffer
+        return paths.mask_image_logits(jnp.copy(z), donate=True)
+
+    jaxsync.check.assert_sync_free(fresh, x, inputs=[(x + 1,)])
+
+
+def test_compute_logits_sync_free(paths):
+    d, v = paths.cfg.hidden_size, paths.cfg.vocab_size
+    w = jax.random.normal(jax.random.key(2), (v, d))
+    hs = [jax.random.normal(jax.random.key(i), (2, 5, d)) for i in range(3)]
+    out = paths.compute_logits(hs[0], w)
+    assert (np.asarray(out)[..., paths.mapping.image_token_ids] == np.finfo(np.float32).min).all()
+    jaxsync.check.assert_sync_free(paths.compute_logits, hs[0], w, inputs=[(h, w) for h in hs[1:]])
+
+
+def test_merge_sync_free_and_values(paths):
+    img, d, s = paths.mapping.image_token_id, 8, 19
+    text = jax.random.normal(jax.random.key(3), (2, s, d))
+    image = jax.random.normal(jax.random.key(4), (4, 3, d))  # bucket-padded: 3 of 4 images real
+
+    def ids_with(starts):
+        ids = np.ones((2, s), np.int64)
+        for row, col in starts:
+            ids[row, col : col + 3] = img
+        return ids
+
+    cases = [ids_with([(0, 1), (0, 9), (1, 4)]), ids_with([(0, 0), (1, 2), (1, 16)])]
+    for ids in cases:
+        got = np.asarray(
+            paths.merge_image_embeddings(text, image, input_ids=ids, num_image_tokens=9)
+        )
+        want = np.asarray(text).reshape(-1, d).copy()
+        want[np.flatnonzero(ids.reshape(-1) == img)] = np.asarray(image).reshape(-1, d)[:9]
+        np.testing.assert_array_equal(got, want.reshape(2, s, d))
+
+    def merge(text, image, ids):
+        return paths.merge_image_embeddings(text, image, input_ids=ids, num_image_tokens=9)
+
+    jaxsync.check.assert_sync_free(merge, text, image, cases[0], inputs=[(text, image, cases[1])])
+
+
+# ---------------------------------------------------------------- released config, registry
+
+
+def test_released_checkpoint_keys_map_onto_the_module():
+    """Every `model.vqmodel.*` key of the released architecture maps to a parameter of the right
+    shape (meta-device torch model and `nnx.eval_shape`: nothing is allocated)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxsync.models.chameleon._weights import VQ_PREFIX, VQ_SELECT
+
+    with torch.device("meta"):
+        hf = transformers.ChameleonVQVAE(transformers.ChameleonVQVAEConfig())
+    ours = nnx.eval_shape(lambda: ChameleonVQVAE(ChameleonVQConfig(), rngs=nnx.Rngs(0)))
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(ours, nnx.Param))}
+    seen = set()
+    import re
+
+    for key, t in hf.state_dict().items():
+        full = VQ_PREFIX + key
+        if not re.match(VQ_SELECT, full):
+            assert key.startswith("post_quant_conv")
+            continue
+        rule, target = next((r, r.match(key)) for r in VQ_RULES if r.match(key))
+        shape = tuple(t.shape)
+        if rule.transform is not None:
+            shape = shape[2:] + (shape[1], shape[0])
+        assert flat[target].get_value().shape == shape, key
+        seen.add(target)
+    assert seen == set(flat)
+
+
+def test_registered_for_verify_and_bench():
+    from jaxsync import registry
+    from jaxsync.models.chameleon import _verify  # noqa: F401
+
+    names = {s.name for s in registry._paths.values()}
+    assert {
+        "chameleon.image_tokens",
+        "chameleon.mask_logits",
+        "chameleon.merge_embeddings",
+    } <= names
+    assert "chameleon" in registry._benches

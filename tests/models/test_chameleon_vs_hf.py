@@ -1,0 +1,207 @@
+"""Chameleon image paths vs transformers: vocabulary tables, VQ latents, image tokens, logit mask,
+embedding merge. Tiny random models, weights through the production loader (`load_vqvae`)."""
+
+import numpy as np
+import pytest
+
+from jaxsync.testing import rel_err, requires_torch
+
+
+pytestmark = requires_torch
+
+torch = pytest.importorskip("torch")
+import jax.numpy as jnp  # noqa: E402
+from transformers.models.chameleon.modeling_chameleon import (  # noqa: E402
+    ChameleonImageVocabularyMapping as HFMapping,
+)
+
+from jaxsync.models.chameleon import (  # noqa: E402
+    ChameleonConfig,
+    ChameleonImagePaths,
+    ImageVocabularyMapping,
+    _reference as ref,  # noqa: E402
+    load_vqvae,
+)
+
+
+BUCKETS = (4,)  # batch sizes 1..3 share one compiled encoder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf_cfg = ref.tiny_hf_config()
+    model = ref.build_hf_model(hf_cfg)
+    ckpt = ref.save_checkpoint(model, str(tmp_path_factory.mktemp("chameleon")))
+    cfg = ChameleonConfig.from_hf_config(model.config)
+    paths = ChameleonImagePaths(cfg, load_vqvae(cfg.vq, ckpt), buckets=BUCKETS)
+    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, paths=paths)
+
+
+# ---------------------------------------------------------------- vocabulary tables
+
+
+def _irregular_maps():
+    # Multi-digit codes, plain digits kept as digits, odd last characters, scattered ids.
+    names = {"IMGIMGAZ": 900, "IMGIMGBX": 17, "IMGIMG2Q": 40, "IMGIMGDA": 41, "IMGIMGEZ": 5}
+    names.update({"IMGIMG5!": 6, "IMGIMGEFQ": 77})  # codes 5 and 45
+    names.update({ref.image_token_name(c, suffix="Y"): 1000 + c for c in range(6, 45) if c != 19})
+    names["IMGIMGBJY"] = 2000  # code 19, the largest id
+    names.update({"<image>": 12, "hello": 13, "IMGIMX": 14})  # IMGIMX is not an image token
+    return {
+        "released_8192_permuted": ref.synth_vocab_map(8192, seed=0),
+        "released_8192_monotone": ref.synth_vocab_map(8192),
+        "small_prime_97": ref.synth_vocab_map(97, first_id=11, seed=3),
+        "irregular": names,
+    }
+
+
+@pytest.mark.parametrize("name", list(_irregular_maps()))
+def test_mapping_tables_equal_hf(name):
+    vocab = _irregular_maps()[name]
+    hf = HFMapping(vocab)
+    ours = ImageVocabularyMapping(vocab)
+    assert ours.image_token_ids.tolist() == hf.image_tokens
+    assert ours.bpe2img == hf.bpe2img
+    np.testing.assert_array_equal(ours.img2bpe, hf.img2bpe_mapping_tensor.numpy())
+    assert ours.img2bpe.dtype == np.int32
+    assert ours.image_token_id == hf.image_token_id
+    assert ours.missing_codes.size == 0
+
+
+def test_mapping_with_gaps_matches_hf_only_when_made_explicit():
+    vocab = ref.synth_vocab_map(50, seed=1, skip_codes=(0, 7, 31))
+    hf = HFMapping(vocab)
+    with pytest.raises(ValueError, match=r"3 VQ codes have no IMGIMG name \(first: \[0, 7, 31\]\)"):
+        ImageVocabularyMapping(vocab)
+    ours = ImageVocabularyMapping(vocab, missing_code_id=0)  # upstream's silent choice, explicit
+    np.testing.assert_array_equal(ours.img2bpe, hf.img2bpe_mapping_tensor.numpy())
+    assert ours.missing_codes.tolist() == [0, 7, 31]
+    # HF silently maps the missing codes to BPE id 0, a text token.
+    assert hf.img2bpe_mapping_tensor[[0, 7, 31]].tolist() == [0, 0, 0]
+
+
+def test_duplicate_codes_are_an_error_where_hf_silently_keeps_the_later():
+    vocab = {"IMGIMGAZ": 5, "IMGIMGBZ": 6, "IMGIMGBY": 7}  # B-Z and B-Y both decode to code 1
+    assert HFMapping(vocab).img2bpe[1] == 7
+    with pytest.raises(ValueError, match="both decode to VQ code 1"):
+        ImageVocabularyMapping(vocab)
+
+
+# ---------------------------------------------------------------- tokenizer, fp32
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_image_tokens_fp32_equal_hf(tiny, batch):
+    pixels = ref.random_pixels(batch, tiny["cfg"].vq, seed=batch)
+    want = ref.hf_image_tokens(tiny["model"], pixels)
+    latents, codes = tiny["paths"].tokenizer.encode(jnp.asarray(pixels))
+    err = rel_err(np.asarray(latents).transpose(0, 3, 1, 2), want["latents"])
+    assert err <= 1e-5, f"encoder latents rel err {err:.2e}"
+    np.testing.assert_array_equal(np.asarray(codes), want["codes"])
+    tokens = tiny["paths"].get_image_tokens(pixels)
+    assert tokens.shape == (batch, tiny["cfg"].vq.tokens_per_image) and tokens.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(tokens), want["tokens"])
+    # the test is only meaningful if the codes vary
+    assert np.unique(want["codes"]).size > 20
+
+
+def test_hf_version_converts_codes_to_bpe(tiny):
+    """paths.md 1.5: some HF releases embed raw VQ codes; the installed one must convert."""
+    pixels = ref.random_pixels(2, tiny["cfg"].vq, seed=9)
+    want = ref.hf_image_tokens(tiny["model"], pixels)
+    np.testing.assert_array_equal(want["tokens"], tiny["paths"].mapping.img2bpe[want["codes"]])
+    assert not np.array_equal(want["tokens"], want["codes"])
+
+
+# ---------------------------------------------------------------- tokenizer, bf16
+
+
+def test_image_tokens_bf16(tiny):
+    """bf16 weights and activations, vs HF in bf16 and vs HF in fp32.
+
+    Tolerance: bf16 keeps 8 significant bits (2^-9 = 2e-3 per rounding), compounded over ~10
+    conv / norm layers with differently ordered fp32 accumulations in XLA and torch. Our bf16
+    latents must be as close to the fp32 reference as HF's own bf16 latents are (within 2x), and
+    tokens may flip only where two codebook distances are closer than that noise.
+    """
+    pixels = ref.random_pixels(3, tiny["cfg"].vq, seed=5)
+    ref32 = ref.hf_image_tokens(tiny["model"], pixels)
+    hf16 = ref.hf_image_tokens(ref.build_hf_model(tiny["hf_cfg"], dtype="bfloat16"), pixels)
+    cfg = tiny["cfg"]
+    paths16 = ChameleonImagePaths(
+        cfg, load_vqvae(cfg.vq, tiny["ckpt"], dtype=jnp.bfloat16), buckets=BUCKETS
+    )
+    latents, _ = paths16.tokenizer.encode(jnp.asarray(pixels))
+    ours = np.asarray(latents.astype(jnp.float32)).transpose(0, 3, 1, 2)
+    err_ours = rel_err(ours, ref32["latents"])
+    err_hf = rel_err(hf16["latents"], ref32["latents"])
+    err_pair = rel_err(ours, hf16["latents"])
+    assert err_ours <= 2 * err_hf, f"ours {err_ours:.2e} vs HF-bf16's own {err_hf:.2e}"
+    assert err_pair <= 5e-2, f"bf16 latents vs HF bf16: {err_pair:.2e}"
+    tokens = np.asarray(paths16.get_image_tokens(pixels))
+    agree_hf16 = float((tokens == hf16["tokens"]).mean())
+    agree_32 = float((tokens == ref32["tokens"]).mean())
+    hf_agree_32 = float((hf16["tokens"] == ref32["tokens"]).mean())
+    print(
+        f"bf16 latents: ours {err_ours:.2e}, HF {err_hf:.2e}, ours-vs-HF {err_pair:.2e}; token "
+        f"agreement ours-vs-HF16 {agree_hf16:.3f}, ours-vs-fp32 {agree_32:.3f}, "
+        f"HF16-vs-fp32 {hf_agree_32:.3f}"
+    )
+    assert agree_32 >= hf_agree_32 - 0.05
+    assert agree_hf16 >= 0.85
+
+
+# ---------------------------------------------------------------- logits
+
+
+@pytest.mark.parametrize("shape", [(7, None), (2, 5, None)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_masked_logits_equal_hf(tiny, shape, dtype):
+    vocab = tiny["cfg"].vocab_size
+    shape = shape[:-1] + (vocab,)
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(
+        getattr(torch, dtype)
+    )
+    want = ref.hf_mask_logits(logits, tiny["paths"].mapping.image_token_ids.tolist())
+    got = tiny["paths"].mask_image_logits(jnp.asarray(logits.float().numpy()).astype(dtype))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.float().numpy())
+
+
+def test_compute_logits_vs_hf_forward(tiny):
+    model, paths = tiny["model"], tiny["paths"]
+    ids = torch.tensor([[1, 5, 9, 2, 11], [3, 3, 7, 8, 0]])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        want = model(input_ids=ids).logits.numpy()
+    w = jnp.asarray(model.lm_head.weight.detach().numpy())
+    got = np.asarray(paths.compute_logits(jnp.asarray(hidden.numpy()), w))
+    masked = np.zeros(got.shape[-1], bool)
+    masked[paths.mapping.image_token_ids] = True
+    np.testing.assert_array_equal(got[..., masked], want[..., masked])
+    assert (got[..., masked] == np.finfo(np.float32).min).all()
+    assert rel_err(got[..., ~masked], want[..., ~masked]) <= 1e-5
+
+
+# ---------------------------------------------------------------- merge
+
+
+def test_merge_equal_hf_masked_scatter(tiny):
+    model, paths = tiny["model"], tiny["paths"]
+    t = tiny["cfg"].vq.tokens_per_image
+    img = paths.mapping.image_token_id
+    row0 = [1, 5] + [img] * t + [9]
+    row1 = [img] * t + [3, 4, 6]
+    ids = np.array([row0, row1], dtype=np.int64)
+    pixels = ref.random_pixels(2, tiny["cfg"].vq, seed=11)
+    with torch.no_grad():
+        tids = torch.from_numpy(ids)
+        embeds = model.model.embed_tokens(tids)
+        feats = model.model.get_image_features(torch.from_numpy(pixels)).pooler_output
+        mask = model.model.get_placeholder_mask(tids, inputs_embeds=embeds, image_features=feats)
+        want = embeds.masked_scatter(mask, feats).numpy()
+    table = jnp.asarray(model.model.embed_tokens.weight.detach().numpy())
+    tokens = paths.get_image_tokens(pixels)
+    got = paths.merge_image_embeddings(
+        jnp.asarray(embeds.numpy()), jnp.take(table, tokens, axis=0), input_ids=ids
+    )
+    np.testing.assert_array_equal(np.asarray(got), want)
