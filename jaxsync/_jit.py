@@ -35,10 +35,14 @@ class JitMethod:
     def __init__(self, module: nnx.Module, method: str = "__call__", **jit_kwargs: Any):
         self.method = method
         self.graphdef, self.state = nnx.split(module)
+        # Flattening an nnx.State walks it in Python on every call; a flat list of arrays is
+        # flattened by jit's C++ fast path. Keep the leaves and rebuild the State only in the trace.
+        self._leaves, self._treedef = jax.tree_util.tree_flatten(self.state)
         bound = getattr(module, method)
-        graphdef = self.graphdef
+        graphdef, treedef = self.graphdef, self._treedef
 
-        def run(state, *args, **kwargs):
+        def run(leaves, *args, **kwargs):
+            state = jax.tree_util.tree_unflatten(treedef, leaves)
             return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
 
         sig = inspect.signature(bound)
@@ -52,19 +56,23 @@ class JitMethod:
         self._jitted = jax.jit(run, **jit_kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted(self.state, *args, **kwargs)
+        return self._jitted(self._leaves, *args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """`jax.jit(...).lower` with the captured state, for HLO inspection."""
-        return self._jitted.lower(self.state, *args, **kwargs)
+        return self._jitted.lower(self._leaves, *args, **kwargs)
 
     def refresh(self, module: nnx.Module) -> None:
         """Takes a new state from `module` (same graph structure)."""
         self.state = nnx.state(module)
+        leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        if treedef != self._treedef:
+            raise ValueError("refresh() needs a module with the same graph structure")
+        self._leaves = leaves
 
     @property
     def fn(self) -> Callable[..., Any]:
-        """The underlying jitted function `(state, *args)`."""
+        """The underlying jitted function `(state_leaves, *args)`."""
         return self._jitted
 
 

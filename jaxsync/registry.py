@@ -15,6 +15,7 @@ from typing import Any
 PATH_MODULES: tuple[str, ...] = (
     "jaxsync._demo",
     "jaxsync.models.chameleon._verify",
+    "jaxsync.models.qwen3_omni._verify",
 )
 
 

@@ -1,0 +1,171 @@
+# ruff: noqa: F722 - jaxtyping shape strings are not forward references
+"""The Qwen3-Omni audio encoder as NNX modules, on the planner's window layout.
+
+Attribute names mirror HF's `Qwen3OmniMoeAudioEncoder` so the weight table stays one-to-one.
+Shapes: S = chunk slots, W = attention-window slots, Q = token slots per window, T = frames
+(or tokens), F = mel bins, C = conv channels, D = d_model, N = heads, H = head dim, O = output_dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+
+import jaxsync
+from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
+
+
+_LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
+
+
+def activation(name: str):
+    """The HF `ACT2FN[name]` function for the supported names."""
+    return {
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+    }[name]
+
+
+def sinusoid_table(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
+    """[length, channels] `[sin | cos]` table, float32 like HF's `SinusoidsPositionEmbedding`."""
+    increment = np.log(max_timescale) / (channels // 2 - 1)
+    inv = np.exp(np.float32(-increment) * np.arange(channels // 2, dtype=np.float32))
+    scaled = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
+    return np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1).astype(np.float32)
+
+
+class AudioAttention(nnx.Module):
+    """Bidirectional multi-head attention inside each window slot."""
+
+    def __init__(self, cfg: Qwen3OmniAudioConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        d = cfg.d_model
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj, self.k_proj = nnx.Linear(d, d, **kw), nnx.Linear(d, d, **kw)
+        self.v_proj, self.out_proj = nnx.Linear(d, d, **kw), nnx.Linear(d, d, **kw)
+        self.num_heads, self.head_dim = cfg.encoder_attention_heads, cfg.head_dim
+
+    def __call__(self, x: Float[Array, "W Q D"], window_lens: jax.Array) -> Float[Array, "W Q D"]:
+        w, q_len, _ = x.shape
+        heads = (w, q_len, self.num_heads, self.head_dim)
+        q, k, v = (p(x).reshape(heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        # A window's valid tokens are a prefix (see _plan.py), so a key length is the whole mask.
+        # Empty padding windows get length 1: their rows are never read, and no row is all-masked.
+        out = jax.nn.dot_product_attention(
+            q, k, v, scale=self.head_dim**-0.5, key_value_seq_lengths=jnp.maximum(window_lens, 1)
+        )
+        return self.out_proj(out.reshape(w, q_len, -1))
+
+
+class AudioEncoderLayer(nnx.Module):
+    """Pre-norm transformer layer (HF `Qwen3OmniMoeAudioEncoderLayer`)."""
+
+    def __init__(self, cfg: Qwen3OmniAudioConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        d = cfg.d_model
+        self.self_attn = AudioAttention(cfg, **kw)
+        self.self_attn_layer_norm = nnx.LayerNorm(d, epsilon=_LN_EPS, **kw)
+        self.fc1 = nnx.Linear(d, cfg.encoder_ffn_dim, **kw)
+        self.fc2 = nnx.Linear(cfg.encoder_ffn_dim, d, **kw)
+        self.final_layer_norm = nnx.LayerNorm(d, epsilon=_LN_EPS, **kw)
+        self.act = activation(cfg.activation_function)
+
+    def __call__(self, x: Float[Array, "W Q D"], window_lens: jax.Array) -> Float[Array, "W Q D"]:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), window_lens)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class Qwen3OmniAudioTower(nnx.Module):
+    """The audio encoder: conv stem per chunk slot, windowed transformer, output projection.
+
+    Args:
+      cfg: the encoder config.
+      rngs: initialisation randomness (weights usually come from `load_audio_encoder`).
+      dtype: computation dtype.
+      param_dtype: parameter dtype.
+    """
+
+    def __init__(
+        self,
+        cfg: Qwen3OmniAudioConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        ch, d = cfg.downsample_hidden_size, cfg.d_model
+        conv = dict(kernel_size=(3, 3), strides=(2, 2), padding=((1, 1), (1, 1)), **kw)
+        self.conv2d1 = nnx.Conv(1, ch, **conv)
+        self.conv2d2 = nnx.Conv(ch, ch, **conv)
+        self.conv2d3 = nnx.Conv(ch, ch, **conv)
+        # torch flattens conv features as (channel, freq); the kernel keeps both axes.
+        self.conv_out = nnx.Einsum("STFC,CFD->STD", (ch, cfg.conv_freq_bins, d), None, **kw)
+        self.layers = nnx.List([AudioEncoderLayer(cfg, **kw) for _ in range(cfg.encoder_layers)])
+        self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, **kw)
+        self.proj1 = nnx.Linear(d, d, **kw)
+        self.proj2 = nnx.Linear(d, cfg.output_dim, **kw)
+        self.act = activation(cfg.activation_function)
+
+    def __call__(
+        self,
+        features: Float[Array, "F T"],
+        positions: Float[Array, "13 D"],
+        meta: jaxsync.Packed,
+    ) -> Float[Array, "WQ O"]:
+        """Encodes one planned batch.
+
+        Args:
+          features: [F, T] mel features, all audios concatenated in time (T may be padded).
+          positions: [13, D] sinusoidal table rows (positions restart in every chunk).
+          meta: the plan's `device_fields()` in one upload.
+
+        Returns:
+          [W * Q, O] embeddings; row r < sum(tokens) is token r of the concatenated audios,
+          later rows are zero.
+        """
+        cfg = self.cfg
+        chunk, num_frames = cfg.chunk_len, features.shape[1]
+        starts, lens = meta["slot_starts"], meta["slot_lens"]  # [S]
+        offs = jnp.arange(chunk, dtype=jnp.int32)
+        frame = jnp.where(
+            offs[None, :] < lens[:, None], starts[:, None] + offs[None, :], num_frames
+        )
+        if num_frames:
+            x = jnp.take(features.T, frame, axis=0, mode="fill", fill_value=0)  # [S, 100, F]
+        else:  # a batch of empty audios: jnp.take cannot gather from an empty axis
+            x = jnp.zeros((*frame.shape, features.shape[0]), features.dtype)
+        x = x.astype(self.dtype)[..., None]  # [S, 100, F, 1]: time is the conv's "height"
+
+        limits = meta["conv_limits"]
+        x = _mask_time(_gelu(self.conv2d1(x)), limits[0])  # [S, 50, F/2, C]
+        x = _mask_time(_gelu(self.conv2d2(x)), limits[1])  # [S, 25, F/4, C]
+        x = _gelu(self.conv2d3(x))  # [S, 13, F/8, C]
+        x = self.conv_out(x)  # [S, 13, D]
+        x = x + positions[None, : x.shape[1], :].astype(x.dtype)
+
+        windows = meta["window_lens"].shape[0]
+        x = x.reshape(windows, cfg.window_tokens, cfg.d_model)  # [W, Q, D]
+        for layer in self.layers:
+            x = layer(x, meta["window_lens"])
+        x = self.proj2(self.act(self.proj1(self.ln_post(x))))  # [W, Q, O]
+        flat = x.reshape(windows * cfg.window_tokens, cfg.output_dim)
+        return jnp.take(flat, meta["out_src"], axis=0, mode="fill", fill_value=0)
+
+
+def _gelu(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=False)  # upstream's conv stem uses exact (erf) F.gelu
+
+
+def _mask_time(x: Float[Array, "S T F C"], limit: jax.Array) -> Float[Array, "S T F C"]:
+    # Upstream pads the chunk batch only to its longest chunk, so the next conv sees zero padding
+    # past this stage's length of that chunk; we always pad to 100 frames and zero the rest.
+    keep = jnp.arange(x.shape[1], dtype=jnp.int32) < limit
+    return jnp.where(keep[None, :, None, None], x, jnp.zeros((), x.dtype))

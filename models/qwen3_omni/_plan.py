@@ -1,0 +1,226 @@
+"""Host-side chunk planner: per-audio mel lengths -> every index the device needs, in numpy.
+
+Upstream (vLLM post-#51458 and HF) derives the chunking on the device and reads it back
+(`chunk_num.sum()`, `chunk_lengths.tolist()`, `max(...).item()`, `aftercnn_lens.tolist()`). The
+lengths are host metadata to begin with, so here the whole plan is computed on the host and goes up
+in one packed transfer.
+
+Device layout ("window layout"): `S = num_window_slots * chunks_per_window` chunk slots of
+`2 * n_window` frames. Audio `a` owns `ceil(chunks_a / chunks_per_window)` consecutive windows and
+fills their slots with its chunks in order; the rest of its last window stays empty. After the
+convolutions a slot holds 13 token positions, so a window is `window_tokens` positions, its valid
+tokens are a prefix (only an audio's last chunk is short), and upstream's attention windows
+(`cu_seqlens`) are exactly these windows. An audio's tokens are contiguous in the flattened layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import jaxsync
+from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
+
+
+def _geometric(minimum: int, steps: int = 4, limit: int = 1 << 26) -> tuple[int, ...]:
+    """Every integer up to `minimum`, then `steps` sizes per octave (<= 25% padding)."""
+    out, p = list(range(1, minimum + 1)), minimum
+    while p < limit:
+        out += [p + p * i // steps for i in range(1, steps + 1)]
+        p *= 2
+    return tuple(out)
+
+
+WINDOW_BUCKETS = _geometric(8)
+"""Attention-window counts the device program is compiled for."""
+FRAME_BUCKETS = tuple(b for b in _geometric(128) if b >= 128)
+"""Mel-frame counts a padded feature batch may have (see `frame_bucket`)."""
+
+
+def frame_bucket(total_frames: int) -> int:
+    """The padded frame count for `total_frames` frames (pad features to it to share programs)."""
+    return jaxsync.bucket(total_frames, FRAME_BUCKETS)
+
+
+def feat_extract_output_lengths(feature_lens: Any, n_window: int = 50) -> np.ndarray:
+    """Tokens per audio after the encoder (upstream `_get_feat_extract_output_lengths`), numpy."""
+    lens = np.asarray(feature_lens, dtype=np.int64)
+    chunk = 2 * n_window
+    rem = lens % chunk
+    tail = (((rem - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1  # floor division: f(0) == 0
+    return (lens // chunk) * TOKENS_PER_FULL_CHUNK + tail
+
+
+def _conv1(n: np.ndarray) -> np.ndarray:
+    return (n - 1) // 2 + 1
+
+
+def check_feature_lens(feature_lens: Any) -> np.ndarray:
+    """Validates host lengths: a 1-D sequence of non-negative integers; returns int64.
+
+    Raises:
+      TypeError: device data (reading it would be a device->host sync) or a non-integer dtype.
+      ValueError: not 1-D, or a negative length.
+    """
+    if isinstance(feature_lens, jax.Array):
+        raise TypeError(
+            "feature_lens must be host data (list / numpy); reading a jax.Array would be a "
+            "device->host sync"
+        )
+    lens = np.asarray(feature_lens)
+    if lens.size == 0:
+        lens = lens.astype(np.int64)
+    if lens.dtype == np.bool_ or not np.issubdtype(lens.dtype, np.integer):
+        raise TypeError(f"feature_lens must be integers, got dtype {lens.dtype}")
+    if lens.ndim != 1:
+        raise ValueError(f"feature_lens must be 1-D (one length per audio), got shape {lens.shape}")
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"feature_lens must be >= 0, got {lens.tolist()}")
+    return lens.astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkPlan:
+    """Everything about one batch that follows from the lengths (all host numpy).
+
+    Attributes:
+      feature_lens: [A] mel frames per audio.
+      chunk_counts: [A] chunks per audio, `ceil(L / chunk_len)`.
+      chunk_lens: [C] frames of each real chunk (audio-major; full chunks, then the tail).
+      chunk_starts: [C] first frame of each chunk in the concatenated features.
+      chunk_tokens: [C] tokens of each chunk after the three stride-2 convolutions.
+      chunk_slots: [C] slot of each chunk in the window layout.
+      audio_tokens: [A] output tokens per audio (= `feat_extract_output_lengths`).
+      audio_offsets: [A] first output row of each audio.
+      window_counts: [A] attention windows per audio.
+      window_lens: [W] valid tokens of each window slot (0 for padding windows).
+      token_windows: [T] window of each output token (segment ids; upstream `cu_seqlens`).
+      slot_starts, slot_lens, slot_tokens: [S] per-slot chunk start / frames / tokens (0 if empty).
+      out_src: [W * window_tokens] flat window-layout position of each output row; padding rows
+        hold the out-of-range sentinel `W * window_tokens` (gathered as zeros).
+      conv_limits: [2] lengths of the first two conv outputs of the longest chunk; upstream pads
+        the batch to its longest chunk, so conv positions past these are zero padding there.
+      num_frames: frame count of the feature array (static shape).
+      num_windows: real windows; `window_bucket`: windows the program is compiled for.
+    """
+
+    feature_lens: np.ndarray
+    chunk_counts: np.ndarray
+    chunk_lens: np.ndarray
+    chunk_starts: np.ndarray
+    chunk_tokens: np.ndarray
+    chunk_slots: np.ndarray
+    audio_tokens: np.ndarray
+    audio_offsets: np.ndarray
+    window_counts: np.ndarray
+    window_lens: np.ndarray
+    token_windows: np.ndarray
+    slot_starts: np.ndarray
+    slot_lens: np.ndarray
+    slot_tokens: np.ndarray
+    out_src: np.ndarray
+    conv_limits: np.ndarray
+    num_frames: int
+    num_windows: int
+    window_bucket: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Real output tokens (sum over audios)."""
+        return int(self.audio_tokens.sum())
+
+    def device_fields(self) -> dict[str, np.ndarray]:
+        """The int32 arrays the device program reads (one `upload_packed` call)."""
+        names = ("slot_starts", "slot_lens", "slot_tokens", "window_lens", "out_src", "conv_limits")
+        return {n: getattr(self, n).astype(np.int32) for n in names}
+
+
+def plan_chunks(
+    feature_lens: Sequence[int] | np.ndarray,
+    cfg: Qwen3OmniAudioConfig,
+    *,
+    num_frames: int | None = None,
+    window_buckets: Sequence[int] | None = None,
+) -> ChunkPlan:
+    """Plans the chunking, attention windows and output gather for one batch of audios.
+
+    Args:
+      feature_lens: [A] host mel-frame counts (0 allowed: that audio yields no tokens).
+      cfg: the encoder config.
+      num_frames: frames of the feature array; `sum(feature_lens)` or `frame_bucket` of it.
+        None means `sum(feature_lens)`.
+      window_buckets: window counts programs are compiled for (default `WINDOW_BUCKETS`).
+
+    Raises:
+      TypeError / ValueError: invalid lengths, a frame count that does not fit them, or more
+        windows than the largest bucket.
+    """
+    lens = check_feature_lens(feature_lens)
+    total = int(lens.sum())
+    num_frames = total if num_frames is None else int(num_frames)
+    if num_frames not in (total, frame_bucket(total)):
+        raise ValueError(
+            f"feature_lens sum to {total} frames but the features have {num_frames}; expected "
+            f"{total} (unpadded) or {frame_bucket(total)} (padded to frame_bucket)"
+        )
+    per_win, win_tok, chunk = cfg.chunks_per_window, cfg.window_tokens, cfg.chunk_len
+    num_audio = lens.size
+
+    counts = (lens + chunk - 1) // chunk  # [A]
+    first_chunk = np.cumsum(counts) - counts
+    audio_of_chunk = np.repeat(np.arange(num_audio), counts)  # [C]
+    k = np.arange(int(counts.sum())) - first_chunk[audio_of_chunk]  # chunk index within its audio
+    chunk_lens = np.minimum(chunk, lens[audio_of_chunk] - chunk * k)
+    chunk_starts = (np.cumsum(lens) - lens)[audio_of_chunk] + chunk * k
+    chunk_tokens = _conv1(_conv1(_conv1(chunk_lens)))
+
+    windows = (counts + per_win - 1) // per_win  # [A]
+    first_window = np.cumsum(windows) - windows
+    num_windows = int(windows.sum())
+    # At least one window slot, so an all-empty batch still has a valid (zero) program.
+    bucket = jaxsync.bucket(max(num_windows, 1), window_buckets or WINDOW_BUCKETS)
+    slots = first_window[audio_of_chunk] * per_win + k
+    slot_starts, slot_lens, slot_tokens = (np.zeros(bucket * per_win, np.int64) for _ in range(3))
+    slot_starts[slots], slot_lens[slots], slot_tokens[slots] = (
+        chunk_starts,
+        chunk_lens,
+        chunk_tokens,
+    )
+
+    tokens = np.zeros(num_audio, np.int64)
+    np.add.at(tokens, audio_of_chunk, chunk_tokens)
+    offsets = np.cumsum(tokens) - tokens
+    audio_of_token = np.repeat(np.arange(num_audio), tokens)  # [T]
+    t = np.arange(int(tokens.sum())) - offsets[audio_of_token]  # token index within its audio
+    out_src = np.full(bucket * win_tok, bucket * win_tok, np.int64)
+    out_src[: t.size] = first_window[audio_of_token] * win_tok + t
+    token_windows = first_window[audio_of_token] + t // win_tok
+    window_lens = np.bincount(token_windows, minlength=bucket)
+
+    longest = int(chunk_lens.max()) if chunk_lens.size else 0
+    conv_limits = np.array([_conv1(longest), _conv1(_conv1(longest))], np.int64)
+    return ChunkPlan(
+        feature_lens=lens,
+        chunk_counts=counts,
+        chunk_lens=chunk_lens,
+        chunk_starts=chunk_starts,
+        chunk_tokens=chunk_tokens,
+        chunk_slots=slots,
+        audio_tokens=tokens,
+        audio_offsets=offsets,
+        window_counts=windows,
+        window_lens=window_lens,
+        token_windows=token_windows,
+        slot_starts=slot_starts,
+        slot_lens=slot_lens,
+        slot_tokens=slot_tokens,
+        out_src=out_src,
+        conv_limits=conv_limits,
+        num_frames=num_frames,
+        num_windows=num_windows,
+        window_bucket=bucket,
+    )
