@@ -16,6 +16,7 @@ PATH_MODULES: tuple[str, ...] = (
     "jaxsync._demo",
     "jaxsync.models.chameleon._verify",
     "jaxsync.models.qwen3_omni._verify",
+    "jaxsync.models.gemma3n._verify",
 )
 
 

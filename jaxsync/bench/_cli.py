@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 
-REFERENCE_LABELS = ("vllm post-PR", "transformers eager")  # the chart's baseline, first present
+# The chart's baseline: the first label a row has (vLLM's post-PR torch pattern when it exists).
+REFERENCE_LABELS = (
+    "vllm_post_pr",
+    "torch_post_pr",
+    "transformers_eager",
+    "hf_eager",
+    "transformers_sdpa",
+)
 
 
 def _environment() -> dict[str, Any]:
