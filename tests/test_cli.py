@@ -179,7 +179,7 @@ def test_bench_markdown_and_chart(tmp_path):
                 "name": "copy 64",
                 "bytes_moved": 10,
                 "jaxsync": dict(m, gbps=3500.0),
-                "vllm post-PR": dict(m, device_ms=4.0, kernels=3),
+                "vllm_post_pr": dict(m, device_ms=4.0, kernels=3),
             }
         ],
     }
