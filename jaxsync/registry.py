@@ -17,6 +17,7 @@ PATH_MODULES: tuple[str, ...] = (
     "jaxsync.models.chameleon._verify",
     "jaxsync.models.qwen3_omni._verify",
     "jaxsync.models.gemma3n._verify",
+    "jaxsync.models.voxtral._verify",
 )
 
 
