@@ -169,7 +169,8 @@ def run(steps: int = 64, seed: int = 0, quiet: bool = False) -> dict[str, float]
     if not quiet:
         print(
             f"{steps} decode steps in {elapsed * 1e3:.1f} ms "
-            f"({result['steps_per_s']:.0f} steps/s) on {jax.devices()[0].device_kind}; unintended host syncs: 0; compiles in the loop: 0; "
+            f"({result['steps_per_s']:.0f} steps/s) on {jax.devices()[0].device_kind}; "
+            "unintended host syncs: 0; compiles in the loop: 0; "
             f"deliberate delayed token reads: {result['deliberate_delayed_reads']}"
         )
     return result
