@@ -14,6 +14,7 @@ from typing import Any
 # Modules whose import registers paths. A missing one is an error: the package is incomplete.
 PATH_MODULES: tuple[str, ...] = (
     "jaxsync._demo",
+    "jaxsync.kv._verify",
     "jaxsync.models.chameleon._verify",
     "jaxsync.models.qwen3_omni._verify",
     "jaxsync.models.gemma3n._verify",

@@ -73,6 +73,8 @@ PUBLIC_MODULES = [
     "jaxsync.check._probe",
     "jaxsync.check._report",
     "jaxsync.testing",
+    "jaxsync.kv._slots",
+    "jaxsync.kv._storage",
 ]
 
 

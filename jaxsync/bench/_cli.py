@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,8 @@ def bench(argv: Sequence[str]) -> int:
     ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
 
+    # JAX's caches and torch's baselines share one GPU: JAX must not grab 75% of it up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     reason = _accelerator_or_reason()
     if reason:
         print(f"jaxsync bench: {reason}")

@@ -74,14 +74,23 @@ class _Side:
         self._sync(out)
 
 
-def measure(
-    fn: Callable[[], Any], side: _Side, *, repeat: int = 5, k: int = 10
-) -> dict[str, float]:
+def _forwards_per_sample(fn: Callable[[], Any], side: _Side) -> int:
+    # Enough back-to-back forwards for ~10 ms of work, so the busy-work subtraction (noise ~0.1 ms)
+    # stays small against the total, yet few enough to queue behind the ~30 ms spin.
+    side.sync()
+    t0 = time.perf_counter()
+    side.sync([fn() for _ in range(5)])
+    per_call = max((time.perf_counter() - t0) * 1e3 / 5, 1e-3)
+    return int(min(max(10.0 / per_call, 10), 1000))
+
+
+def measure(fn: Callable[[], Any], side: _Side, *, repeat: int = 5) -> dict[str, float]:
     """First-call time, device time per forward, and host-blocked time for a zero-arg closure."""
     t0 = time.perf_counter()
     side.sync(fn())
     first_ms = (time.perf_counter() - t0) * 1e3
     side.sync(fn())
+    k = _forwards_per_sample(fn, side)
 
     device, blocked = [], []
     for _ in range(repeat):
@@ -103,6 +112,7 @@ def measure(
         "first_call_ms": first_ms,
         "device_ms": statistics.median(device),
         "blocked_ms": statistics.median(blocked),
+        "forwards_per_sample": k,
     }
 
 

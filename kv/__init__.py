@@ -1,0 +1,16 @@
+"""jaxsync.kv: sync-free paged KV block copy, pinned-host swap, slot inject/extract, save/load.
+
+Ports vLLM's `copy_kv_blocks` and the ExampleConnector's KV paths (paths.md §6, §7). Every entry
+point validates its host metadata before dispatch, uploads ids in one transfer, pads counts to
+buckets (one compiled program per bucket) and handles all layers of a cache in one jitted call.
+"""
+
+from jaxsync.kv._copy import Direction as Direction, copy_blocks as copy_blocks
+from jaxsync.kv._layout import Cache as Cache, KVLayout as KVLayout
+from jaxsync.kv._slots import (
+    extract_kv as extract_kv,
+    inject_kv as inject_kv,
+    row_sharding as row_sharding,
+    slot_mapping_for as slot_mapping_for,
+)
+from jaxsync.kv._storage import kv_folder as kv_folder, load_kv as load_kv, save_kv as save_kv

@@ -1,0 +1,156 @@
+"""Benchmark cases for `jaxsync bench kv`: block copy and pinned-host swaps vs vLLM's torch pattern.
+
+"released": 32 layers x 4096 blocks x (8 kv heads x block 16 x 2*128) bf16, packed K/V
+(256 MiB per layer, 8 GiB per cache), copying 64, 512 and 2048 blocks. `bytes_moved` counts the
+bytes read plus written of the copied blocks. Baselines on the same data:
+
+* "vllm post-PR": ids staged pinned and uploaded non_blocking, then `index_select` +
+  `index_copy_` per layer (vLLM's copy on CUDA; the swap variants move the gathered blocks with
+  `.to(dst.device)` as `insert_blocks_to_device` / `swap_out_blocks_to_host` do);
+* "vllm pre-PR": the same with a blocking pageable id upload (`torch.tensor(ids, device=...)`);
+* "copy ceiling": one contiguous device copy of the same number of bytes (read + write).
+
+Note for the runner: JAX preallocates 75% of GPU memory by default; set
+XLA_PYTHON_CLIENT_PREALLOCATE=false so the torch baselines fit next to the JAX caches.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsync.kv._copy import copy_blocks
+from jaxsync.kv._layout import KVLayout
+from jaxsync.registry import BenchCase, register_bench
+
+
+SIZES = {
+    "tiny": dict(layers=4, layout=KVLayout(kind="packed", num_blocks=64, block_size=4,
+                 num_kv_heads=2, head_dim=8, dtype=jnp.float32), counts=(8, 16), host_blocks=64),
+    "released": dict(layers=32, layout=KVLayout(kind="packed", num_blocks=4096, block_size=16,
+                     num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16), counts=(64, 512, 2048),
+                     host_blocks=2048),
+}  # fmt: skip
+_ROTATE = 4  # distinct id sets per count, all in one bucket
+
+
+def _id_sets(count: int, num_src: int, num_dst: int, seed: int) -> list[tuple[list, list]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.choice(num_src, count, replace=False).tolist(),
+            rng.choice(num_dst, count, replace=False).tolist(),
+        )
+        for _ in range(_ROTATE)
+    ]
+
+
+def _torch_cases(device, src_t, dst_t, id_sets, to_dst):
+    import torch
+
+    pin = device.startswith("cuda")
+
+    def post():
+        s, d = next(post.ids)
+        s_idx = torch.tensor(s, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+        d_idx = torch.tensor(d, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+        if to_dst == "same":
+            for a, b in zip(src_t, dst_t, strict=True):
+                b.index_copy_(0, d_idx, a.index_select(0, s_idx))
+        else:
+            idx_src = s_idx if src_t[0].is_cuda else s_idx.cpu()
+            idx_dst = d_idx if dst_t[0].is_cuda else d_idx.cpu()
+            for a, b in zip(src_t, dst_t, strict=True):
+                b[idx_dst] = a[idx_src].to(b.device)
+        return dst_t
+
+    def pre():
+        s, d = next(pre.ids)
+        s_idx = torch.tensor(s, dtype=torch.int64, device=src_t[0].device)
+        d_idx = torch.tensor(d, dtype=torch.int64, device=dst_t[0].device)
+        for a, b in zip(src_t, dst_t, strict=True):
+            b[d_idx] = a[s_idx].to(b.device)
+        return dst_t
+
+    post.ids = itertools.cycle(id_sets)
+    pre.ids = itertools.cycle(id_sets)
+    return {"vllm post-PR": post, "vllm pre-PR": pre}
+
+
+@register_bench("kv")
+def kv_bench(device: str, size: str) -> list[BenchCase]:
+    """Copy (d2d) and swap (d2h, h2d) cases of `size` on `device` ("cuda"/"cpu")."""
+    import torch
+
+    from jaxsync.kv._reference import to_torch
+
+    cfg = SIZES[size]
+    layout: KVLayout = cfg["layout"]
+    names = [f"layer{i}" for i in range(cfg["layers"])]
+    dev = jax.devices()[0]
+    on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    pinned = on_dev.with_memory_kind("pinned_host")
+    host_layout = KVLayout(**{**layout.__dict__, "num_blocks": cfg["host_blocks"]})
+    src = layout.random(names, jax.random.key(0), placement=on_dev)
+    state = {
+        "d2d": layout.random(names, jax.random.key(1), placement=on_dev),
+        "d2h": host_layout.random(names, jax.random.key(2), placement=pinned),
+        "h2d": layout.random(names, jax.random.key(3), placement=on_dev),
+    }
+    host_src = host_layout.random(names, jax.random.key(4), placement=pinned)
+
+    def torch_cache(cache, where):
+        out = []
+        for name in names:
+            t = to_torch(cache[name]) if size == "tiny" else _torch_like(cache[name], device)
+            if where == "pinned":
+                t = t.cpu().pin_memory() if device.startswith("cuda") else t.cpu()
+            out.append(t if where == "pinned" else t.to(device))
+        return out
+
+    src_t = torch_cache(src, "device")
+    cases = []
+    per_block = layout.block_nbytes * len(names)
+    for count in cfg["counts"]:
+        for direction in ("d2d", "d2h", "h2d"):
+            if direction != "d2d" and count > cfg["host_blocks"] // 2:
+                continue
+            num_src = layout.num_blocks if direction != "h2d" else cfg["host_blocks"]
+            num_dst = layout.num_blocks if direction != "d2h" else cfg["host_blocks"]
+            id_sets = _id_sets(count, num_src, num_dst, count)
+            s_cache = host_src if direction == "h2d" else src
+            rotation = itertools.cycle(id_sets)
+
+            def jax_fn(direction=direction, s_cache=s_cache, ids=rotation):
+                s, d = next(ids)
+                # dst is donated: keep the returned cache for the next call
+                state[direction] = copy_blocks(s_cache, state[direction], s, d)
+                return state[direction]
+
+            s_t = src_t if direction == "d2d" else torch_cache(
+                s_cache, "pinned" if direction == "h2d" else "device")  # fmt: skip
+            d_t = torch_cache(state[direction], "pinned" if direction == "d2h" else "device")
+            same = "same" if direction == "d2d" else "cross"
+            torch_fns = _torch_cases(device, s_t, d_t, id_sets, same)
+            nbytes = 2 * count * per_block  # read + written
+            if direction == "d2d":
+                a = torch.empty(count * per_block, dtype=torch.uint8, device=device)
+                b = torch.empty_like(a)
+                torch_fns["copy ceiling"] = lambda a=a, b=b: b.copy_(a)
+            name = f"kv.copy_blocks {direction} {count} blocks ({size})"
+            cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
+    return cases
+
+
+def _torch_like(x: jax.Array, device: str):
+    """A torch tensor of x's shape and dtype with random contents, made on `device` directly
+    (copying 8 GiB through the host would take longer than the benchmark)."""
+    import torch
+
+    dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16, jnp.dtype(jnp.float32): torch.float32}[
+        x.dtype
+    ]
+    return torch.randn(x.shape, dtype=torch.float32, device=device).to(dtype)

@@ -1,0 +1,153 @@
+"""`copy_blocks`: dst[layer][dst_ids[k]] <- src[layer][src_ids[k]] for every layer, in one program.
+
+Port of vLLM's `copy_kv_blocks` (kv_connector/utils.py) with three changes, all deliberate:
+
+* mismatched id-list lengths raise (upstream silently copies nothing), as do out-of-range,
+  negative and repeated destination ids, and caches whose layers, block shapes or dtypes differ;
+* device->device is supported next to device->pinned-host ("d2h") and pinned-host->device ("h2d");
+* nothing blocks: ids go up in one packed async upload, the copy is dispatched and returns.
+
+Same-memory copies are one gather + one scatter per layer. Ids are padded to a bucket so every
+count in a bucket shares one program: padded source ids are 0 (a harmless read) and padded
+destination ids are P, P+1, ... (distinct, out of range, dropped by `mode="drop"`), which keeps
+the `unique_indices` promise to XLA true.
+
+Cross-memory copies run a device loop over the bucket; padded entries repeat the last real pair
+(an idempotent rewrite, since a dynamic update slice cannot drop). Each iteration moves one block
+per layer with a dynamic slice, a
+memory-space transfer and a dynamic update slice. XLA's host offloader turns these into DMAs of
+single blocks; a gather/scatter on a host-memory operand is either rejected by JAX (gather) or run
+as slow host compute (scatter), as measured on an H200 (JAX 0.11.2). Measured there at 32 layers x
+64 KiB blocks: d2h 41 GB/s for 512 blocks (78% of a 52 GB/s large pinned transfer), h2d only
+12 GB/s (per-block host->device DMAs are slow); d2d 1.0-1.7 TB/s for 512-2048 blocks, about half
+of a contiguous copy of the same bytes (gather + scatter, not fused into one pass).
+"""
+
+from __future__ import annotations
+
+import functools as ft
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+import jaxsync
+from jaxsync.check import entry_point
+from jaxsync.kv._layout import (
+    Cache,
+    cache_leaves,
+    check_range,
+    check_same_structure,
+    check_unique,
+    host_ids,
+    index_placement,
+    memory_kind,
+)
+
+
+Direction = Literal["d2d", "d2h", "h2d"]
+_DIRECTIONS: dict[tuple[str, str], str] = {
+    ("device", "device"): "d2d",
+    ("device", "pinned_host"): "d2h",
+    ("pinned_host", "device"): "h2d",
+}
+
+
+@ft.partial(jax.jit, donate_argnames="dst")
+def _copy_same_memory(src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
+    src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each, N = bucket
+
+    def one(s, d):  # s: [Ps, ...], d: [Pd, ...]
+        blocks = s.at[src_ids].get(mode="clip")  # [N, ...]
+        return d.at[dst_ids].set(blocks, mode="drop", unique_indices=True)
+
+    return jax.tree.map(one, src, dst)
+
+
+@ft.partial(jax.jit, donate_argnames="dst", static_argnames="to_host")
+def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: bool) -> Cache:
+    src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each, N = bucket
+    space = jax.memory.Space.Host if to_host else jax.memory.Space.Device
+
+    def body(k, d_tree):
+        def one(s, d):
+            block = jax.lax.dynamic_slice_in_dim(s, src_ids[k], 1, axis=0)  # [1, ...]
+            block = jax.device_put(block, space)
+            return jax.lax.dynamic_update_slice_in_dim(d, block, dst_ids[k], axis=0)
+
+        return jax.tree.map(one, src, d_tree)
+
+    # A static trip count (the bucket): with a trip count read from device memory, XLA:GPU copies
+    # the loop predicate to the host every iteration, which blocked the host on an H200. Padded
+    # entries repeat the last real (src, dst) pair: rewriting the same block is idempotent.
+    return jax.lax.fori_loop(0, src_ids.shape[0], body, dst)
+
+
+@entry_point
+def copy_blocks(
+    src: Cache,
+    dst: Cache,
+    src_ids: Any,
+    dst_ids: Any,
+    *,
+    direction: Direction | None = None,
+    buckets: tuple[int, ...] | None = None,
+) -> Cache:
+    """Copies blocks between two paged caches, every layer in one jitted call.
+
+    Args:
+      src: `{layer: [Ps, ...]}` (or (k, v) pairs), in device or pinned-host memory.
+      dst: same layers, block shapes and dtypes, `[Pd, ...]`; donated: the arrays passed in are
+        consumed and must not be used again; use the returned cache.
+      src_ids: host list/ndarray of source block ids.
+      dst_ids: host list/ndarray of destination block ids, same length, unique.
+      direction: optional "d2d", "d2h" or "h2d", checked against the caches' memory kinds
+        (which alone decide what runs).
+      buckets: block-count buckets (default: powers of two >= 8).
+
+    Returns:
+      The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`
+      itself (nothing is dispatched, nothing donated).
+
+    Raises:
+      ValueError: before anything is dispatched (both caches untouched) on mismatched lengths,
+        ids out of [0, P), repeated destination ids, differing layer sets / block shapes /
+        dtypes, an unknown or inconsistent direction, or an unsupported memory-kind pair.
+    """
+    s_leaves, _ = cache_leaves(src, "src")
+    d_leaves, _ = cache_leaves(dst, "dst")
+    kinds = (memory_kind(s_leaves, "src"), memory_kind(d_leaves, "dst"))
+    if direction is not None and direction not in ("d2d", "d2h", "h2d"):
+        raise ValueError(f"unknown direction {direction!r}; expected 'd2d', 'd2h' or 'h2d'")
+    if kinds not in _DIRECTIONS:
+        raise ValueError(f"unsupported copy {kinds[0]} -> {kinds[1]}; one side must be device")
+    actual = _DIRECTIONS[kinds]
+    if direction is not None and direction != actual:
+        raise ValueError(
+            f"direction {direction!r} given, but the caches' memory kinds say {actual!r}"
+        )
+    check_same_structure(src, dst, "src", "dst")
+    s_ids, d_ids = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
+    if s_ids.size != d_ids.size:
+        # Upstream silently does nothing here; a caller with such lists has a bug.
+        raise ValueError(f"src_ids has {s_ids.size} ids but dst_ids has {d_ids.size}")
+    num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
+    check_range(s_ids, num_src, "src_ids")
+    check_range(d_ids, num_dst, "dst_ids")
+    check_unique(d_ids, "dst_ids")
+    n = int(s_ids.size)
+    if n == 0:
+        return dst
+    size = jaxsync.bucket(n, buckets)
+    padded_src = np.zeros(size, np.int32)
+    padded_src[:n] = s_ids
+    padded_dst = np.arange(num_dst, num_dst + size, dtype=np.int32)  # distinct no-op sentinels
+    padded_dst[:n] = d_ids
+    if actual != "d2d":  # the cross-memory loop has no dropping scatter: repeat the last pair
+        padded_src[n:], padded_dst[n:] = s_ids[-1], d_ids[-1]
+    fields = {"src": padded_src, "dst": padded_dst}
+    device_leaf = s_leaves[0] if kinds[0] == "device" else d_leaves[0]
+    ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
+    if actual == "d2d":
+        return _copy_same_memory(src, dst, ids)
+    return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")

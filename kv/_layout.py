@@ -1,0 +1,200 @@
+"""Paged KV cache layouts and the host-side checks every kv entry point runs before dispatch.
+
+A cache is a pytree `{layer_name: leaf_or_pair}` whose leaves all put the block dimension first:
+
+* packed attention (vLLM): `[P, K, S, 2H]`, K and V concatenated on the last axis;
+* separate K/V: a `(k, v)` pair of `[P, K, S, H]` arrays;
+* MLA: `[P, S, L]`, L = kv_lora_rank + rope dim.
+
+(P = blocks, K = kv heads, S = block size, H = head dim, L = latent dim.) Block copies are
+layout-agnostic (dim 0 only); slot-mapping gathers tell attention (4-D leaves, heads on dim 1) from
+MLA (3-D leaves) by rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+Cache = dict[str, Any]  # layer name -> [P, ...] array, or a (k, v) pair of them
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    """Shape of one layer's paged KV cache.
+
+    Attributes:
+      kind: "packed" ([P, K, S, 2H]), "separate" ((k, v) pair of [P, K, S, H]) or "mla"
+        ([P, S, L]).
+      num_blocks: P, physical (kernel) blocks.
+      block_size: S, tokens per block.
+      num_kv_heads: K (attention layouts only).
+      head_dim: H (attention layouts only).
+      latent_dim: L (MLA only).
+      dtype: element dtype.
+    """
+
+    kind: Literal["packed", "separate", "mla"]
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+    dtype: Any = jnp.bfloat16
+
+    def __post_init__(self):
+        if self.kind not in ("packed", "separate", "mla"):
+            raise ValueError(f"kind must be 'packed', 'separate' or 'mla', got {self.kind!r}")
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        if self.kind == "mla" and self.latent_dim <= 0:
+            raise ValueError("an MLA layout needs latent_dim > 0")
+        if self.kind != "mla" and (self.num_kv_heads <= 0 or self.head_dim <= 0):
+            raise ValueError(f"a {self.kind} layout needs num_kv_heads > 0 and head_dim > 0")
+
+    @property
+    def leaf_shape(self) -> tuple[int, ...]:
+        """Shape of one array of the layer (each of k and v for "separate")."""
+        if self.kind == "mla":
+            return (self.num_blocks, self.block_size, self.latent_dim)
+        last = 2 * self.head_dim if self.kind == "packed" else self.head_dim
+        return (self.num_blocks, self.num_kv_heads, self.block_size, last)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer (k and v together)."""
+        leaves = 2 if self.kind == "separate" else 1
+        return leaves * int(np.prod(self.leaf_shape[1:])) * jnp.dtype(self.dtype).itemsize
+
+    def random(self, layers: Sequence[str], key: jax.Array, *, placement=None) -> Cache:
+        """A cache of random values (tests, benchmarks), placed with `placement` if given."""
+        keys = jax.random.split(key, 2 * len(layers))
+        dt = jnp.dtype(self.dtype)
+
+        def leaf(k):
+            if jnp.issubdtype(dt, jnp.integer):
+                info = jnp.iinfo(dt)
+                x = jax.random.randint(k, self.leaf_shape, info.min, info.max, dtype=dt)
+            else:
+                x = jax.random.normal(k, self.leaf_shape, jnp.float32).astype(dt)
+            return x if placement is None else jax.device_put(x, placement)
+
+        cache = {}
+        for i, name in enumerate(layers):
+            if self.kind == "separate":
+                cache[name] = (leaf(keys[2 * i]), leaf(keys[2 * i + 1]))
+            else:
+                cache[name] = leaf(keys[2 * i])
+        return cache
+
+
+def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
+    """Flattens a cache, checking that it is a non-empty dict of block-first jax.Arrays."""
+    if not isinstance(cache, dict):
+        raise TypeError(f"{what} must be a dict layer_name -> array, got {type(cache).__name__}")
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    if not leaves:
+        raise ValueError(f"{what} holds no arrays")
+    for leaf in leaves:
+        if not isinstance(leaf, jax.Array):
+            raise TypeError(f"{what} leaves must be jax.Arrays, got {type(leaf).__name__}")
+        if leaf.ndim < 2:
+            raise ValueError(f"{what} leaves need a block dim and a block, got shape {leaf.shape}")
+        if not _traced(leaf) and leaf.is_deleted():
+            raise ValueError(f"{what} holds a deleted (donated) array; use the returned cache")
+    blocks = {leaf.shape[0] for leaf in leaves}
+    if len(blocks) != 1:
+        raise ValueError(f"{what} layers disagree on the number of blocks: {sorted(blocks)}")
+    return leaves, treedef
+
+
+def check_same_structure(src: Cache, dst: Cache, src_name: str, dst_name: str) -> None:
+    """Same layer set, same per-layer structure, same block shape and dtype (P may differ)."""
+    if set(src) != set(dst):
+        only_s, only_d = sorted(set(src) - set(dst)), sorted(set(dst) - set(src))
+        raise ValueError(
+            f"{src_name} and {dst_name} have different layers: only in {src_name}: {only_s}, "
+            f"only in {dst_name}: {only_d}"
+        )
+    for name in src:
+        s_leaves, s_def = jax.tree_util.tree_flatten(src[name])
+        d_leaves, d_def = jax.tree_util.tree_flatten(dst[name])
+        if s_def != d_def:
+            raise ValueError(
+                f"layer {name!r}: structure {s_def} in {src_name}, {d_def} in {dst_name}"
+            )
+        for s, d in zip(s_leaves, d_leaves, strict=True):
+            if s.shape[1:] != d.shape[1:] or s.dtype != d.dtype:
+                raise ValueError(
+                    f"layer {name!r}: block shape/dtype {s.shape[1:]} {s.dtype} in {src_name} but "
+                    f"{d.shape[1:]} {d.dtype} in {dst_name}"
+                )
+
+
+def host_ids(ids: Any, name: str) -> np.ndarray:
+    """Block or slot ids as a 1-D int64 host array; rejects device arrays (a readback)."""
+    if isinstance(ids, jax.Array):
+        raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros((0,), np.int64)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D list of ints, got shape {arr.shape} {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def check_range(ids: np.ndarray, limit: int, name: str) -> None:
+    """0 <= ids < limit. Negative ids are refused: jnp indexing would wrap them silently."""
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)]
+        raise ValueError(f"{name} must lie in [0, {limit}); got {bad[:8].tolist()}")
+
+
+def check_unique(ids: np.ndarray, name: str) -> None:
+    """Duplicate scatter targets would make the result depend on XLA's write order."""
+    uniq, counts = np.unique(ids, return_counts=True)
+    if uniq.size != ids.size:
+        raise ValueError(f"{name} must be unique; repeated: {uniq[counts > 1][:8].tolist()}")
+
+
+def _traced(leaf: jax.Array) -> bool:
+    # Entry points also run under tracing (jaxsync.check's static scans); tracers have no
+    # concrete sharding or deletion state, and their memory space lives on the abstract value.
+    return isinstance(leaf, jax.core.Tracer)
+
+
+def index_placement(leaf: jax.Array) -> jax.sharding.Sharding | None:
+    """Where per-call ids go: device memory, replicated over the cache's devices."""
+    if _traced(leaf):
+        return None
+    sharding = leaf.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"
+        )
+    (device,) = sharding.device_set
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+
+
+def _memory_kind(leaf: jax.Array) -> str:
+    if _traced(leaf):
+        space = jax.typeof(leaf).memory_space
+        return "pinned_host" if space == jax.memory.Space.Host else "device"
+    return leaf.sharding.memory_kind or "device"
+
+
+def memory_kind(leaves: Sequence[jax.Array], what: str) -> str:
+    """The one memory kind all leaves of a cache live in ("device" or "pinned_host")."""
+    kinds = {_memory_kind(leaf) for leaf in leaves}
+    if len(kinds) != 1:
+        raise ValueError(f"{what} mixes memory kinds {sorted(kinds)}")
+    (kind,) = kinds
+    if kind not in ("device", "pinned_host"):
+        raise ValueError(f"{what} lives in memory kind {kind!r}; supported: device, pinned_host")
+    return kind

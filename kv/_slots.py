@@ -1,0 +1,195 @@
+"""Slot mappings and per-token KV gather/scatter (vLLM ExampleConnector's extract/inject).
+
+A slot is `block_id * S + offset`: token t of a request lives at offset `slot % S` of block
+`slot // S`. Attention leaves `[P, K, S, X]` give per-token rows `[T, K, X]` (heads kept, as
+upstream's `layer[slot // S, :, slot % S]`); MLA leaves `[P, S, L]` give `[T, L]` (upstream's
+`layer.reshape(P * S, -1)[slot]`).
+
+The slot list is host data, validated on the host and uploaded once; it is padded to a bucket
+with distinct out-of-range sentinels (P*S, P*S+1, ...), so every length in a bucket shares one
+program: padded rows read as zeros in `extract_kv` and are dropped by `inject_kv`.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+from typing import Any
+
+import jax
+import numpy as np
+
+import jaxsync
+from jaxsync.check import entry_point
+from jaxsync.kv._layout import (
+    Cache,
+    cache_leaves,
+    check_range,
+    check_unique,
+    host_ids,
+    index_placement,
+    memory_kind,
+)
+
+
+def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.ndarray:
+    """Slots of the first tokens of a request, rounded down to whole blocks as upstream does.
+
+    Upstream (`ReqMeta.make_meta`) keeps `(n - 1) // S * S` tokens: the last token is always
+    dropped, so a prompt of exactly k*S tokens keeps only k-1 blocks, and n = 0 gives -S, which
+    upstream then uses as a negative slice end (all but the last block of the table: garbage).
+    Here n = 0 gives an empty mapping, and a block table too short for the kept tokens raises
+    (upstream silently returns fewer slots than tokens).
+
+    Args:
+      block_ids: host list of the request's block ids, in token order.
+      block_size: S, tokens per block (the kernel block size).
+      num_tokens: n, the request's token count.
+
+    Returns:
+      int64 `[(n - 1) // S * S]` slots (a multiple of S; empty when n <= S).
+
+    >>> slot_mapping_for([3, 1], 4, 6).tolist()
+    [12, 13, 14, 15]
+    >>> slot_mapping_for([3, 1], 4, 8).tolist(), slot_mapping_for([3], 4, 0).tolist()
+    ([12, 13, 14, 15], [])
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    ids = host_ids(block_ids, "block_ids")
+    check_range(ids, np.iinfo(np.int32).max // block_size, "block_ids")
+    valid = 0 if num_tokens == 0 else (num_tokens - 1) // block_size * block_size
+    needed = valid // block_size
+    if ids.size < needed:
+        raise ValueError(f"{num_tokens} tokens keep {needed} blocks but only {ids.size} are given")
+    offsets = np.arange(block_size, dtype=np.int64)
+    return (ids[:needed, None] * block_size + offsets[None, :]).reshape(-1)
+
+
+def _split(leaf: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    block_size = leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1]
+    return slots // block_size, slots % block_size  # [T], [T]
+
+
+@jax.jit
+def _extract(caches: Cache, ids: jaxsync.Packed) -> Cache:
+    slots = ids["slots"]  # [T]
+
+    def one(leaf):
+        b, s = _split(leaf, slots)
+        index = (b, slice(None), s) if leaf.ndim == 4 else (b, s)
+        return leaf.at[index].get(mode="fill", fill_value=0)  # [T, K, X] or [T, L]
+
+    return jax.tree.map(one, caches)
+
+
+@ft.partial(jax.jit, donate_argnames="caches")
+def _inject(caches: Cache, kv: Cache, ids: jaxsync.Packed) -> Cache:
+    slots = ids["slots"]  # [T]
+
+    def one(leaf, rows):
+        b, s = _split(leaf, slots)
+        index = (b, slice(None), s) if leaf.ndim == 4 else (b, s)
+        return leaf.at[index].set(rows, mode="drop", unique_indices=True)
+
+    return jax.tree.map(one, caches, kv)
+
+
+def _prepare(caches: Cache, slot_mapping: Any, buckets, *, unique: bool):
+    """Validates caches and slots on the host; returns (leaves, n, padded upload fields)."""
+    leaves, _ = cache_leaves(caches, "caches")
+    for leaf in leaves:
+        if leaf.ndim not in (3, 4):
+            raise ValueError(
+                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves, got "
+                f"shape {leaf.shape}"
+            )
+        if memory_kind([leaf], "caches") != "device":
+            raise ValueError("extract_kv / inject_kv work on device-memory caches")
+    sizes = {leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1] for leaf in leaves}
+    if len(sizes) != 1:
+        raise ValueError(f"layers disagree on the block size: {sorted(sizes)}")
+    (block_size,) = sizes
+    num_slots = leaves[0].shape[0] * block_size
+    slots = host_ids(slot_mapping, "slot_mapping")
+    check_range(slots, num_slots, "slot_mapping")
+    if unique:
+        check_unique(slots, "slot_mapping")
+    n = int(slots.size)
+    size = jaxsync.bucket(n, buckets)
+    if num_slots + size > np.iinfo(np.int32).max:
+        raise ValueError("cache too large for int32 slot ids")
+    padded = np.arange(num_slots, num_slots + size, dtype=np.int32)  # distinct no-op sentinels
+    padded[:n] = slots
+    return leaves, n, size, {"slots": padded}
+
+
+def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:
+    """Sharding of per-token rows cut from `leaf`: its head/latent sharding, rows replicated."""
+    if isinstance(leaf, jax.core.Tracer):
+        return None  # traced by a static scan: placement is irrelevant there
+    sharding = leaf.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    kept = (None, spec[1], spec[3]) if leaf.ndim == 4 else (None, spec[2])
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
+
+
+@entry_point
+def extract_kv(
+    caches: Cache, slot_mapping: Any, *, buckets: tuple[int, ...] | None = None
+) -> Cache:
+    """Gathers the KV rows of `slot_mapping` from every layer in one jitted call.
+
+    Args:
+      caches: `{layer: [P, K, S, X] | [P, S, L] | (k, v)}` in device memory.
+      slot_mapping: host list/ndarray of T slots in [0, P*S).
+      buckets: length buckets (default: powers of two >= 8).
+
+    Returns:
+      `{layer: [N, K, X] | [N, L]}` with N = bucket(T) >= T: rows T.. are zero padding (the
+      padded length keeps one program per bucket; slice `[:T]` on the host after reading back).
+    """
+    leaves, _, _, fields = _prepare(caches, slot_mapping, buckets, unique=False)
+    return _extract(caches, jaxsync.upload_packed(fields, placement=index_placement(leaves[0])))
+
+
+@entry_point
+def inject_kv(
+    caches: Cache, kv: Cache, slot_mapping: Any, *, buckets: tuple[int, ...] | None = None
+) -> Cache:
+    """Writes per-token KV rows into every layer at `slot_mapping`, in one jitted call.
+
+    Args:
+      caches: as for `extract_kv`; donated (use the returned cache).
+      kv: same structure, leaves `[N, K, X]` / `[N, L]` with N = bucket(T) (what `extract_kv`
+        returns); rows T.. are ignored.
+      slot_mapping: host list/ndarray of T unique slots in [0, P*S).
+      buckets: length buckets (default: powers of two >= 8).
+
+    Returns:
+      The updated caches. With T = 0, `caches` itself (nothing dispatched).
+
+    Raises:
+      ValueError: before dispatch on bad slots or kv rows whose structure, shape or dtype do not
+        match the caches.
+    """
+    leaves, n, size, fields = _prepare(caches, slot_mapping, buckets, unique=True)
+    treedef = jax.tree_util.tree_structure(caches)
+    kv_leaves, kv_def = jax.tree_util.tree_flatten(kv)
+    if kv_def != treedef:
+        raise ValueError(f"kv structure {kv_def} does not match the caches' {treedef}")
+    for leaf, rows in zip(leaves, kv_leaves, strict=True):
+        if not isinstance(rows, jax.Array):
+            raise TypeError("kv rows must be jax.Arrays (load_kv uploads host data)")
+        want = (size, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (size, leaf.shape[2])
+        if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
+            raise ValueError(
+                f"kv rows must be {want} {leaf.dtype} for {n} slots (bucket {size}), "
+                f"got {tuple(rows.shape)} {rows.dtype}"
+            )
+    if n == 0:
+        return caches
+    return _inject(caches, kv, jaxsync.upload_packed(fields, placement=index_placement(leaves[0])))

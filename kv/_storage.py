@@ -1,0 +1,168 @@
+"""`save_kv` / `load_kv`: a request's KV on disk, one safetensors file per layer (ExampleConnector).
+
+Layout as upstream: `{root}/{md5(token bytes + "-".join(mm_hashes))}/{layer}.safetensors`, one
+tensor "kv_cache" (`[T, K, X]` attention rows or `[T, L]` MLA rows); a separate-K/V layer stores
+"k_cache" and "v_cache". The key hashes the kept tokens (the first `(n - 1) // S * S`, see
+`slot_mapping_for`) as int64 bytes, like upstream's `token_ids.numpy().tobytes()`.
+
+Loading lands on each cache's own device or sharding (upstream post-#51458 hard-coded "cuda") and
+never waits on the device: files are read on the host, padded to the slot bucket in fresh host
+buffers, uploaded with explicit async puts and injected by one jitted call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import jaxsync
+from jaxsync.check import entry_point
+from jaxsync.kv._layout import Cache, cache_leaves
+from jaxsync.kv._slots import extract_kv, inject_kv, row_sharding, slot_mapping_for
+
+
+def kv_folder(root: str | os.PathLike, token_ids: Any, mm_hashes: Sequence[str] = ()) -> str:
+    """The folder that holds a request's KV: `root/<md5 hex of token bytes + mm hashes>`.
+
+    >>> os.path.basename(kv_folder("/tmp", [1, 2, 3]))
+    'aa341a15f5ade44faafbe190f98c2587'
+    """
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    if mm_hashes:
+        data += "-".join(mm_hashes).encode("utf-8")
+    try:
+        digest = hashlib.md5(data, usedforsecurity=False).hexdigest()
+    except ValueError:  # FIPS builds refuse md5 even for non-security use; upstream falls back too
+        digest = hashlib.sha256(data).hexdigest()
+    return os.path.join(os.fspath(root), digest)
+
+
+def _block_size(caches: Cache) -> int:
+    leaves, _ = cache_leaves(caches, "caches")
+    leaf = leaves[0]
+    return leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1]
+
+
+def _tensor_names(value: Any, layer: str) -> list[str]:
+    if isinstance(value, jax.Array):
+        return ["kv_cache"]
+    if isinstance(value, tuple | list) and len(value) == 2:
+        return ["k_cache", "v_cache"]
+    raise ValueError(f"layer {layer!r} must be an array or a (k, v) pair")
+
+
+def _check_layer_names(caches: Cache) -> None:
+    for name in caches:
+        if not name or "/" in name or os.sep in name or name in (".", ".."):
+            raise ValueError(f"layer name {name!r} cannot be a file name")
+
+
+def _plan(caches: Cache, token_ids: Any, block_ids: Any, root, mm_hashes):
+    _check_layer_names(caches)
+    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    slots = slot_mapping_for(block_ids, _block_size(caches), int(tokens.size))
+    return slots, kv_folder(root, tokens[: slots.size], mm_hashes)
+
+
+def save_kv(
+    root: str | os.PathLike,
+    caches: Cache,
+    token_ids: Any,
+    block_ids: Any,
+    *,
+    mm_hashes: Sequence[str] = (),
+) -> str | None:
+    """Saves a request's KV rows, one safetensors file per layer.
+
+    Writing a file needs the data on the host, so this call waits for it (upstream's `.cpu()`
+    does too); the gather itself is `extract_kv`, sync-free, and all layers are fetched with one
+    `jax.device_get`.
+
+    Args:
+      root: storage root; the request folder is created under it.
+      caches: `{layer: cache}` in device memory.
+      token_ids: the request's token ids (host).
+      block_ids: its block table (host).
+      mm_hashes: multimodal hashes mixed into the folder key.
+
+    Returns:
+      The folder written, or None when no whole block is kept (nothing to save).
+    """
+    slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes)
+    if slots.size == 0:
+        return None
+    rows = jax.device_get(extract_kv(caches, slots))  # explicit: the one readback, all layers
+    os.makedirs(folder, exist_ok=True)
+    for layer, value in rows.items():
+        arrays = value if isinstance(value, tuple | list) else (value,)
+        names = _tensor_names(caches[layer], layer)
+        tensors = {
+            k: np.ascontiguousarray(a[: slots.size]) for k, a in zip(names, arrays, strict=True)
+        }
+        save_file(tensors, os.path.join(folder, f"{layer}.safetensors"))
+    return folder
+
+
+@entry_point
+def load_kv(
+    root: str | os.PathLike,
+    caches: Cache,
+    token_ids: Any,
+    block_ids: Any,
+    *,
+    mm_hashes: Sequence[str] = (),
+    buckets: tuple[int, ...] | None = None,
+) -> Cache:
+    """Loads a request's KV rows saved by `save_kv` into `caches` (donated), without waiting.
+
+    Args:
+      root: storage root used by `save_kv`.
+      caches: `{layer: cache}` in device memory; each layer's rows land on its own sharding.
+      token_ids, block_ids, mm_hashes: as for `save_kv` (block ids may differ from the save).
+      buckets: slot-count buckets (default: powers of two >= 8).
+
+    Returns:
+      The updated caches (`caches` itself when no whole block is kept).
+
+    Raises:
+      FileNotFoundError: a layer file is missing.
+      ValueError: a stored tensor's shape or dtype does not fit the cache (caches untouched).
+    """
+    slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes)
+    n = int(slots.size)
+    if n == 0:
+        return caches
+    size = jaxsync.bucket(n, buckets)
+    host: dict[str, Any] = {}
+    for layer, value in caches.items():
+        path = os.path.join(folder, f"{layer}.safetensors")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no saved KV for layer {layer!r}: {path}")
+        leaves = [value] if isinstance(value, jax.Array) else list(value)
+        rows = []
+        with safe_open(path, framework="numpy") as f:
+            for name, leaf in zip(_tensor_names(value, layer), leaves, strict=True):
+                stored = f.get_tensor(name)
+                want = (n, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (n, leaf.shape[2])
+                if stored.shape != want or stored.dtype != leaf.dtype:
+                    raise ValueError(
+                        f"{path}:{name} is {stored.shape} {stored.dtype}, cache needs {want} "
+                        f"{leaf.dtype}"
+                    )
+                # A fresh buffer nobody mutates afterwards, so the async put may alias it.
+                padded = np.zeros((size, *want[1:]), stored.dtype)
+                padded[:n] = stored
+                rows.append((padded, row_sharding(leaf)))
+        host[layer] = rows
+    kv = {}
+    for layer, rows in host.items():  # uploads only after every file was checked
+        puts = [jax.device_put(a, s) for a, s in rows]
+        kv[layer] = puts[0] if isinstance(caches[layer], jax.Array) else type(caches[layer])(puts)
+    return inject_kv(caches, kv, slots, buckets=buckets)
