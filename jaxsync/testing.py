@@ -78,6 +78,23 @@ def save_torch_state(module_or_state: Any, path: str | Path) -> str:
     return str(path)
 
 
+def device_mesh(axis: str = "x", max_devices: int = 8):
+    """A 1-D mesh over the largest power of two <= min(max_devices, devices) of this backend.
+
+    CI gets 8 simulated CPU devices; a multi-GPU machine gets its GPUs. Skips the calling test
+    when fewer than 2 devices exist.
+    """
+    import jax
+
+    n = min(max_devices, len(jax.devices()))
+    n = 1 << (n.bit_length() - 1)
+    if n < 2:
+        import pytest
+
+        pytest.skip("needs at least 2 devices")
+    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+
+
 def torch_available() -> bool:
     """True when torch and transformers import."""
     try:

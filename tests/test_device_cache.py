@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
+from jaxsync.testing import device_mesh
 
 
 def test_builds_once_per_placement():
@@ -35,13 +36,13 @@ def test_builds_once_per_placement():
 
 
 def test_replicated_over_mesh_is_one_entry():
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = device_mesh()
     rep = NamedSharding(mesh, P())
     cache = jaxsync.DeviceCache()
     a = cache.get("table", np.ones((4, 3), np.float32), placement=rep)
     b = cache.get("table", np.zeros((4, 3), np.float32), placement=NamedSharding(mesh, P()))
     assert a is b and len(cache) == 1
-    assert a.sharding.is_equivalent_to(rep, 2) and len(a.devices()) == 8
+    assert a.sharding.is_equivalent_to(rep, 2) and len(a.devices()) == mesh.size
 
 
 def test_concurrent_first_use_builds_once():
@@ -122,7 +123,7 @@ def test_async_h2d_rejects_device_arrays_and_converts_dtype():
         jaxsync.async_h2d(jax.numpy.ones(3))
     x = jaxsync.async_h2d([1, 2, 3], dtype=np.int64 if jax.config.jax_enable_x64 else np.int32)
     assert x.shape == (3,)
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = device_mesh()
     s = NamedSharding(mesh, P("x"))
     y = jaxsync.async_h2d(np.arange(16, dtype=np.float32), placement=s)
     assert y.sharding == s

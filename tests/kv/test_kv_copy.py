@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync.check
+import jaxsync.testing
 from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
 from jaxsync.kv._reference import as_numpy, to_numpy, torch_copy_blocks
@@ -191,7 +192,7 @@ def test_in_place_update_scales_with_blocks_not_cache():
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((8,), ("h",), devices=jax.devices()[:8])
+    return jaxsync.testing.device_mesh("h")
 
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
 import jaxsync.check
+import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, inject_kv, slot_mapping_for
 from jaxsync.kv._reference import as_numpy, to_numpy, torch_extract, torch_inject
 from jaxsync.kv._slots import _extract, _inject
@@ -161,7 +162,7 @@ COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "
 
 @pytest.mark.parametrize("kind", ["packed", "mla"])
 def test_sharded_keeps_sharding_without_collectives(kind):
-    mesh = jax.make_mesh((8,), ("h",), devices=jax.devices()[:8])
+    mesh = jaxsync.testing.device_mesh("h")
     dims = (
         dict(kind="packed", num_kv_heads=8, head_dim=2)
         if kind == "packed"

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
 import jaxsync.check
+import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, kv_folder, load_kv, save_kv, slot_mapping_for
 from jaxsync.kv._reference import as_numpy, to_numpy, torch_extract
 
@@ -62,7 +63,7 @@ def test_save_matches_torch_and_load_round_trips(tmp_path, kind):
 
 
 def test_load_lands_on_the_cache_sharding_sync_free(tmp_path):
-    mesh = jax.make_mesh((8,), ("h",), devices=jax.devices()[:8])
+    mesh = jaxsync.testing.device_mesh("h")
     shard = NamedSharding(mesh, P(None, "h"))
     layout = KVLayout(kind="packed", num_blocks=9, block_size=4, num_kv_heads=8, head_dim=2,
                       dtype=jnp.float32)  # fmt: skip
