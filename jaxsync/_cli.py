@@ -58,38 +58,37 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool) -> dict[str, Any
     return row
 
 
-def _print_table(rows: list[dict[str, Any]], backend: str) -> None:
-    print(f"jaxsync verify — backend: {backend}")
-    header = (
-        f"{'path':<30} {'parity':<28} {'static':<7} {'guard':<6} {'recomp':<7} {'blocked':>10}  ok"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        checks = {c["check"]: c["ok"] for c in r.get("checks", [])}
-        static = checks.get("jaxpr: no host callback") and checks.get("hlo: no host transfer")
-        p = r.get("parity", {})
-        if p.get("status") in ("pass", "fail") and "max_err" in p:
-            parity = f"{p['status']} {p['metric']} {p['max_err']:.1e}/{p['tol']:.0e}"
-        else:
-            parity = p.get("status", "-") + (" (no torch)" if p.get("status") == "skipped" else "")
+_HEADER = (
+    f"{'path':<30} {'parity':<30} {'static':<7} {'guard':<6} {'recomp':<7} {'blocked':>10}  ok"
+)
 
-        def v(x):
-            return "-" if x is None else ("PASS" if x else "FAIL")
 
-        blocked = f"{r['blocked_ms']:.2f} ms" if "blocked_ms" in r else "-"
-        print(
-            f"{r['path']:<30} {parity:<28} {v(static):<7} "
-            f"{v(checks.get('runtime: sync_guard')):<6} "
-            f"{v(checks.get('no recompile')):<7} {blocked:>10}  {'yes' if r.get('ok') else 'NO'}"
-        )
-        if "error" in r:
-            print(f"    {r['error']}")
-        for c in r.get("checks", []):
-            if c["ok"] is False:
-                print(f"    {c['check']}: {c['detail']}")
-        if p.get("status") == "fail":
-            print(f"    parity: {p.get('detail')}")
+def _format_row(r: dict[str, Any]) -> str:
+    checks = {c["check"]: c["ok"] for c in r.get("checks", [])}
+    static = checks.get("jaxpr: no host callback") and checks.get("hlo: no host transfer")
+    p = r.get("parity", {})
+    if p.get("status") in ("pass", "fail") and "max_err" in p:
+        parity = f"{p['status']} {p['metric'][:4]} {p['max_err']:.1e}/{p['tol']:.0e}"
+    else:
+        parity = p.get("status", "-") + (" (no torch)" if p.get("status") == "skipped" else "")
+
+    def v(x):
+        return "-" if x is None else ("PASS" if x else "FAIL")
+
+    blocked = f"{r['blocked_ms']:.2f} ms" if "blocked_ms" in r else "-"
+    lines = [
+        f"{r['path']:<30} {parity:<30} {v(static):<7} "
+        f"{v(checks.get('runtime: sync_guard')):<6} "
+        f"{v(checks.get('no recompile')):<7} {blocked:>10}  {'yes' if r.get('ok') else 'NO'}"
+    ]
+    if "error" in r:
+        lines.append(f"    {r['error']}")
+    for c in r.get("checks", []):
+        if c["ok"] is False:
+            lines.append(f"    {c['check']}: {c['detail']}")
+    if p.get("status") == "fail":
+        lines.append(f"    parity: {p.get('detail')}")
+    return "\n".join(lines)
 
 
 def verify(argv: Sequence[str]) -> int:
@@ -113,13 +112,25 @@ def verify(argv: Sequence[str]) -> int:
         from jaxsync._precompile import precompile
 
         precompile([s.name for s in specs])
-    rows = [_verify_one(s, args.checkpoint, not args.no_probe) for s in specs]
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind}, jax {jax.__version__})"
+    if not args.json:  # rows stream as they finish: a slow or killed run still shows its results
+        print(f"jaxsync verify — backend: {backend}")
+        print(_HEADER)
+        print("-" * len(_HEADER), flush=True)
+    rows = []
+    for spec in specs:
+        rows.append(_verify_one(spec, args.checkpoint, not args.no_probe))
+        if not args.json:
+            print(_format_row(rows[-1]), flush=True)
     if args.json:
         print(json.dumps({"backend": backend, "paths": rows}, indent=2, default=str))
     else:
-        _print_table(rows, backend)
-    return 0 if rows and all(r.get("ok") for r in rows) else 1
+        failed = [r["path"] for r in rows if not r.get("ok")]
+        print(
+            f"{len(rows) - len(failed)} of {len(rows)} paths verified"
+            + (f"; FAILED: {', '.join(failed)}" if failed else "")
+        )
+    return 0 if rows and not any(not r.get("ok") for r in rows) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ PATH_MODULES: tuple[str, ...] = (
     "jaxsync.models.qwen3_omni._verify",
     "jaxsync.models.gemma3n._verify",
     "jaxsync.models.voxtral._verify",
+    "jaxsync.models.glm4v._verify",
 )
 
 

@@ -1,0 +1,167 @@
+"""Configuration of the GLM-4.1V vision tower (transformers `Glm4vVisionConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+
+Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
+
+# Fields of the HF config that this port reads.
+_HANDLED = (
+    "depth",
+    "hidden_size",
+    "hidden_act",
+    "attention_bias",
+    "num_heads",
+    "in_channels",
+    "image_size",
+    "patch_size",
+    "rms_norm_eps",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "out_hidden_size",
+    "intermediate_size",
+    "rope_parameters",
+)
+# Fields that cannot change inference: training-only knobs and generic bookkeeping.
+_IGNORED = (
+    "attention_dropout",  # dropout is off at inference
+    "initializer_range",
+    "transformers_version",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "model_type",
+    "id2label",
+    "label2id",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "problem_type",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+)
+
+
+def _square(name: str, value: Any) -> int:
+    """HF allows `int | [a, b]` sizes; the tower (and its square table) needs a == b."""
+    if isinstance(value, list | tuple):
+        if len(value) != 2 or value[0] != value[1]:
+            raise ValueError(f"{name} must be an int or a square pair, got {value!r}")
+        value = value[0]
+    return int(value)
+
+
+def _scalar(name: str, value: Any) -> int:
+    if not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Glm4vVisionConfig:
+    """GLM-4.1V vision tower hyper-parameters (defaults: GLM-4.1V-9B, 576-entry 24x24 table).
+
+    Attributes:
+      depth: number of transformer blocks.
+      hidden_size: model width D.
+      num_heads: attention heads N; head dim H = D / N must be a multiple of 4 (2-D rotary).
+      hidden_act: activation of the block MLPs and of the merger's gated MLP.
+      attention_bias: whether the fused qkv projection has a bias.
+      in_channels: pixel channels.
+      image_size: side of the pretraining image; the position table is (image_size//patch_size)^2.
+      patch_size: spatial patch side.
+      temporal_patch_size: frames per temporal patch.
+      spatial_merge_size: m; m x m patches are merged into one output token.
+      out_hidden_size: width after the downsample conv (also the block MLP width, as upstream).
+      intermediate_size: hidden width of the merger's gated MLP.
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope_theta: rotary base.
+    """
+
+    depth: int = 24
+    hidden_size: int = 1536
+    num_heads: int = 12
+    hidden_act: Activation = "silu"
+    attention_bias: bool = False
+    in_channels: int = 3
+    image_size: int = 336
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 4096
+    intermediate_size: int = 13696
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} % num_heads {self.num_heads} != 0")
+        if self.head_dim % 4:
+            raise ValueError(f"head dim {self.head_dim} must be a multiple of 4 (2-D rotary)")
+        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported")
+        if self.table_side < 1:
+            raise ValueError(f"image_size {self.image_size} < patch_size {self.patch_size}")
+        for name in ("depth", "spatial_merge_size", "temporal_patch_size", "in_channels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def table_side(self) -> int:
+        """S: the position table is S x S."""
+        return self.image_size // self.patch_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixel values per patch: in_channels * temporal_patch_size * patch_size^2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf_config(cls, hf_cfg: Any) -> Glm4vVisionConfig:
+        """Builds the config from a transformers `Glm4vVisionConfig` (or a `Glm4vConfig`).
+
+        Raises:
+          ValueError: a field this port does not implement has a non-default value.
+        """
+        from transformers import Glm4vVisionConfig as HfConfig
+
+        if hasattr(hf_cfg, "vision_config"):
+            hf_cfg = hf_cfg.vision_config
+        got, default = hf_cfg.to_dict(), HfConfig().to_dict()
+        unknown = {
+            k: v
+            for k, v in got.items()
+            if k not in _HANDLED and k not in _IGNORED and default.get(k, object()) != v
+        }
+        if unknown:
+            raise ValueError(f"unsupported Glm4vVisionConfig field(s): {unknown}")
+        rope = got.get("rope_parameters") or {}
+        extra = set(rope) - {"rope_type", "rope_theta"}
+        if rope.get("rope_type", "axial") != "axial" or extra:
+            raise ValueError(f"only axial rope with rope_theta is supported, got {rope}")
+        return cls(
+            depth=got["depth"],
+            hidden_size=got["hidden_size"],
+            num_heads=got["num_heads"],
+            hidden_act=got["hidden_act"],
+            attention_bias=bool(got["attention_bias"]),
+            in_channels=got["in_channels"],
+            image_size=_square("image_size", got["image_size"]),
+            patch_size=_square("patch_size", got["patch_size"]),
+            temporal_patch_size=_scalar("temporal_patch_size", got["temporal_patch_size"]),
+            spatial_merge_size=got["spatial_merge_size"],
+            out_hidden_size=got["out_hidden_size"],
+            intermediate_size=got["intermediate_size"],
+            rms_norm_eps=float(got["rms_norm_eps"]),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )

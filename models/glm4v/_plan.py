@@ -1,0 +1,131 @@
+"""Host-side plan of a packed vision batch: everything derived from `grid_thw`, in numpy.
+
+Upstream derives coordinates, per-patch target sizes and attention segment lengths on the device
+(post-PR still with a blocking `lengths` upload and a `lengths[i]` read-back). Here they are pure
+functions of host metadata, computed once in numpy and moved in ONE packed transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+import jaxsync
+from jaxsync.models.glm4v._config import Glm4vVisionConfig
+
+
+# Merged-token buckets: powers of two and their 1.5x midpoints from 8 up (8, 12, 16, 24, ...), so
+# padding wastes at most a third of a batch (a 336x336 image, 144 tokens, runs at 192, not 256)
+# while one program still serves a whole range of image sizes.
+DEFAULT_GROUP_BUCKETS: tuple[int, ...] = tuple(
+    sorted({b for k in range(3, 21) for b in (2**k, 3 * 2 ** (k - 1))})
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionPlan:
+    """Host metadata of one packed batch.
+
+    Attributes:
+      grid_thw: [B, 3] int64 (t, h, w) per item, in patches.
+      num_patches: real patch count (sum of t*h*w).
+      padded_patches: the bucketed patch count (a multiple of merge_size**2).
+      tokens_per_item: merged output tokens per item (t*h*w / merge_size**2).
+      fields: the arrays for `upload_packed`, each [padded_patches]:
+        h, w (int32 patch coordinates in merge-block order), th, tw (int32 target grid of the
+        patch's image), seg (int32 attention segment: one per frame; padding gets its own).
+    """
+
+    grid_thw: np.ndarray
+    num_patches: int
+    padded_patches: int
+    tokens_per_item: tuple[int, ...]
+    fields: dict[str, np.ndarray]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens_per_item)
+
+
+def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np.ndarray:
+    """Validates `grid_thw` on the host; returns it as [B, 3] int64.
+
+    Raises:
+      ValueError: empty batch, wrong shape, non-positive sizes, or h/w not multiples of `merge`.
+    """
+    if hasattr(grid_thw, "addressable_shards") or hasattr(grid_thw, "detach"):
+        # a device tensor would need a read-back; upstream's .tolist() is exactly what we avoid
+        raise TypeError("grid_thw must be host data (list or numpy array), not a device array")
+    grid = np.asarray(grid_thw, dtype=np.int64)
+    if grid.size == 0:
+        raise ValueError("empty batch: grid_thw has no items")
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        raise ValueError(f"grid_thw must have shape [B, 3], got {grid.shape}")
+    if (grid < 1).any():
+        raise ValueError(f"grid_thw entries must be >= 1, got {grid.tolist()}")
+    bad = [row for row in grid.tolist() if row[1] % merge or row[2] % merge]
+    if bad:
+        raise ValueError(f"h and w must be multiples of spatial_merge_size={merge}; got {bad}")
+    return grid
+
+
+def merge_block_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row/column of every patch of an h x w grid, enumerated block-row, block-col, inner-row,
+    inner-col (the order the patches arrive in and `rot_pos_emb` uses)."""
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    order = (0, 2, 1, 3)
+    return rows.reshape(shape).transpose(order).ravel(), cols.reshape(shape).transpose(
+        order
+    ).ravel()
+
+
+def plan_batch(
+    grid_thw: Sequence[Sequence[int]] | np.ndarray,
+    cfg: Glm4vVisionConfig,
+    *,
+    num_patches: int | None = None,
+    group_buckets: Sequence[int] | None = None,
+) -> VisionPlan:
+    """Plans a packed batch of images (t = 1) and videos (t frames, each its own segment).
+
+    Args:
+      grid_thw: [B, 3] (t, h, w) per item in patches, host data.
+      cfg: the tower config.
+      num_patches: rows of the pixel array, checked against sum(t*h*w) when given.
+      group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
+
+    Raises:
+      ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`.
+    """
+    merge = cfg.spatial_merge_size
+    grid = check_grid(grid_thw, merge)
+    real = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+    if num_patches is not None and num_patches != real:
+        raise ValueError(f"grid_thw describes {real} patches but the pixel array has {num_patches}")
+    # Bucket the merged-token count so the padded patch count stays a multiple of merge**2: every
+    # padding group is then a whole merge block and never mixes with a real one.
+    padded = (
+        merge
+        * merge
+        * jaxsync.bucket(real // (merge * merge), group_buckets or DEFAULT_GROUP_BUCKETS)
+    )
+
+    h = np.zeros(padded, np.int32)
+    w = np.zeros(padded, np.int32)
+    th = np.ones(padded, np.int32)
+    tw = np.ones(padded, np.int32)
+    seg = np.zeros(padded, np.int32)
+    start, frame = 0, 0
+    for t, gh, gw in grid.tolist():
+        rows, cols = merge_block_coords(gh, gw, merge)
+        for _ in range(t):  # every frame gets the same coordinates and its own segment
+            end = start + gh * gw
+            h[start:end], w[start:end], th[start:end], tw[start:end] = rows, cols, gh, gw
+            seg[start:end] = frame
+            start, frame = end, frame + 1
+    seg[real:] = frame  # padding attends only to padding, so its rows stay finite
+    tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
+    return VisionPlan(grid, real, padded, tokens, {"h": h, "w": w, "th": th, "tw": tw, "seg": seg})

@@ -1,0 +1,216 @@
+"""Registers the GLM-4.1V vision paths for `jaxsync verify` and `jaxsync bench`."""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsync.models.glm4v import _reference as ref
+from jaxsync.models.glm4v._config import Glm4vVisionConfig
+from jaxsync.models.glm4v._model import Glm4vVisionEncoder, Glm4vVisionModel
+from jaxsync.models.glm4v._weights import load_vision_model
+from jaxsync.registry import BenchCase, Parity, PathCase, register_bench, register_path
+
+
+# Five image sizes, a video and a two-image batch whose merged-token counts (25..32) share the
+# 32-token bucket.
+VERIFY_GRIDS: tuple[list[list[int]], ...] = (
+    [[1, 10, 10]],
+    [[1, 8, 14]],
+    [[1, 4, 30]],
+    [[1, 8, 16]],
+    [[1, 6, 18]],
+    [[2, 6, 10]],
+    [[1, 6, 6], [1, 8, 8]],
+)
+
+
+def _tiny_encoder() -> Glm4vVisionEncoder:
+    cfg = Glm4vVisionConfig.from_hf_config(ref.hf_config(**ref.TINY))
+    return Glm4vVisionEncoder(Glm4vVisionModel(cfg, rngs=nnx.Rngs(0)))
+
+
+def _checkpoint_encoder(checkpoint: str) -> Glm4vVisionEncoder:
+    from transformers import AutoConfig
+
+    cfg = Glm4vVisionConfig.from_hf_config(AutoConfig.from_pretrained(checkpoint))
+    return Glm4vVisionEncoder(
+        load_vision_model(checkpoint, cfg, dtype=jnp.bfloat16, allow_cast=True)
+    )
+
+
+def _parity() -> Parity:
+    """Tiny random transformers tower -> safetensors -> our loader; fp32 max-norm rel error over
+    images, a non-square batch and a video."""
+    from jaxsync.testing import rel_err
+
+    hf = ref.hf_config(**ref.TINY)
+    torch_model = ref.build_reference(hf, seed=1)
+    cfg = Glm4vVisionConfig.from_hf_config(hf)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = ref.save_checkpoint(torch_model, Path(tmp) / "model.safetensors")
+        enc = Glm4vVisionEncoder(load_vision_model(ckpt, cfg))
+    worst = 0.0
+    for grid in ([[1, 6, 6]], [[1, 4, 8], [1, 10, 6]], [[3, 4, 6]]):
+        px = ref.pixels(grid, cfg)
+        out = enc(px, grid)
+        want = ref.forward(torch_model, px, grid)[1]
+        worst = max(worst, rel_err(np.asarray(out.embeddings)[: out.num_tokens], want))
+    return Parity(worst, 1e-5, "rel", "transformers Glm4vVisionModel (eager), tiny random fp32")
+
+
+@register_path("glm4v.vision_tower", "packed pixels + host grid_thw -> merged vision tokens")
+def _build_tower(checkpoint: str | None) -> PathCase:
+    enc = _tiny_encoder() if checkpoint is None else _checkpoint_encoder(checkpoint)
+    inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(VERIFY_GRIDS)]
+    return PathCase(fn=enc, inputs=inputs, parity=_parity if checkpoint is None else None)
+
+
+@register_path("glm4v.pos_embeds", "host grid_thw -> bicubic-interpolated position embeddings")
+def _build_pos(checkpoint: str | None) -> PathCase:
+    enc = _tiny_encoder() if checkpoint is None else _checkpoint_encoder(checkpoint)
+
+    def parity() -> Parity:
+        hf = ref.hf_config(**ref.TINY)
+        torch_model = ref.build_reference(hf, seed=2)
+        cfg = Glm4vVisionConfig.from_hf_config(hf)
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = ref.save_checkpoint(torch_model, Path(tmp) / "model.safetensors")
+            e = Glm4vVisionEncoder(load_vision_model(ckpt, cfg))
+        worst = torch32 = 0.0
+        for grid in VERIFY_GRIDS:
+            n = sum(t * h * w for t, h, w in grid)
+            got = np.asarray(e.pos_embeds(grid))[:n]
+            exact = ref.exact_pos_embeds(torch_model, grid, 2)
+            worst = max(worst, float(np.abs(got - exact).max()))
+            theirs = ref.pos_embeds(torch_model, grid, 2)
+            torch32 = max(torch32, float(np.abs(theirs - exact).max()))
+        return Parity(
+            worst,
+            1e-6,
+            "abs",
+            f"vs F.grid_sample(bicubic, border) in float64; transformers' fp32 path is "
+            f"{torch32:.1e} from it",
+        )
+
+    return PathCase(fn=enc.pos_embeds, inputs=[(g,) for g in VERIFY_GRIDS], parity=parity)
+
+
+# Bench batches in patches (14 px): 336x336, 672x448, and four images of mixed sizes.
+_BENCH_GRIDS = {
+    "336x336": [[1, 24, 24]],
+    "672x448": [[1, 48, 32]],
+    "4 images": [[1, 24, 24], [1, 48, 32], [1, 32, 48], [1, 16, 16]],
+}
+
+
+@register_bench("glm4v")
+def _bench(device: str, size: str) -> list[BenchCase]:
+    import torch
+
+    fields = ref.TINY if size == "tiny" else ref.RELEASED
+    hf = ref.hf_config(**fields)
+    cfg = Glm4vVisionConfig.from_hf_config(hf)
+    tdtype, jdtype = (
+        (torch.float32, jnp.float32) if size == "tiny" else (torch.bfloat16, jnp.bfloat16)
+    )
+    # Random weights on both sides (the bench measures time; parity is `verify`'s job).
+    torch_model = ref.build_reference(hf, device=device, dtype=tdtype)
+    enc = Glm4vVisionEncoder(Glm4vVisionModel(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
+    grids = _BENCH_GRIDS
+    if size == "tiny":  # the tiny table is 6x6 with patch 7: same shapes, smaller images
+        grids = {k: [[t, h // 4, w // 4] for t, h, w in g] for k, g in grids.items()}
+
+    cases = []
+    for label, grid in grids.items():
+        host = [ref.pixels(grid, cfg, seed=s) for s in range(2)]
+        plan = enc.plan(grid, host[0].shape[0])
+        # Pixels pre-placed on both sides: the bench times the tower, not the pixel upload.
+        padded = [np.zeros((plan.padded_patches, cfg.patch_dim), np.float32) for _ in host]
+        for p, h in zip(padded, host, strict=True):
+            p[: h.shape[0]] = h
+        jpx = itertools.cycle([jax.device_put(p.astype(enc.dtype)) for p in padded])
+        tpx = itertools.cycle([torch.from_numpy(h).to(device, tdtype) for h in host])
+        tgrid = torch.tensor(ref.per_frame_grid(grid), device=device)
+
+        def jax_fn(jpx=jpx, grid=grid):
+            return enc(next(jpx), grid).embeddings
+
+        def torch_fn(tpx=tpx, tgrid=tgrid):
+            with torch.no_grad():
+                return torch_model(next(tpx), tgrid).pooler_output
+
+        cases.append(
+            BenchCase(f"glm4v.vision_tower {label}", jax_fn, {"transformers eager": torch_fn})
+        )
+
+    grid = grids["4 images"]
+    cases.append(
+        BenchCase(
+            "glm4v.pos_embeds 4 images",
+            lambda grid=grid: enc.pos_embeds(grid),
+            _torch_pos_embeds(torch_model, grid, cfg.spatial_merge_size, device),
+        )
+    )
+    return cases
+
+
+def _async_h2d(x, device: str):
+    """vLLM's async_tensor_h2d: pinned host copy, then a non-blocking transfer."""
+    if device == "cpu":
+        return x.clone()
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+def _torch_pos_embeds(torch_model, grid, merge: int, device: str) -> dict:
+    """vLLM's pos_embeds_interpolate pre- and post-#51458, on transformers' embeddings module."""
+    import torch
+
+    from jaxsync.models.glm4v._plan import merge_block_coords
+
+    emb = torch_model.embeddings
+    width = emb.position_embedding.weight.shape[1]
+    dtype = emb.position_embedding.weight.dtype
+
+    def run(pinned: bool):
+        outs = []
+        for t, h, w in grid:
+            rows, cols = merge_block_coords(h, w, merge)
+            hc = torch.from_numpy(np.tile(rows, t))
+            wc = torch.from_numpy(np.tile(cols, t))
+            if pinned:  # post-PR: async_tensor_h2d (pinned + non_blocking) for coords and shapes
+                hc, wc, shapes = (
+                    _async_h2d(x, device) for x in (hc, wc, torch.tensor([[t, h, w]]))
+                )
+            else:  # pre-PR: blocking tensor creation; coords moved by the blocking .to() inside
+                shapes = torch.tensor([[t, h, w]], device=device)
+                hc, wc = hc.to(device), wc.to(device)
+            zeros = torch.zeros(t * h * w, width, dtype=dtype, device=device)
+            with torch.no_grad():
+                # `lengths` as a Python list: still a blocking H2D in both versions (fixed #52369).
+                # Videos use the per-frame DP cycling of vLLM, which HF lacks: t = 1 here.
+                outs.append(emb(zeros, [h * w] * t, shapes, hc, wc))
+        return torch.cat(outs)
+
+    fns = {"vLLM pre-PR": lambda: run(False), "vLLM post-PR": lambda: run(True)}
+    try:  # transformers >= 5.2x: its own position-id helper (with its grid_thw.tolist())
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+    except ImportError:
+        return fns
+    tgrid = torch.tensor(ref.per_frame_grid(grid), device=device)
+
+    def hf_eager():
+        pos = get_vision_position_ids(tgrid, merge)
+        cu = get_vision_cu_seqlens(tgrid)
+        zeros = torch.zeros(pos.shape[0], width, dtype=dtype, device=device)
+        with torch.no_grad():
+            return emb(zeros, cu[1:] - cu[:-1], tgrid, pos[:, 0], pos[:, 1])
+
+    fns["transformers eager"] = hf_eager
+    return fns
