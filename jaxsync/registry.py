@@ -109,6 +109,23 @@ class BenchCase:
     torch_fns: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     bytes_moved: int | None = None
 
+    def __post_init__(self):
+        unknown = set(self.torch_fns) - set(BASELINES)
+        if unknown:
+            raise ValueError(f"unknown baseline label(s) {sorted(unknown)}; use {BASELINES}")
+
+
+# Labels of PyTorch baselines, one vocabulary for every family (the bench chart and tables rely
+# on it): vLLM's torch code before / after PR #51458, transformers' modules, reference ceilings.
+BASELINES = (
+    "vllm_pre_pr",
+    "vllm_post_pr",
+    "transformers_eager",
+    "transformers_sdpa",
+    "transformers_torch_extractor",
+    "torch_copy_ceiling",
+)
+
 
 _paths: dict[str, PathSpec] = {}
 _benches: dict[str, Callable[[str, str], list[BenchCase]]] = {}

@@ -8,7 +8,7 @@ bytes read plus written of the copied blocks. Baselines on the same data:
   `index_copy_` per layer (vLLM's copy on CUDA; the swap variants move the gathered blocks with
   `.to(dst.device)` as `insert_blocks_to_device` / `swap_out_blocks_to_host` do);
 * "vllm pre-PR": the same with a blocking pageable id upload (`torch.tensor(ids, device=...)`);
-* "copy ceiling": one contiguous device copy of the same number of bytes (read + write).
+* "torch_copy_ceiling": one contiguous device copy of the same number of bytes (read + write).
 
 Note for the runner: JAX preallocates 75% of GPU memory by default; set
 XLA_PYTHON_CLIENT_PREALLOCATE=false so the torch baselines fit next to the JAX caches.
@@ -77,7 +77,7 @@ def _torch_cases(device, src_t, dst_t, id_sets, to_dst):
 
     post.ids = itertools.cycle(id_sets)
     pre.ids = itertools.cycle(id_sets)
-    return {"vllm post-PR": post, "vllm pre-PR": pre}
+    return {"vllm_post_pr": post, "vllm_pre_pr": pre}
 
 
 @register_bench("kv")
@@ -139,7 +139,7 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
             if direction == "d2d":
                 a = torch.empty(count * per_block, dtype=torch.uint8, device=device)
                 b = torch.empty_like(a)
-                torch_fns["copy ceiling"] = lambda a=a, b=b: b.copy_(a)
+                torch_fns["torch_copy_ceiling"] = lambda a=a, b=b: b.copy_(a)
             name = f"kv.copy_blocks {direction} {count} blocks ({size})"
             cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
     return cases

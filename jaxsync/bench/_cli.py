@@ -13,13 +13,7 @@ from typing import Any
 
 
 # The chart's baseline: the first label a row has (vLLM's post-PR torch pattern when it exists).
-REFERENCE_LABELS = (
-    "vllm_post_pr",
-    "torch_post_pr",
-    "transformers_eager",
-    "hf_eager",
-    "transformers_sdpa",
-)
+REFERENCE_LABELS = ("vllm_post_pr", "transformers_sdpa", "transformers_eager")
 
 
 def _environment() -> dict[str, Any]:

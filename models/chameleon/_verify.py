@@ -162,7 +162,7 @@ def _mask_cases(device: str, size: str) -> list[BenchCase]:
             t3[:, :, id_list] = fill
             return t3
 
-        torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "hf_eager": hf_eager}
+        torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "transformers_eager": hf_eager}
         cases.append(BenchCase(f"mask_logits[{size},T={tokens}]", jax_fn, torch_fns, 2 * tx.nbytes))
     return cases
 
@@ -202,7 +202,7 @@ def _tokenizer_cases(device: str, size: str) -> list[BenchCase]:
         def hf_eager(tpx=tpx, b=batch):  # ChameleonModel.get_image_tokens
             return hf_map.convert_img2bpe(hf_vq.encode(tpx).image_tokens).view(b, -1)
 
-        torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "hf_eager": hf_eager}
+        torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "transformers_eager": hf_eager}
         fns = {k: _no_grad(f) for k, f in torch_fns.items()}
         jax_fn = ft.partial(paths.get_image_tokens, jpx)
         cases.append(BenchCase(f"image_tokens[{size},B={batch}]", jax_fn, fns))

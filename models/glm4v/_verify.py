@@ -147,7 +147,7 @@ def _bench(device: str, size: str) -> list[BenchCase]:
                 return torch_model(next(tpx), tgrid).pooler_output
 
         cases.append(
-            BenchCase(f"glm4v.vision_tower {label}", jax_fn, {"transformers eager": torch_fn})
+            BenchCase(f"glm4v.vision_tower {label}", jax_fn, {"transformers_eager": torch_fn})
         )
 
     grid = grids["4 images"]
@@ -198,7 +198,7 @@ def _torch_pos_embeds(torch_model, grid, merge: int, device: str) -> dict:
                 outs.append(emb(zeros, [h * w] * t, shapes, hc, wc))
         return torch.cat(outs)
 
-    fns = {"vLLM pre-PR": lambda: run(False), "vLLM post-PR": lambda: run(True)}
+    fns = {"vllm_pre_pr": lambda: run(False), "vllm_post_pr": lambda: run(True)}
     try:  # transformers >= 5.2x: its own position-id helper (with its grid_thw.tolist())
         from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
     except ImportError:
@@ -212,5 +212,5 @@ def _torch_pos_embeds(torch_model, grid, merge: int, device: str) -> dict:
         with torch.no_grad():
             return emb(zeros, cu[1:] - cu[:-1], tgrid, pos[:, 0], pos[:, 1])
 
-    fns["transformers eager"] = hf_eager
+    fns["transformers_eager"] = hf_eager
     return fns
