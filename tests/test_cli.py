@@ -73,6 +73,7 @@ PUBLIC_MODULES = [
     "jaxsync.check._probe",
     "jaxsync.check._report",
     "jaxsync.testing",
+    "jaxsync.hfconfig",
     "jaxsync.kv._slots",
     "jaxsync.kv._storage",
 ]

@@ -9,37 +9,19 @@ and ignored (listed in `_DECODER_FIELDS`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from jaxsync.hfconfig import GENERIC_FIELDS, as_dict
 
-# Generic `PreTrainedConfig` bookkeeping keys: they never change a model's computation.
-_GENERIC_FIELDS = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "chunk_size_feed_forward",
-        "dtype",
-        "torch_dtype",
-        "id2label",
-        "label2id",
-        "is_encoder_decoder",
-        "model_type",
-        "output_attentions",
-        "output_hidden_states",
-        "problem_type",
-        "return_dict",
-        "transformers_version",
-        "use_cache",
-        "initializer_range",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "tie_word_embeddings",
-    }
-)
+
+# Bookkeeping beyond jaxsync.hfconfig.GENERIC_FIELDS: training and generation settings.
+_GENERIC_FIELDS = GENERIC_FIELDS | {
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+}
 # Text-decoder architecture: outside the image-token paths, so any value is accepted.
 _DECODER_FIELDS = frozenset(
     {
@@ -226,15 +208,7 @@ class ChameleonConfig:
         Raises:
           ValueError: unknown or unsupported fields, or an inconsistent `image_token_id`.
         """
-        if isinstance(hf_cfg, str | os.PathLike):
-            path = os.fspath(hf_cfg)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                hf_cfg = json.load(f)
-        elif not isinstance(hf_cfg, Mapping):
-            hf_cfg = hf_cfg.to_dict()
-        d = dict(hf_cfg)
+        d = as_dict(hf_cfg)
         if d.get("model_type", "chameleon") != "chameleon":
             raise ValueError(f"not a Chameleon config: model_type={d['model_type']!r}")
         known = (

@@ -3,30 +3,13 @@
 import dataclasses
 from typing import Any, Literal
 
+from jaxsync.hfconfig import unhandled_fields
+
 
 __all__ = ["Gemma3nAudioConfig"]
 
-# HF config fields that describe the module layout or the Hub object, never the maths.
-_IGNORED_HF_FIELDS = frozenset(
-    {
-        "transformers_version",
-        "architectures",
-        "output_hidden_states",
-        "output_attentions",
-        "return_dict",
-        "dtype",
-        "torch_dtype",
-        "chunk_size_feed_forward",
-        "is_encoder_decoder",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "_name_or_path",
-        "model_type",
-        "initializer_range",
-        "_attn_implementation_autoset",
-    }
-)
+# Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that never change inference.
+_IGNORED_HF_FIELDS = frozenset({"initializer_range"})
 
 # Audio-config fields read by this port; every other non-default field is rejected.
 _AUDIO_FIELDS = (
@@ -59,14 +42,9 @@ def _tuplify(x: Any) -> Any:
 def _unhandled(hf_sub: Any, handled: set[str]) -> list[str]:
     """Names of fields of an HF sub-config that differ from its class default and are unhandled."""
     actual = hf_sub.to_dict()
-    default = type(hf_sub)().to_dict()
-    bad = []
-    for key, value in actual.items():
-        if key in _IGNORED_HF_FIELDS or key in handled or key.endswith("_config"):
-            continue
-        if _tuplify(default.get(key, object())) != _tuplify(value):
-            bad.append(key)
-    return bad
+    nested = {k for k in actual if k.endswith("_config")}
+    ignored = _IGNORED_HF_FIELDS | nested
+    return list(unhandled_fields(actual, type(hf_sub)().to_dict(), handled, ignored=ignored))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from jaxsync.hfconfig import unhandled_fields
+
 
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 
@@ -25,26 +27,10 @@ _HANDLED = (
     "intermediate_size",
     "rope_parameters",
 )
-# Fields that cannot change inference: training-only knobs and generic bookkeeping.
+# Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that cannot change inference.
 _IGNORED = (
     "attention_dropout",  # dropout is off at inference
     "initializer_range",
-    "transformers_version",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "_name_or_path",
-    "model_type",
-    "id2label",
-    "label2id",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "problem_type",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
 )
 
 
@@ -138,11 +124,7 @@ class Glm4vVisionConfig:
         if hasattr(hf_cfg, "vision_config"):
             hf_cfg = hf_cfg.vision_config
         got, default = hf_cfg.to_dict(), HfConfig().to_dict()
-        unknown = {
-            k: v
-            for k, v in got.items()
-            if k not in _HANDLED and k not in _IGNORED and default.get(k, object()) != v
-        }
+        unknown = unhandled_fields(got, default, _HANDLED, ignored=_IGNORED)
         if unknown:
             raise ValueError(f"unsupported Glm4vVisionConfig field(s): {unknown}")
         rope = got.get("rope_parameters") or {}

@@ -7,32 +7,13 @@ inert at inference are accepted, and anything else that differs from the HF defa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any, Literal
+
+from jaxsync.hfconfig import as_dict, unhandled_fields
 
 
 Activation = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"]
 
-# Generic `PreTrainedConfig` bookkeeping: never changes the computation.
-_GENERIC_FIELDS = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "chunk_size_feed_forward",
-        "dtype",
-        "torch_dtype",
-        "id2label",
-        "label2id",
-        "is_encoder_decoder",
-        "model_type",
-        "output_attentions",
-        "output_hidden_states",
-        "problem_type",
-        "return_dict",
-        "transformers_version",
-        "use_cache",
-    }
-)
 # Inert at inference: dropouts are off in eval mode, `initializer_range` only matters for training,
 # and `conv_chunksize` only splits the conv batch into loops (same numbers, see `_modules.py`).
 _INERT_FIELDS = frozenset(
@@ -169,32 +150,17 @@ class Qwen3OmniAudioConfig:
           ValueError: a field that changes the computation and is not modelled differs from the
             HF default, or a modelled value is invalid.
         """
-        cfg = _as_dict(hf_cfg)
+        cfg = as_dict(hf_cfg)
         if "thinker_config" in cfg:
-            cfg = _as_dict(cfg["thinker_config"])
+            cfg = as_dict(cfg["thinker_config"])
         if "audio_config" in cfg:
-            cfg = _as_dict(cfg["audio_config"])
-        defaults = _hf_defaults()
-        bad = {}
-        for key, value in cfg.items():
-            if key in _GENERIC_FIELDS or key in _INERT_FIELDS or key in _MODELLED_FIELDS:
-                continue
-            if key in _REJECTED_DEFAULTS:
-                if value != _REJECTED_DEFAULTS[key]:
-                    bad[key] = value
-            elif key not in defaults or defaults[key] != value:
-                bad[key] = value
+            cfg = as_dict(cfg["audio_config"])
+        ignored = _INERT_FIELDS | set(_REJECTED_DEFAULTS)
+        bad = unhandled_fields(cfg, _hf_defaults(), _MODELLED_FIELDS, ignored=ignored)
+        bad.update({k: cfg[k] for k, v in _REJECTED_DEFAULTS.items() if k in cfg and cfg[k] != v})
         if bad:
             raise ValueError(f"unsupported non-default Qwen3-Omni audio config fields: {bad}")
         return cls(**{k: cfg[k] for k in _MODELLED_FIELDS if k in cfg})
-
-
-def _as_dict(cfg: Any) -> dict[str, Any]:
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    if hasattr(cfg, "to_dict"):
-        return cfg.to_dict()
-    raise TypeError(f"expected an HF config or a dict, got {type(cfg).__name__}")
 
 
 def _hf_defaults() -> dict[str, Any]:

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxsync.hfconfig import reject_unhandled
+
 
 _GELU_ACTS = ("gelu",)  # transformers ACT2FN["gelu"] is the exact (erf) GELU
 
@@ -214,20 +216,5 @@ class VoxtralAudioConfig:
         )
 
 
-# Bookkeeping fields every PreTrainedConfig carries; they never change the math.
-_META = {
-    "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
-    "name_or_path", "model_type", "return_dict", "output_hidden_states", "output_attentions",
-    "use_cache", "_attn_implementation", "_attn_implementation_autoset", "id2label", "label2id",
-    "problem_type", "tie_word_embeddings", "chunk_size_feed_forward", "is_encoder_decoder",
-}  # fmt: skip
-
-
 def _reject_unhandled(got: dict, default: dict, handled: set[str]) -> None:
-    bad = sorted(
-        k for k, v in got.items()
-        if k not in handled and k not in _META and k in default and default[k] != v
-    )  # fmt: skip
-    extra = sorted(k for k in got if k not in default and k not in handled and k not in _META)
-    if bad or extra:
-        raise ValueError(f"unsupported non-default HF config fields: {bad + extra}")
+    reject_unhandled(got, default, handled, what="Voxtral")

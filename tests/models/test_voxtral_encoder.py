@@ -169,7 +169,7 @@ def test_config_from_hf_and_released_shapes():
         VoxtralAudioConfig.from_hf_config(VoxtralEncoderConfig(activation_function="relu"))
     with pytest.raises(ValueError, match="multiple of 4"):
         VoxtralAudioConfig.from_hf_config(VoxtralEncoderConfig(max_source_positions=1501))
-    with pytest.raises(ValueError, match="unsupported non-default HF config fields"):
+    with pytest.raises(ValueError, match="unsupported non-default Voxtral config field"):
         VoxtralAudioConfig.from_hf_config(VoxtralEncoderConfig(pad_token_id=3))
     # Released audio tower (VoxtralEncoderConfig defaults) and projector into a 3072-wide LM; the
     # LM itself is shrunk to one layer since only its width matters here.
