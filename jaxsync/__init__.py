@@ -5,6 +5,7 @@ Core API:
   async_h2d, upload_packed    - explicit, alias-safe host->device uploads (one transfer).
   Packed                      - a packed upload; index it by field name inside jit.
   bucket                      - pad sizes to buckets so many inputs share one program.
+  replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
   precompile                  - compile every bucket of every path ahead of serving.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
@@ -17,6 +18,7 @@ from jaxsync._device_cache import (
     default_cache as default_cache,
 )
 from jaxsync._jit import JitMethod as JitMethod, jit_method as jit_method
+from jaxsync._placement import replicated_near as replicated_near
 from jaxsync._precompile import Compiled as Compiled, precompile as precompile
 from jaxsync._transfer import (
     Packed as Packed,

@@ -22,3 +22,25 @@ def resolve(placement: Placement) -> jax.Device | jax.sharding.Sharding:
 def placement_of(x: jax.Array) -> jax.sharding.Sharding:
     """The sharding a device array lives on (its memory kind included)."""
     return x.sharding
+
+
+def replicated_near(x: jax.Array) -> jax.sharding.Sharding | None:
+    """Where small per-call data used together with `x` goes: device memory on `x`'s device, or
+    replicated over `x`'s mesh. None while `x` is traced (e.g. by the static scans of
+    `jaxsync.check`), where placement does not matter.
+
+    >>> import jax.numpy as jnp
+    >>> replicated_near(jnp.ones(3)).memory_kind
+    'device'
+    """
+    if isinstance(x, jax.core.Tracer):
+        return None
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"
+        )
+    if len(sharding.device_set) == 1:
+        (device,) = sharding.device_set
+        return jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    raise ValueError(f"unsupported sharding {sharding}: use a NamedSharding over a Mesh")

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsync import replicated_near
+
 
 Cache = dict[str, Any]  # layer name -> [P, ...] array, or a (k, v) pair of them
 
@@ -171,15 +173,7 @@ def _traced(leaf: jax.Array) -> bool:
 
 def index_placement(leaf: jax.Array) -> jax.sharding.Sharding | None:
     """Where per-call ids go: device memory, replicated over the cache's devices."""
-    if _traced(leaf):
-        return None
-    sharding = leaf.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"
-        )
-    (device,) = sharding.device_set
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    return replicated_near(leaf)
 
 
 def _memory_kind(leaf: jax.Array) -> str:

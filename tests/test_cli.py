@@ -74,6 +74,7 @@ PUBLIC_MODULES = [
     "jaxsync.check._report",
     "jaxsync.testing",
     "jaxsync.hfconfig",
+    "jaxsync._placement",
     "jaxsync.kv._slots",
     "jaxsync.kv._storage",
 ]

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 
 import jaxsync
 import jaxsync.check
+from jaxsync import replicated_near
 from jaxsync.models.chameleon._vocab import ImageVocabularyMapping
 
 
@@ -36,18 +37,6 @@ _mask_donated = jax.jit(_fill, donate_argnums=0)
 def _logits_masked(hidden: jax.Array, weight: jax.Array, ids: jax.Array) -> jax.Array:
     logits = jnp.einsum("...d,vd->...v", hidden, weight)  # [..., V]
     return _fill(logits, ids)
-
-
-def table_placement(x: jax.Array) -> jax.Device | jax.sharding.Sharding | None:
-    """Where a constant table used together with `x` should live (None while tracing)."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    sharding = x.sharding
-    if len(sharding.device_set) == 1:
-        return next(iter(sharding.device_set))
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return None
 
 
 def _check_logits(logits: jax.Array, mapping: ImageVocabularyMapping) -> None:
@@ -80,7 +69,7 @@ def mask_image_logits(
         largest image id (checked from shape metadata before dispatch).
     """
     _check_logits(logits, mapping)
-    ids = mapping.image_token_ids_on(table_placement(logits))
+    ids = mapping.image_token_ids_on(replicated_near(logits))
     return (_mask_donated if donate else _mask)(logits, ids)
 
 
@@ -110,5 +99,5 @@ def compute_logits(
             f"lm_head vocab {lm_head_weight.shape[0]} does not cover the largest image token id "
             f"{mapping.max_image_id}"
         )
-    ids = mapping.image_token_ids_on(table_placement(hidden))
+    ids = mapping.image_token_ids_on(replicated_near(hidden))
     return _logits_masked(hidden, lm_head_weight, ids)

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 
 import jaxsync
 import jaxsync.check
-from jaxsync.models.chameleon._logits import table_placement
+from jaxsync import replicated_near
 
 
 def _scatter(text: jax.Array, image: jax.Array, positions: jax.Array) -> jax.Array:
@@ -101,5 +101,5 @@ def merge_image_embeddings(
         return text_embeds
     padded = np.full((jaxsync.bucket(n),), total, dtype=np.int32)  # out of range -> dropped
     padded[:n] = positions
-    pos = jaxsync.async_h2d(padded, placement=table_placement(text_embeds))
+    pos = jaxsync.async_h2d(padded, placement=replicated_near(text_embeds))
     return (_merge_donated if donate else _merge)(text_embeds, image_embeds, pos)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync import replicated_near
 from jaxsync.check import entry_point
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
 from jaxsync.models.gemma3n._model import Gemma3nAudioModel
@@ -176,18 +177,6 @@ class AudioEmbedder:
         )
 
 
-def _replicated(x: jax.Array):
-    """Placement for a small upload next to `x`: its device, or replicated over its mesh."""
-    if isinstance(x, jax.core.Tracer):  # traced by a static scan: placement is irrelevant there
-        return None
-    sh = x.sharding
-    if len(sh.device_set) == 1:
-        return next(iter(sh.device_set))
-    if isinstance(sh, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-    raise ValueError(f"unsupported text_embeds sharding {sh}")
-
-
 @jax.jit
 def _scatter(text: jax.Array, audio: jax.Array, up: jaxsync.Packed) -> jax.Array:
     d = text.shape[-1]
@@ -240,5 +229,5 @@ def merge_audio_embeddings(
         )
     slots = np.full(b_pad * n, ids.size, np.int32)
     slots[: pos.size] = pos
-    up = jaxsync.upload_packed({"positions": slots}, placement=_replicated(text_embeds))
+    up = jaxsync.upload_packed({"positions": slots}, placement=replicated_near(text_embeds))
     return _scatter(text_embeds, audio_embeds, up)
