@@ -51,6 +51,16 @@ def _accelerator_or_reason() -> str | None:
     return None
 
 
+def _no_grad(fn):
+    import torch
+
+    def run():
+        with torch.no_grad():
+            return fn()
+
+    return run
+
+
 def bench(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="jaxsync bench", description=__doc__)
     ap.add_argument("--paths", nargs="*", help="families or path names (default: all)")
@@ -91,6 +101,7 @@ def bench(argv: Sequence[str]) -> int:
                 try:
                     row["jaxsync"] = measure(case.jax_fn, jax_side, repeat=args.repeat)
                     for label, fn in case.torch_fns.items():
+                        fn = _no_grad(fn)  # inference: no autograd bookkeeping in the baselines
                         row[label] = measure(fn, torch_side, repeat=args.repeat)
                         row[label]["kernels"] = torch_kernels_per_call(fn)
                     if case.bytes_moved:

@@ -203,20 +203,9 @@ def _tokenizer_cases(device: str, size: str) -> list[BenchCase]:
             return hf_map.convert_img2bpe(hf_vq.encode(tpx).image_tokens).view(b, -1)
 
         torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "transformers_eager": hf_eager}
-        fns = {k: _no_grad(f) for k, f in torch_fns.items()}
         jax_fn = ft.partial(paths.get_image_tokens, jpx)
-        cases.append(BenchCase(f"image_tokens[{size},B={batch}]", jax_fn, fns))
+        cases.append(BenchCase(f"image_tokens[{size},B={batch}]", jax_fn, torch_fns))
     return cases
-
-
-def _no_grad(f):
-    def g():
-        import torch
-
-        with torch.no_grad():
-            return f()
-
-    return g
 
 
 @register_bench("chameleon")

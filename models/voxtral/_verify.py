@@ -156,7 +156,7 @@ def _mel_cases(device: str, size: str) -> list[BenchCase]:
         def vllm(tx=tx):  # vLLM: per waveform, already on the device
             return torch.stack([ref.vllm_melspec(w, filters) for w in tx()])
 
-        fns = {"transformers_torch_extractor": _no_grad(hf_torch), "vllm_post_pr": _no_grad(vllm)}
+        fns = {"transformers_torch_extractor": hf_torch, "vllm_post_pr": vllm}
         cases.append(BenchCase(f"log_mel[{size},B={b}x{n // _SR}s]", jax_fn, fns, b * n * 4))
     return cases
 
@@ -194,18 +194,8 @@ def _encoder_cases(device: str, size: str) -> list[BenchCase]:
             return hf.get_audio_features(tx()).pooler_output
 
         name = f"audio_encoder[{size},C={c}x{cfg.chunk_frames}]"
-        cases.append(BenchCase(name, jax_fn, {"transformers_eager": _no_grad(hf_eager)}))
+        cases.append(BenchCase(name, jax_fn, {"transformers_eager": hf_eager}))
     return cases
-
-
-def _no_grad(f):
-    def g():
-        import torch
-
-        with torch.no_grad():
-            return f()
-
-    return g
 
 
 @register_bench("voxtral")
