@@ -346,3 +346,9 @@ def test_probe_with_sleep_is_not_confused():
 
     b = check.measure_blocking(slow_host, jnp.ones(8), queue_ms=40)
     assert 1.5 < b.blocked_ms < 30, b
+
+
+def test_donating_entry_point_is_refused_with_a_clear_error():
+    f = jax.jit(lambda v: v * 2, donate_argnums=0)
+    with pytest.raises(TypeError, match="donated"):
+        check.check_sync_free(f, jnp.ones(16), probe=False, static=False)

@@ -65,6 +65,11 @@ class Report:
         return "\n".join(lines)
 
 
+def _device_leaves(args: tuple, kwargs: dict) -> list[jax.Array]:
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return [x for x in leaves if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+
+
 def _findings_row(check: str, findings: list) -> Row:
     if not findings:
         return Row(check, True, "none found")
@@ -96,6 +101,12 @@ def check_sync_free(
 
     calls = [tuple(args)] + [tuple(i) for i in (inputs or [])]
     jax.block_until_ready(fn(*calls[0], **kwargs))  # warm-up: compiles the bucket
+    if any(leaf.is_deleted() for leaf in _device_leaves(calls[0], kwargs)):
+        raise TypeError(
+            "the entry point donated (deleted) its inputs during warm-up, so they cannot be "
+            "reused; pass a wrapper that gives each call a fresh on-device copy of the donated "
+            "arguments (see tests/kv for an example)"
+        )
     guard_row = Row("runtime: sync_guard", True, f"{len(calls)} call(s), no host read")
     outs = []
     with count_compiles() as log:
@@ -128,6 +139,9 @@ def assert_sync_free(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Repor
     inside `sync_guard("error")` reads nothing back; those calls trace and compile nothing (they
     must share one bucket); and the dispatch probe sees `fn` return while queued device work is
     still running.
+
+    `fn` is called several times on the same arguments, so it must not donate them: wrap a
+    donating entry point so that each call gets a fresh on-device copy (a `TypeError` says so).
 
     Args:
       fn: the entry point.
