@@ -198,3 +198,12 @@ def test_cudnn_attention_matches_xla():
         assert model.blocks[0].attn.impl == impl
         outs.append(np.asarray(glm4v.Glm4vVisionEncoder(model)(px, grid).embeddings, np.float32))
     assert rel_err(outs[1], outs[0]) <= 2e-2
+
+
+def test_tiny_config_without_transformers_matches_the_hf_one():
+    from jaxsync.models.glm4v import _reference as ref
+    from jaxsync.models.glm4v._config import Glm4vVisionConfig
+
+    assert Glm4vVisionConfig(**ref.TINY) == Glm4vVisionConfig.from_hf_config(
+        ref.hf_config(**ref.TINY)
+    )

@@ -272,3 +272,10 @@ def test_sync_free_many_lengths_one_bucket():
     jaxsync.check.assert_sync_free(
         log_mel_spectrogram, *dev[0], inputs=[(dev[0][0], [4000, 9001, 333])], config=cfg
     )
+
+
+def test_default_mel_config_is_whispers_128_bin_extractor():
+    from jaxsync.models.voxtral import _reference as ref
+    from jaxsync.models.voxtral._config import MelConfig
+
+    assert MelConfig() == MelConfig.from_feature_extractor(ref.whisper_fe(128))
