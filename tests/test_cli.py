@@ -202,3 +202,16 @@ def test_every_path_builds_without_torch(monkeypatch):
     for spec in registry.paths():
         case = spec.build(None)
         assert len(case.inputs) >= 2, spec.name
+
+
+def test_jax_dispatch_count_from_profiler_trace():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsync.bench._timing import jax_executions_per_call
+
+    f = jax.jit(lambda v: v * 2)
+    g = jax.jit(lambda v: v + 1)
+    x = jnp.ones(8)
+    assert jax_executions_per_call(lambda: f(x)) == 1
+    assert jax_executions_per_call(lambda: g(f(x))) == 2

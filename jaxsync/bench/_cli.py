@@ -82,7 +82,13 @@ def bench(argv: Sequence[str]) -> int:
 
     from jaxsync import registry
     from jaxsync.bench._render import render
-    from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure, torch_kernels_per_call
+    from jaxsync.bench._timing import (
+        _Side,
+        copy_ceiling_gbps,
+        jax_executions_per_call,
+        measure,
+        torch_kernels_per_call,
+    )
 
     jax.config.update("jax_default_matmul_precision", "default")  # serving precision
     env = _environment()
@@ -100,6 +106,7 @@ def bench(argv: Sequence[str]) -> int:
                 row: dict[str, Any] = {"family": family, "size": size, "name": case.name}
                 try:
                     row["jaxsync"] = measure(case.jax_fn, jax_side, repeat=args.repeat)
+                    row["jaxsync"]["kernels"] = jax_executions_per_call(case.jax_fn)
                     for label, fn in case.torch_fns.items():
                         fn = _no_grad(fn)  # inference: no autograd bookkeeping in the baselines
                         row[label] = measure(fn, torch_side, repeat=args.repeat)

@@ -26,7 +26,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"device-to-device copy ceiling: JAX {ceil['jax']:.0f} GB/s, "
         f"torch {ceil['torch']:.0f} GB/s",
         "",
-        "| case | impl | device ms/fwd | host-blocked ms | first call ms | torch kernels "
+        "| case | impl | device ms/fwd | host-blocked ms | first call ms | dispatches "
         "| GB/s (% ceiling) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]

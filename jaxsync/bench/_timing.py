@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -159,3 +160,33 @@ def torch_kernels_per_call(fn: Callable[[], Any]) -> int | None:
         fn()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+# Profiler event names of one XLA program execution (PjRt clients name them differently).
+_EXECUTE_EVENT = re.compile(r"LoadedExecutable::Execute(HelperOnSingleDevice|Sharded|Helper)?$")
+
+
+def jax_executions_per_call(fn: Callable[[], Any]) -> int | None:
+    """XLA programs one call of a JAX closure executes, counted from a profiler trace.
+
+    None when the backend's trace names no executions (an unknown PjRt client): a count the
+    trace cannot support is not reported as zero.
+    """
+    import gzip
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import jax
+
+    jax.block_until_ready(fn())  # compiled and warm: the trace shows executions only
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(fn())
+        files = list(Path(tmp).rglob("*perfetto_trace.json.gz"))
+        if not files:
+            return None
+        trace = json.loads(gzip.open(files[0]).read())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    n = sum(1 for e in events if e.get("ph") == "X" and _EXECUTE_EVENT.search(e.get("name", "")))
+    return n or None
