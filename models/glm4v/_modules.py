@@ -6,12 +6,11 @@ computed in float32 exactly where upstream upcasts.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsync.models._attention import AttentionImpl, resolve_attention
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 
 
@@ -74,19 +73,6 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
-
-
-AttentionImpl = Literal["auto", "xla", "cudnn"]
-
-
-def resolve_attention(impl: AttentionImpl, dtype: jnp.dtype, head_dim: int) -> str:
-    """ "auto" picks cuDNN flash attention on GPU for 16-bit towers (it never writes the [N, P, P]
-    scores to memory: 3x faster than the XLA form on an H200 at 4096 patches), else XLA."""
-    if impl != "auto":
-        return impl
-    gpu = jax.default_backend() in ("gpu", "cuda")
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if gpu and half and head_dim % 8 == 0 and head_dim <= 128 else "xla"
 
 
 class Attention(nnx.Module):
