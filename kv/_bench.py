@@ -142,6 +142,16 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                 torch_fns["torch_copy_ceiling"] = lambda a=a, b=b: b.copy_(a)
             name = f"kv.copy_blocks {direction} {count} blocks ({size})"
             cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
+            if direction == "d2d" and device.startswith("cuda"):
+                # The experimental one-pass Pallas kernel on the same ids (no torch rows).
+                rotation_p = itertools.cycle(id_sets)
+
+                def pallas_fn(s_cache=s_cache, ids=rotation_p):
+                    s, d = next(ids)
+                    state["d2d"] = copy_blocks(s_cache, state["d2d"], s, d, impl="pallas")
+                    return state["d2d"]
+
+                cases.append(BenchCase(f"{name} [pallas]", pallas_fn, {}, bytes_moved=nbytes))
     return cases
 
 

@@ -43,6 +43,7 @@ from jaxsync.kv._layout import (
     index_placement,
     memory_kind,
 )
+from jaxsync.kv._pallas import copy_same_memory_pallas, slab
 
 
 Direction = Literal["d2d", "d2h", "h2d"]
@@ -92,6 +93,7 @@ def copy_blocks(
     *,
     direction: Direction | None = None,
     buckets: tuple[int, ...] | None = None,
+    impl: Literal["xla", "pallas", "pallas_interpret"] = "xla",
 ) -> Cache:
     """Copies blocks between two paged caches, every layer in one jitted call.
 
@@ -104,6 +106,9 @@ def copy_blocks(
       direction: optional "d2d", "d2h" or "h2d", checked against the caches' memory kinds
         (which alone decide what runs).
       buckets: block-count buckets (default: powers of two >= 8).
+      impl: "xla" (default, portable), or the experimental one-pass Pallas kernel for
+        device->device copies ("pallas"; "pallas_interpret" runs it in Pallas' interpreter, for
+        tests). See `jaxsync.kv._pallas`.
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`
@@ -127,6 +132,14 @@ def copy_blocks(
             f"direction {direction!r} given, but the caches' memory kinds say {actual!r}"
         )
     check_same_structure(src, dst, "src", "dst")
+    if impl not in ("xla", "pallas", "pallas_interpret"):
+        raise ValueError(f"impl must be 'xla', 'pallas' or 'pallas_interpret', got {impl!r}")
+    if impl != "xla":
+        if actual != "d2d":
+            raise ValueError(f"impl={impl!r} copies device->device only, not {actual!r}")
+        bad = [tuple(x.shape) for x in d_leaves if slab(tuple(x.shape)) is None]
+        if bad:
+            raise ValueError(f"impl={impl!r} needs power-of-two block dims; got leaf shapes {bad}")
     s_ids, d_ids = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
     if s_ids.size != d_ids.size:
         # Upstream silently does nothing here; a caller with such lists has a bug.
@@ -148,6 +161,8 @@ def copy_blocks(
     fields = {"src": padded_src, "dst": padded_dst}
     device_leaf = s_leaves[0] if kinds[0] == "device" else d_leaves[0]
     ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
+    if actual == "d2d" and impl != "xla":
+        return copy_same_memory_pallas(src, dst, ids, interpret=impl == "pallas_interpret")
     if actual == "d2d":
         return _copy_same_memory(src, dst, ids)
     return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")
