@@ -19,7 +19,11 @@ from jaxsync._device_cache import (
 )
 from jaxsync._jit import JitMethod as JitMethod, jit_method as jit_method
 from jaxsync._placement import replicated_near as replicated_near
-from jaxsync._precompile import Compiled as Compiled, precompile as precompile
+from jaxsync._precompile import (
+    Compiled as Compiled,
+    Target as Target,
+    precompile as precompile,
+)
 from jaxsync._transfer import (
     Packed as Packed,
     async_h2d as async_h2d,

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _verify_one(spec: Any, checkpoint: str | None, probe: bool) -> dict[str, Any]:
+def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool) -> dict[str, Any]:
+    from jaxsync._precompile import Target, precompile as run_precompile
     from jaxsync.check import check_sync_free
 
     row: dict[str, Any] = {"path": spec.name, "description": spec.description}
@@ -21,6 +22,9 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool) -> dict[str, Any
         row.update(ok=False, error=f"build failed: {e!r}")
         return row
     row["build_s"] = round(time.perf_counter() - t0, 2)
+    if precompile:  # the same instance verify then runs, so its programs are the warm ones
+        done = run_precompile([Target(spec.name, case)])
+        row["precompiled_buckets"] = [c.bucket for c in done]
 
     if case.parity is None:
         row["parity"] = {"status": "none", "detail": "no reference registered"}
@@ -108,10 +112,6 @@ def verify(argv: Sequence[str]) -> int:
     specs = registry.paths(args.paths)
     if args.checkpoint and len(specs) != 1:
         ap.error("--checkpoint needs exactly one path selected with --paths")
-    if args.precompile:
-        from jaxsync._precompile import precompile
-
-        precompile([s.name for s in specs])
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind}, jax {jax.__version__})"
     if not args.json:  # rows stream as they finish: a slow or killed run still shows its results
         print(f"jaxsync verify — backend: {backend}")
@@ -119,7 +119,7 @@ def verify(argv: Sequence[str]) -> int:
         print("-" * len(_HEADER), flush=True)
     rows = []
     for spec in specs:
-        rows.append(_verify_one(spec, args.checkpoint, not args.no_probe))
+        rows.append(_verify_one(spec, args.checkpoint, not args.no_probe, args.precompile))
         if not args.json:
             print(_format_row(rows[-1]), flush=True)
     if args.json:

@@ -12,8 +12,17 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A named PathCase to precompile (e.g. a server's own model instance)."""
+
+    name: str
+    case: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,32 +34,43 @@ class Compiled:
     seconds: float
 
 
-def _items(paths: Sequence[str] | None, buckets: Sequence[int] | None):
+def _items(targets: Sequence[str | Any] | None, buckets: Sequence[int] | None):
     from jaxsync import registry
 
+    named = [t for t in targets or () if isinstance(t, str)]
+    cases = [(t.name, t.case) for t in targets or () if isinstance(t, Target)]
+    cases += [(getattr(t.fn, "__qualname__", "path"), t) for t in targets or ()
+              if isinstance(t, registry.PathCase)]  # fmt: skip
+    if targets is None or named:
+        cases += [(spec.name, spec.build(None)) for spec in registry.paths(named or None)]
     items = []
-    for spec in registry.paths(paths):
-        case = spec.build(None)
+    for name, case in cases:
         chosen = tuple(buckets) if buckets else case.buckets
         if case.make_inputs is not None and chosen:
             for b in chosen:
-                items.append((spec.name, b, case.fn, case.make_inputs(b), case.kwargs))
+                items.append((name, b, case.fn, case.make_inputs(b), case.kwargs))
         else:
             for args in case.inputs[:1]:
-                items.append((spec.name, None, case.fn, args, case.kwargs))
+                items.append((name, None, case.fn, args, case.kwargs))
     return items
 
 
 def precompile(
-    paths: Sequence[str] | None = None,
+    paths: Sequence[str | Any] | None = None,
     buckets: Sequence[int] | None = None,
     *,
     progress: bool = True,
 ) -> list[Compiled]:
     """Compiles every bucket of every chosen path (all registered paths by default).
 
+    Compiled programs belong to the objects that own them: a registered name builds the registry's
+    tiny instance, so a server passes the `PathCase` of its *own* entry point (its `make_inputs`
+    gives one input per bucket). With `jax_compilation_cache_dir` set, every compile is also
+    written there and reused by later processes and other instances.
+
     Args:
-      paths: path names or families; None for all.
+      paths: registered path names or families, `PathCase`s, or `Target(name, case)`s; None
+        for every registered path.
       buckets: bucket sizes to compile for paths that can make inputs per bucket; None uses each
         path's own default buckets.
       progress: print a progress bar to stderr.

@@ -68,7 +68,13 @@ def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
             bad += _mismatches(step(src, dst, s_ids, d_ids), expected)
         return Parity(bad, 0, "mismatches", "torch index_select + index_copy_, 3 id sets")
 
-    return PathCase(step, [(src, dst, s, d) for s, d in _IDS], parity)
+    def make_inputs(bucket: int):  # `bucket` ids (capped at the cache size, still in the bucket)
+        n = min(bucket, _LAYOUT.num_blocks)
+        return (src, dst, list(range(n)), list(range(n))[::-1])
+
+    return PathCase(
+        step, [(src, dst, s, d) for s, d in _IDS], parity, make_inputs=make_inputs, buckets=(8, 16)
+    )
 
 
 @register_path("kv.copy_blocks", "paged KV block copy, device -> device, all layers in one call")

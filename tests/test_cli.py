@@ -215,3 +215,22 @@ def test_jax_dispatch_count_from_profiler_trace():
     x = jnp.ones(8)
     assert jax_executions_per_call(lambda: f(x)) == 1
     assert jax_executions_per_call(lambda: g(f(x))) == 2
+
+
+def test_precompile_a_servers_own_instance():
+    # Compiled programs belong to the instance: precompile the PathCase of the object you serve.
+    import jaxsync
+    from jaxsync.check import no_recompile
+
+    (spec,) = registry.paths(["glm4v.vision_tower"])
+    case = spec.build(None)
+    enc = case.fn
+    done = jaxsync.precompile([jaxsync.Target("tower", case)], buckets=[24, 32, 48], progress=False)
+    assert [(c.path, c.bucket) for c in done] == [("tower", 24), ("tower", 32), ("tower", 48)]
+    from jaxsync.models.glm4v import _reference as ref
+
+    grids = [[[1, 6, 14]], [[1, 8, 12]], [[1, 10, 14]], [[1, 4, 20]], [[2, 6, 8]], [[1, 8, 24]]]
+    inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(grids)]  # 21..48 tokens
+    with no_recompile():
+        for px, g in inputs:
+            enc(px, g)

@@ -14,6 +14,7 @@ from flax import nnx
 from jaxsync.models.glm4v import _reference as ref
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._model import Glm4vVisionEncoder, Glm4vVisionModel
+from jaxsync.models.glm4v._plan import DEFAULT_GROUP_BUCKETS
 from jaxsync.models.glm4v._weights import load_vision_model
 from jaxsync.registry import BenchCase, Parity, PathCase, register_bench, register_path
 
@@ -70,7 +71,26 @@ def _parity() -> Parity:
 def _build_tower(checkpoint: str | None) -> PathCase:
     enc = _tiny_encoder() if checkpoint is None else _checkpoint_encoder(checkpoint)
     inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(VERIFY_GRIDS)]
-    return PathCase(fn=enc, inputs=inputs, parity=_parity if checkpoint is None else None)
+
+    def make_inputs(bucket: int):  # one 2 x 2b-patch image: exactly `bucket` merged tokens
+        grid = _grid_for(bucket, enc.cfg.spatial_merge_size)
+        return (ref.pixels(grid, enc.cfg), grid)
+
+    return PathCase(
+        fn=enc,
+        inputs=inputs,
+        parity=_parity if checkpoint is None else None,
+        make_inputs=make_inputs,
+        buckets=_PRECOMPILE_BUCKETS,
+    )
+
+
+# `jaxsync.precompile` default: the group buckets up to 1024 merged tokens (a 896x896 image).
+_PRECOMPILE_BUCKETS = tuple(b for b in DEFAULT_GROUP_BUCKETS if b <= 1024)
+
+
+def _grid_for(tokens: int, merge: int) -> list[list[int]]:
+    return [[1, merge, merge * tokens]]
 
 
 @register_path("glm4v.pos_embeds", "host grid_thw -> bicubic-interpolated position embeddings")
@@ -100,7 +120,13 @@ def _build_pos(checkpoint: str | None) -> PathCase:
             f"{torch32:.1e} from it",
         )
 
-    return PathCase(fn=enc.pos_embeds, inputs=[(g,) for g in VERIFY_GRIDS], parity=parity)
+    return PathCase(
+        fn=enc.pos_embeds,
+        inputs=[(g,) for g in VERIFY_GRIDS],
+        parity=parity,
+        make_inputs=lambda b: (_grid_for(b, enc.cfg.spatial_merge_size),),
+        buckets=_PRECOMPILE_BUCKETS,
+    )
 
 
 # Bench batches in patches (14 px): 336x336, 672x448, and four images of mixed sizes.
