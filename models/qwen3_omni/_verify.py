@@ -18,6 +18,7 @@ from jaxsync.models.qwen3_omni import _reference as ref
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
 from jaxsync.models.qwen3_omni._model import AudioEncoder, pad_features
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower
+from jaxsync.models.qwen3_omni._plan import FRAME_BUCKETS
 from jaxsync.models.qwen3_omni._weights import load_audio_encoder
 from jaxsync.registry import BenchCase, Parity, PathCase, register_bench, register_path
 
@@ -91,7 +92,14 @@ def _build(checkpoint: str | None) -> PathCase:
         cfg = Qwen3OmniAudioConfig.from_hf_config(hf)
         tower = load_audio_encoder(cfg, checkpoint, dtype=jnp.bfloat16)
         mixes = [[s * 100 for s in BENCH_SECONDS], [5900, 3400, 1600, 600]]
-    return PathCase(fn=AudioEncoder(tower), inputs=padded_inputs(cfg, mixes), parity=_parity)
+    return PathCase(
+        fn=AudioEncoder(tower),
+        inputs=padded_inputs(cfg, mixes),
+        parity=_parity,
+        # One audio filling each frame bucket (its window bucket follows); up to 60 s of audio.
+        make_inputs=lambda frames: padded_inputs(cfg, [[frames]])[0],
+        buckets=tuple(b for b in FRAME_BUCKETS if b <= 6000),
+    )
 
 
 @register_bench("qwen3_omni")
