@@ -21,22 +21,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from jaxsync.bench._timing import copy_ceiling_gbps  # noqa: E402
 from jaxsync.kv import KVLayout, copy_blocks  # noqa: E402
-
-
-def _ceiling_gbps(mesh, per_device_bytes: int) -> float:
-    n = mesh.size
-    x = jax.device_put(
-        jnp.ones((n, per_device_bytes // 2), jnp.bfloat16), NamedSharding(mesh, P("h"))
-    )
-    copy = jax.jit(lambda a: a + jnp.bfloat16(0))
-    jax.block_until_ready(copy(x))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready([copy(x) for _ in range(5)])
-        times.append((time.perf_counter() - t0) / 5)
-    return 2 * per_device_bytes / min(times) / 1e9
 
 
 def main() -> None:
@@ -55,7 +41,7 @@ def main() -> None:
     names = [f"layer{i}" for i in range(args.layers)]
     src = layout.random(names, jax.random.key(0), placement=shard)
     dst = layout.random(names, jax.random.key(1), placement=shard)
-    ceiling = _ceiling_gbps(mesh, 1 << 30)
+    ceiling = copy_ceiling_gbps("jax", 1 << 30, mesh=mesh)
     rng = np.random.default_rng(0)
     rows = []
     for count in args.counts:

@@ -117,13 +117,21 @@ def measure(fn: Callable[[], Any], side: _Side, *, repeat: int = 5) -> dict[str,
     }
 
 
-def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), measured now."""
+def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30, mesh: Any = None) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), measured now.
+
+    With a JAX `mesh`, every device of it copies `nbytes` at once and the result is per device.
+    """
     if framework == "jax":
         import jax
         import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
 
-        x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+        if mesh is None:
+            x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+        else:
+            shard = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+            x = jax.device_put(jnp.ones((mesh.size, nbytes // 2), jnp.bfloat16), shard)
         copy = jax.jit(lambda a: a + jnp.bfloat16(0))  # a full read + write pass
         jax.block_until_ready(copy(x))
         times = []

@@ -158,3 +158,23 @@ def hf_mask_logits(logits: Any, image_token_ids: list[int]) -> Any:
     else:
         t[:, :, image_token_ids] = torch.finfo(t.dtype).min
     return t
+
+
+def hf_merge(model: Any, input_ids: np.ndarray, pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """HF's placeholder merge (`masked_scatter` of image features at `<image>` ids).
+
+    Returns `text_embeds` [B, S, D], the `embed_table` [V, D] and the merged `want` [B, S, D].
+    """
+    import torch
+
+    with torch.no_grad():
+        tids = torch.from_numpy(input_ids)
+        embeds = model.model.embed_tokens(tids)
+        feats = model.model.get_image_features(torch.from_numpy(pixels)).pooler_output
+        mask = model.model.get_placeholder_mask(tids, inputs_embeds=embeds, image_features=feats)
+        want = embeds.masked_scatter(mask, feats)
+    return {
+        "text_embeds": embeds.numpy(),
+        "embed_table": model.model.embed_tokens.weight.detach().numpy(),
+        "want": want.numpy(),
+    }

@@ -91,22 +91,15 @@ def _build_mask(checkpoint: str | None) -> PathCase:
 
 
 def _merge_parity() -> Parity:
-    import torch
-
     model, paths = _tiny_reference()
     t = paths.cfg.vq.tokens_per_image
     ids = np.array([[1] + [paths.mapping.image_token_id] * t + [2]], dtype=np.int64)
     pixels = ref.random_pixels(1, ref.tiny_vq_config(), seed=4)
-    with torch.no_grad():
-        tids = torch.from_numpy(ids)
-        embeds = model.model.embed_tokens(tids)
-        feats = model.model.get_image_features(torch.from_numpy(pixels)).pooler_output
-        mask = model.model.get_placeholder_mask(tids, inputs_embeds=embeds, image_features=feats)
-        want = embeds.masked_scatter(mask, feats).numpy()
-    table = jnp.asarray(model.model.embed_tokens.weight.detach().numpy())
-    image = jnp.take(table, paths.get_image_tokens(pixels), axis=0)
-    got = paths.merge_image_embeddings(jnp.asarray(embeds.numpy()), image, input_ids=ids)
-    return Parity(float((np.asarray(got) != want).sum()), 0.0, "mismatches", "HF masked_scatter")
+    hf = ref.hf_merge(model, ids, pixels)
+    image = jnp.take(jnp.asarray(hf["embed_table"]), paths.get_image_tokens(pixels), axis=0)
+    got = paths.merge_image_embeddings(jnp.asarray(hf["text_embeds"]), image, input_ids=ids)
+    mismatches = float((np.asarray(got) != hf["want"]).sum())
+    return Parity(mismatches, 0.0, "mismatches", "HF masked_scatter")
 
 
 @register_path("chameleon.merge_embeddings", description="image embeddings -> <image> positions")

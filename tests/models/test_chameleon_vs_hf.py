@@ -193,15 +193,12 @@ def test_merge_equal_hf_masked_scatter(tiny):
     row1 = [img] * t + [3, 4, 6]
     ids = np.array([row0, row1], dtype=np.int64)
     pixels = ref.random_pixels(2, tiny["cfg"].vq, seed=11)
-    with torch.no_grad():
-        tids = torch.from_numpy(ids)
-        embeds = model.model.embed_tokens(tids)
-        feats = model.model.get_image_features(torch.from_numpy(pixels)).pooler_output
-        mask = model.model.get_placeholder_mask(tids, inputs_embeds=embeds, image_features=feats)
-        want = embeds.masked_scatter(mask, feats).numpy()
-    table = jnp.asarray(model.model.embed_tokens.weight.detach().numpy())
+    hf = ref.hf_merge(model, ids, pixels)
+    want = hf["want"]
     tokens = paths.get_image_tokens(pixels)
     got = paths.merge_image_embeddings(
-        jnp.asarray(embeds.numpy()), jnp.take(table, tokens, axis=0), input_ids=ids
+        jnp.asarray(hf["text_embeds"]),
+        jnp.take(jnp.asarray(hf["embed_table"]), tokens, axis=0),
+        input_ids=ids,
     )
     np.testing.assert_array_equal(np.asarray(got), want)
