@@ -30,7 +30,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import numpy as np
@@ -188,7 +188,7 @@ def env_mode() -> Mode | None:
     if raw in ("", "off", "0", "none"):
         return None
     if raw in ("warn", "error"):
-        return raw  # type: ignore[return-value]
+        return cast(Mode, raw)
     raise ValueError(f"{ENV_VAR} must be off, warn or error; got {raw!r}")
 
 
