@@ -68,8 +68,12 @@ def _build_log_mel(checkpoint: str | None) -> PathCase:
         (jax.device_put(_batch(lens, width, seed)), list(lens))
         for seed, lens in enumerate([(3 * _SR + 77, 30 * _SR), (width, 401), (12345, 20 * _SR)])
     ]
+    # Host waveforms are padded to power-of-two frame buckets (x hop samples), batch bucket 1;
+    # one audio filling each bucket from 1.28 s to 41 s.
     return PathCase(fn=log_mel_spectrogram, inputs=inputs, parity=_log_mel_parity,
-                    kwargs={"config": cfg})  # fmt: skip
+                    kwargs={"config": cfg},
+                    make_inputs=lambda frames: (_audio(frames * 160, frames)[None], [frames * 160]),
+                    buckets=(128, 256, 512, 1024, 2048, 4096))  # fmt: skip
 
 
 # ---------------------------------------------------------------- verify: audio embeddings

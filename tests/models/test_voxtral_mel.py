@@ -279,3 +279,18 @@ def test_default_mel_config_is_whispers_128_bin_extractor():
     from jaxsync.models.voxtral._config import MelConfig
 
     assert MelConfig() == MelConfig.from_feature_extractor(ref.whisper_fe(128))
+
+
+def test_precompiled_buckets_serve_many_lengths_without_recompiling():
+    import jaxsync
+    from jaxsync import registry
+    from jaxsync.check import no_recompile
+
+    (spec,) = registry.paths(["voxtral.log_mel"])
+    case = spec.build(None)
+    jaxsync.precompile([jaxsync.Target("mel", case)], buckets=[256, 1024, 4096], progress=False)
+    rng = np.random.default_rng(0)
+    with no_recompile():
+        for n in (200 * 160 + 7, 1000 * 160, 3000 * 160 + 1, 4000 * 160, 700 * 160):
+            x = rng.standard_normal((1, n)).astype(np.float32)
+            log_mel_spectrogram(x, [n], **case.kwargs)
