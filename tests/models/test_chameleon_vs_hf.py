@@ -202,3 +202,18 @@ def test_merge_equal_hf_masked_scatter(tiny):
         input_ids=ids,
     )
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_verify_on_a_saved_checkpoint(tmp_path, capsys):
+    # The `--checkpoint` branch: a tiny HF model saved with save_pretrained, loaded by our loader.
+    import json
+
+    from jaxsync import _cli
+
+    ref.build_hf_model(ref.tiny_hf_config()).save_pretrained(tmp_path)
+    rc = _cli.main(
+        ["verify", "--paths", "chameleon.image_tokens", "--checkpoint", str(tmp_path), "--json"]
+    )
+    (row,) = json.loads(capsys.readouterr().out)["paths"]
+    assert rc == 0 and row["ok"], row
+    assert row["parity"]["status"] == "none"  # no reference claimed for a user checkpoint
