@@ -106,3 +106,19 @@ def as_numpy(x: jax.Array) -> np.ndarray:
     if (x.sharding.memory_kind or "device") != "device":
         x = jax.device_put(x, x.sharding.with_memory_kind("device"))
     return np.array(jax.device_get(x))
+
+
+def host_random_cache(layout, layers, seed: int, placement=None) -> dict:
+    """A cache of host-drawn random values (cheap: no compile per value, unlike
+    `KVLayout.random`), placed with `placement` (default device when None)."""
+    rng = np.random.default_rng(seed)
+
+    def leaf():
+        if np.issubdtype(np.dtype(layout.dtype), np.integer):
+            x = rng.integers(-128, 128, layout.leaf_shape).astype(layout.dtype)
+        else:
+            x = rng.standard_normal(layout.leaf_shape).astype(np.float32).astype(layout.dtype)
+        return jax.device_put(x, placement or jax.devices()[0])
+
+    pair = layout.kind == "separate"
+    return {name: (leaf(), leaf()) if pair else leaf() for name in layers}

@@ -47,20 +47,25 @@ def _checkpoint_encoder(checkpoint: str) -> Glm4vVisionEncoder:
     )
 
 
+def _reference_pair(seed: int):
+    """A tiny random transformers tower and our encoder loaded from its saved safetensors."""
+    hf = ref.hf_config(**ref.TINY)
+    torch_model = ref.build_reference(hf, seed=seed)
+    cfg = Glm4vVisionConfig.from_hf_config(hf)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = ref.save_checkpoint(torch_model, Path(tmp) / "model.safetensors")
+        return torch_model, Glm4vVisionEncoder(load_vision_model(ckpt, cfg))
+
+
 def _parity() -> Parity:
     """Tiny random transformers tower -> safetensors -> our loader; fp32 max-norm rel error over
     images, a non-square batch and a video."""
     from jaxsync.testing import rel_err
 
-    hf = ref.hf_config(**ref.TINY)
-    torch_model = ref.build_reference(hf, seed=1)
-    cfg = Glm4vVisionConfig.from_hf_config(hf)
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = ref.save_checkpoint(torch_model, Path(tmp) / "model.safetensors")
-        enc = Glm4vVisionEncoder(load_vision_model(ckpt, cfg))
+    torch_model, enc = _reference_pair(seed=1)
     worst = 0.0
     for grid in ([[1, 6, 6]], [[1, 4, 8], [1, 10, 6]], [[3, 4, 6]]):
-        px = ref.pixels(grid, cfg)
+        px = ref.pixels(grid, enc.cfg)
         out = enc(px, grid)
         want = ref.forward(torch_model, px, grid)[1]
         worst = max(worst, rel_err(np.asarray(out.embeddings)[: out.num_tokens], want))
@@ -98,12 +103,7 @@ def _build_pos(checkpoint: str | None) -> PathCase:
     enc = _tiny_encoder() if checkpoint is None else _checkpoint_encoder(checkpoint)
 
     def parity() -> Parity:
-        hf = ref.hf_config(**ref.TINY)
-        torch_model = ref.build_reference(hf, seed=2)
-        cfg = Glm4vVisionConfig.from_hf_config(hf)
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = ref.save_checkpoint(torch_model, Path(tmp) / "model.safetensors")
-            e = Glm4vVisionEncoder(load_vision_model(ckpt, cfg))
+        torch_model, e = _reference_pair(seed=2)
         worst = torch32 = 0.0
         for grid in VERIFY_GRIDS:
             n = sum(t * h * w for t, h, w in grid)

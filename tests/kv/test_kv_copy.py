@@ -15,7 +15,7 @@ import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
-from jaxsync.kv._reference import as_numpy, to_numpy, torch_copy_blocks
+from jaxsync.kv._reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -36,19 +36,8 @@ DTYPES = {
 
 
 def make(kind, num_blocks, dtype, seed, placement):
-    """A cache from host random data (cheap: no compile per value)."""
     layout = KVLayout(num_blocks=num_blocks, block_size=4, dtype=dtype, **KINDS[kind])
-    rng = np.random.default_rng(seed)
-
-    def leaf():
-        if np.issubdtype(np.dtype(dtype), np.integer):
-            x = rng.integers(-128, 128, layout.leaf_shape).astype(dtype)
-        else:
-            x = rng.standard_normal(layout.leaf_shape).astype(np.float32).astype(dtype)
-        return jax.device_put(x, placement)
-
-    pair = kind == "separate"
-    return {name: (leaf(), leaf()) if pair else leaf() for name in LAYERS}
+    return host_random_cache(layout, LAYERS, seed, placement)
 
 
 def snapshot(cache):

@@ -12,7 +12,13 @@ import jaxsync
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, inject_kv, slot_mapping_for
-from jaxsync.kv._reference import as_numpy, to_numpy, torch_extract, torch_inject
+from jaxsync.kv._reference import (
+    as_numpy,
+    host_random_cache,
+    to_numpy,
+    torch_extract,
+    torch_inject,
+)
 from jaxsync.kv._slots import _extract, _inject
 
 
@@ -27,16 +33,7 @@ NUM_BLOCKS, BS = 7, 4  # 28 slots
 
 def make(kind, dtype, seed, placement=None):
     layout = KVLayout(num_blocks=NUM_BLOCKS, block_size=BS, dtype=dtype, **KINDS[kind])
-    rng = np.random.default_rng(seed)
-
-    def leaf():
-        if np.issubdtype(np.dtype(dtype), np.integer):
-            x = rng.integers(-128, 128, layout.leaf_shape).astype(dtype)
-        else:
-            x = rng.standard_normal(layout.leaf_shape).astype(np.float32).astype(dtype)
-        return jax.device_put(x, placement or jax.devices()[0])
-
-    return {n: (leaf(), leaf()) if kind == "separate" else leaf() for n in LAYERS}
+    return host_random_cache(layout, LAYERS, seed, placement)
 
 
 def bits(x):
