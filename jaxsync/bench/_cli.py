@@ -61,6 +61,20 @@ def _no_grad(fn):
     return run
 
 
+def _summary(row: dict[str, Any]) -> str:
+    """`label device/blocked ms` per measured side, for the log of a run that may be cut short."""
+    if "error" in row:
+        return f"error {row['error'][:120]}"
+    sides = [(k, v) for k, v in row.items() if isinstance(v, dict) and "device_ms" in v]
+    return ", ".join(f"{k} {v['device_ms']:.3f}/{v['blocked_ms']:.3f} ms" for k, v in sides)
+
+
+def _save(out: Path, env: dict, ceilings: dict, rows: list) -> dict[str, Any]:
+    result = {"environment": env, "copy_ceiling_gbps": ceilings, "rows": rows}
+    (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
 def bench(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="jaxsync bench", description=__doc__)
     ap.add_argument("--paths", nargs="*", help="families or path names (default: all)")
@@ -94,7 +108,9 @@ def bench(argv: Sequence[str]) -> int:
     env = _environment()
     jax_side, torch_side = _Side("jax"), _Side("torch")
     ceilings = {"jax": copy_ceiling_gbps("jax"), "torch": copy_ceiling_gbps("torch")}
-    rows = []
+    rows: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for family, build in registry.benches(args.paths).items():
         for size in args.sizes:
             try:
@@ -121,10 +137,8 @@ def bench(argv: Sequence[str]) -> int:
                 except Exception as e:
                     row["error"] = repr(e)[:300]
                 rows.append(row)
-                print(f"  measured {case.name}", flush=True)
-    result = {"environment": env, "copy_ceiling_gbps": ceilings, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
+                _save(out, env, ceilings, rows)  # a run cut short still leaves its rows
+                print(f"  measured {case.name}: {_summary(row)}", flush=True)
+    result = _save(out, env, ceilings, rows)
     render(result, out)
     return 0 if rows and not any("error" in r for r in rows) else 1

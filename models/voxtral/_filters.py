@@ -1,7 +1,8 @@
 """Host-side constant tables of the log-mel front end: the Slaney mel filter bank and the window.
 
 Computed once per config with NumPy in float64 and cast to float32 (as vLLM and transformers do
-before the matmul); the device copies live in `jaxsync.default_cache`.
+before the matmul); the device copies live in `jaxsync.default_cache`. The window also carries its
+float32 rounding residual, so the float64 spectral path (`_spectrum.py`) sees the float64 window.
 """
 
 from __future__ import annotations
@@ -72,7 +73,13 @@ def periodic_hann(n: int) -> np.ndarray:
 
 
 def device_tables(cfg: MelConfig, placement=None) -> tuple[jax.Array, jax.Array]:
-    """The float32 filter bank `[n_fft // 2 + 1, F]` and window `[n_fft]` on the device (cached)."""
+    """The float32 filter bank `[n_fft // 2 + 1, F]` and window pair `[2, n_fft]` (cached).
+
+    `window[0]` is the float32 window (what vLLM and transformers multiply by) and `window[1]` the
+    float32 residual `hann - window[0]`: their float64 sum is the float64 window to ~2**-48
+    relative. The float32 window alone perturbs a frame by ~2**-24 of its norm, which leaks into
+    spectral nulls as much as a float32 FFT does (up to ~4e-6 on the features, 128 bins).
+    """
     key = f"voxtral.mel/{cfg.num_mel_bins}/{cfg.n_fft}/{cfg.sampling_rate}/"
     key += f"{cfg.min_frequency}/{cfg.max_frequency}"
     filters = jaxsync.default_cache.get(
@@ -81,8 +88,14 @@ def device_tables(cfg: MelConfig, placement=None) -> tuple[jax.Array, jax.Array]
         placement=placement,
     )
     window = jaxsync.default_cache.get(
-        f"voxtral.mel/hann/{cfg.n_fft}",
-        lambda: periodic_hann(cfg.n_fft).astype(np.float32),
+        f"voxtral.mel/hann_hi_lo/{cfg.n_fft}",
+        lambda: _hi_lo(periodic_hann(cfg.n_fft)),
         placement=placement,
     )
     return filters, window
+
+
+def _hi_lo(w: np.ndarray) -> np.ndarray:
+    """`[2, n]` float32: `w` rounded to float32, then the rounding residual rounded to float32."""
+    hi = w.astype(np.float32)
+    return np.stack([hi, (w - hi.astype(np.float64)).astype(np.float32)])

@@ -21,6 +21,8 @@ Lengths, signals and the dynamic-range floor (the three upstream variants):
     frames, padded ones included.
   In every variant the result depends only on (audio samples, lengths, signal lengths): neither the
   buffer width, the batch composition, nor bucket padding changes a valid frame.
+
+Precision: the power spectrum is float64 where the backend has it natively (`_spectrum.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jaxsync
 import jaxsync.check
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._filters import device_tables
+from jaxsync.models.voxtral._spectrum import power_spectrum, spectral_float64
 
 
 FloorMode = Literal["global", "per_audio", "per_example"]
@@ -52,12 +55,14 @@ class MelSpec:
       frames: frames T per output row.
       floor_value: `g - 8.0` for the global floor (a compile-time float, no device scalar), or
         None for the dynamic max.
+      float64: power spectrum in float64 (`spectral_float64` of the waveforms' platform).
     """
 
     n_fft: int
     hop: int
     frames: int
     floor_value: float | None
+    float64: bool = False
 
 
 def log_mel_rows(
@@ -71,7 +76,7 @@ def log_mel_rows(
         `row_audio` [R] waveform of each row, `row_frame0` [R] first frame of the row,
         `row_frames` [R] valid frames of the row (0 for a padding row).
       filters: `[n_fft // 2 + 1, F]` float32 mel filters.
-      window: `[n_fft]` float32 window.
+      window: `[2, n_fft]` float32 window and its float32 rounding residual (`device_tables`).
       spec: static settings.
 
     Returns:
@@ -95,10 +100,9 @@ def log_mel_rows(
     # Framing without a per-sample gather: window t = hops t .. t + nblk - 1, truncated to n_fft.
     blocks = samples.reshape(n_rows, spec.frames + nblk, spec.hop)
     frames = jnp.concatenate([blocks[:, i : i + spec.frames] for i in range(nblk)], axis=-1)
-    frames = frames[..., : spec.n_fft] * window[None, None, :]  # [R, T, n_fft]
-    spectrum = jnp.fft.rfft(frames, axis=-1)  # [R, T, n_fft // 2 + 1]
-    power = jnp.square(spectrum.real) + jnp.square(spectrum.imag)
-    # The mel matmul decides the parity: keep it in full fp32 even where TF32 is the default.
+    frames = frames[..., : spec.n_fft]  # [R, T, n_fft], exact float32 samples
+    power = power_spectrum(frames, window, float64=spec.float64)  # [R, T, n_fft // 2 + 1]
+    # Full fp32 even where TF32 is the default: the filters' low bins span 7 decades.
     mel = jnp.einsum("rtk,kf->rft", power, filters, precision=jax.lax.Precision.HIGHEST)
     log = jnp.log10(jnp.maximum(mel, 1e-10))  # [R, F, T]
     valid = jnp.arange(spec.frames, dtype=jnp.int32)[None, :] < row_frames[:, None]  # [R, T]
@@ -308,6 +312,7 @@ def log_mel_spectrogram(
     fields["row_frames"] = np.concatenate([num_frames, np.zeros(b_pad - plan.batch, np.int64)])
     meta = jaxsync.upload_packed(fields, placement=placement)
     filters, window = device_tables(config, placement)
-    spec = MelSpec(config.n_fft, hop, frames, config.floor_value if floor == "global" else None)
+    floor_value = config.floor_value if floor == "global" else None
+    spec = MelSpec(config.n_fft, hop, frames, floor_value, spectral_float64(plan.x))
     feats, finite = _log_mel_jit(plan.x, meta, filters, window, spec=spec)
     return LogMel(features=feats, finite=finite, num_frames=num_frames)

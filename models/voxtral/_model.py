@@ -23,6 +23,7 @@ from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
 from jaxsync.models.voxtral._filters import device_tables
 from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows, plan_waveforms, resolve_floor
 from jaxsync.models.voxtral._modules import AudioEncoder, Projector
+from jaxsync.models.voxtral._spectrum import spectral_float64
 
 
 class VoxtralAudioModel(nnx.Module):
@@ -151,7 +152,8 @@ class VoxtralAudioEmbedder:
         meta = jaxsync.upload_packed(fields, placement=self.placement)
         filters, window = device_tables(self.mel_config, self.placement)
         floor_value = self.mel_config.floor_value if floor == "global" else None
-        spec = MelSpec(self.mel_config.n_fft, self.mel_config.hop_length, frames, floor_value)
+        mc = self.mel_config
+        spec = MelSpec(mc.n_fft, mc.hop_length, frames, floor_value, spectral_float64(plan.x))
         emb, finite = self._embed(plan.x, meta, filters, window, spec=spec)
         tokens = num_chunks * self.config.tokens_per_chunk
         return AudioEmbeddings(

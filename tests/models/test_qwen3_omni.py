@@ -258,3 +258,29 @@ def test_registered_for_verify():
     case = spec.build(None)
     assert len(case.inputs) >= 5 and callable(case.parity)
     assert "qwen3_omni" in registry._benches
+
+
+def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
+    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    f = ref.random_features(ref.TINY, [120, 30])
+    first = np.asarray(enc(f, [120, 30]).embeddings)
+    uploads = []
+    real = jaxsync.upload_packed
+    monkeypatch.setattr(
+        jaxsync, "upload_packed", lambda *a, **k: uploads.append(1) or real(*a, **k)
+    )
+    again = enc(f, np.array([120, 30], np.int32))  # same mix, other host container: a hit
+    np.testing.assert_array_equal(np.asarray(again.embeddings), first)
+    assert uploads == []
+    enc(f, [30, 120])  # another mix: planned and uploaded
+    assert uploads == [1]
+    with pytest.raises(TypeError, match="integers"):  # cached ints do not admit floats
+        enc(f, [120.0, 30.0])
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(q3._model, "PLAN_CACHE_SIZE", 2)
+    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    for n in (10, 20, 30):
+        enc(ref.random_features(ref.TINY, [n]), [n])
+    assert len(enc._plans) == 2

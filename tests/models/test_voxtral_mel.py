@@ -18,6 +18,7 @@ from jaxsync.models.voxtral import (
 )
 from jaxsync.models.voxtral._filters import device_tables
 from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows
+from jaxsync.models.voxtral._spectrum import spectral_float64
 from jaxsync.testing import requires_torch
 
 
@@ -25,6 +26,11 @@ pytestmark = requires_torch
 
 SR = 16000
 ATOL = 2e-5  # the issue's bound, absolute, on (log10 + 4) / 4 features
+# Where the spectral stage runs in float64 (CPU, GPU) what is left is the float32 log10 of values
+# below 16 in magnitude: 1-2 ulp (<= 9.5e-7 each) / 4 <= ~4.8e-7, plus ~1e-8 from rounding the
+# power to float32. Measured on CPU: 1.4e-7 (80 and 128 bins). The float32 FFT path is at 6e-6
+# (80 bins) and 1.05e-5 (128 bins) on CPU, so this bound also tells the two paths apart.
+ATOL_FLOAT64 = 1e-6
 # Shorter than, equal to and longer than 30 s; none but 480000 a multiple of the hop.
 LENGTHS = (3 * SR + 77, 30 * SR, 31 * SR + 4417)
 
@@ -164,6 +170,52 @@ def test_voxtral_processor_padding(audios):
         oracle = oracle.reshape(128, -1, 3000).transpose(1, 0, 2)
         got = feats[i, :, : out.num_frames[i]].reshape(128, -1, 3000).transpose(1, 0, 2)
         _check(got, want, oracle, "Voxtral processor")
+
+
+@pytest.mark.parametrize("bins", [80, 128])
+def test_float64_spectrum_precision(audios, bins):
+    """Where the backend has native float64 the features sit at float32 log10 rounding of the
+    float64 oracle, far inside the issue's bound, in the per-audio and the 30 s batch variant."""
+    if not spectral_float64(jax.device_put(np.zeros(1, np.float32))):
+        pytest.skip(f"{jax.default_backend()} keeps the float32 spectral path")
+    fe = ref.whisper_fe(bins)
+    cfg = MelConfig.from_feature_extractor(fe)
+    out = log_mel_spectrogram(_batch(audios), _lens(audios), config=cfg)
+    feats = np.asarray(out.features, np.float64)
+    assert out.features.dtype == np.float32
+    for i, a in enumerate(audios):
+        oracle = ref.float64_melspec(a, fe.mel_filters)[0]
+        err = np.abs(feats[i, :, : out.num_frames[i]] - oracle).max()
+        assert err <= ATOL_FLOAT64, f"audio {i}: |ours - float64| = {err:.2e}"
+    batch = log_mel_spectrogram(_batch(audios), _lens(audios), config=cfg, floor="per_example")
+    oracle = ref.float64_melspec(_padded(audios, 30 * SR), fe.mel_filters)
+    err = np.abs(np.asarray(batch.features, np.float64)[:3] - oracle).max()
+    assert err <= ATOL_FLOAT64, f"per_example: |ours - float64| = {err:.2e}"
+
+
+@pytest.mark.parametrize("float64", [True, False])
+def test_float64_scope_stays_inside_the_spectrum(float64):
+    """The float64 spectral stage is scoped to the trace: float32 in and out, the caller's x64
+    setting and default dtypes untouched, no recompiles; the float32 path (TPU) has no 64-bit op."""
+    cfg = MelConfig(num_mel_bins=80)
+    filters, window = device_tables(cfg)
+    meta = jaxsync.upload_packed(
+        {k: np.array(v, np.int32) for k, v in dict(
+            length=[4000], signal=[4000], row_audio=[0], row_frame0=[0], row_frames=[25]).items()}
+    )  # fmt: skip
+    x, x2 = (jax.device_put(_batch([_audio(4000, seed)])) for seed in (1, 2))
+    fn = jax.jit(ft.partial(log_mel_rows, spec=MelSpec(400, 160, 25, None, float64)))
+
+    def state():
+        return jax.config.jax_enable_x64, jax.numpy.zeros(1).dtype, jax.numpy.arange(2).dtype
+
+    before = state()
+    hlo = fn.lower(x, meta, filters, window).as_text()
+    assert ("complex<f64>" in hlo) == float64 and ("f64" in hlo) == float64
+    feats, _ = fn(x, meta, filters, window)
+    assert feats.dtype == np.float32 and state() == before
+    with jaxsync.check.no_recompile():
+        fn(x2, meta, filters, window)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,83 @@
+"""Where the host time of one qwen3_omni forward goes (GPU exploration, not a test).
+
+Prints, with ~30 ms of device work queued: the whole call, the host planning, the packed upload,
+and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
+XLA_FLAGS to compare XLA:GPU command-buffer settings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxsync
+from jaxsync.bench._timing import _Side
+from jaxsync.models.qwen3_omni import _reference as ref
+from jaxsync.models.qwen3_omni._model import TOKENS_PER_FULL_CHUNK, AudioEncoder
+from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, sinusoid_table
+from jaxsync.models.qwen3_omni._verify import BENCH_SECONDS, padded_inputs
+
+
+def _blocked(side: _Side, fn, n: int = 7) -> float:
+    times = []
+    for _ in range(n):
+        side.sync()
+        side.spin()
+        t0 = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        side.sync(out)
+    return statistics.median(times)
+
+
+def main() -> None:
+    cfg = ref.TINY if "--tiny" in sys.argv else ref.RELEASED
+    dtype = jnp.float32 if "--tiny" in sys.argv else jnp.bfloat16
+    lens = [s * 100 for s in BENCH_SECONDS] if cfg is ref.RELEASED else [130, 57, 410, 260]
+    enc = AudioEncoder(Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
+    rotation = padded_inputs(cfg, [lens] * 3)
+    side = _Side("jax")
+    x, lengths = rotation[0]
+    plan = enc.plan(tuple(x.shape), lengths)
+    meta = jaxsync.upload_packed(plan.device_fields())
+    positions = enc.cache.get(
+        f"qwen3_omni.audio.positions.{cfg.d_model}",
+        lambda: sinusoid_table(TOKENS_PER_FULL_CHUNK, cfg.d_model),
+    )
+    side.sync(enc(x, lengths).embeddings)
+    compiled = enc._jitted.lower(enc._leaves, x, positions, meta).compile()
+    text = compiled.as_text()
+    # XLA:GPU forms command buffers (CUDA graphs) from the thunk sequence, after HLO: the text
+    # shows the launches they group, not the graphs.
+    launches = text.count(" fusion(") + text.count("custom-call(")
+    print(f"state leaves {len(enc._leaves)} | fusions + custom calls {launches}")
+    it = iter(range(10**9))
+    rows = {
+        "whole call (rotated)": lambda: enc(*rotation[next(it) % 3]).embeddings,
+        "whole call (same input)": lambda: enc(x, lengths).embeddings,
+        "plan only": lambda: enc.plan(tuple(x.shape), lengths),
+        "plan + upload": lambda: jaxsync.upload_packed(
+            enc.plan(tuple(x.shape), lengths).device_fields()
+        ),
+        "jit dispatch (same args)": lambda: enc._forward(x, positions, meta),
+        "jit dispatch (rotated x)": lambda: enc._forward(
+            rotation[next(it) % 3][0], positions, meta
+        ),
+    }
+    many = jax.jit(lambda leaves: leaves[0] + 1)  # a trivial program with as many arguments
+    side.sync(many(enc._leaves))
+    rows[f"trivial jit, {len(enc._leaves)} args"] = lambda: many(enc._leaves)
+    one = enc._leaves[0]
+    rows["trivial jit, 1 arg"] = lambda: many([one])
+    side.sync(many([one]))
+    for name, fn in rows.items():
+        print(f"{name:28s} {_blocked(side, fn):8.3f} ms host")
+
+
+if __name__ == "__main__":
+    main()
