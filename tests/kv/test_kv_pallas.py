@@ -57,3 +57,30 @@ def test_pallas_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="device->device only"):
         copy_blocks(src, dst, [0], [1], impl="pallas_interpret")
     assert not any(x.is_deleted() for x in jax.tree.leaves(dst))  # untouched on error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_compiled_pallas_equals_xla_on_gpu(kind):
+    if jax.default_backend() != "gpu":
+        pytest.skip("the compiled (Triton) kernel needs a GPU")
+    ids = (list(range(9)), list(range(12, 3, -1)))
+    want = _copy(LAYOUTS[kind], "xla", *ids)
+    got = _copy(LAYOUTS[kind], "pallas", *ids)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+def test_compiled_pallas_at_the_released_block_shape_on_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("the compiled (Triton) kernel needs a GPU")
+    layout = KVLayout(kind="packed", num_blocks=4099, block_size=16, num_kv_heads=8, head_dim=128,
+                      dtype=jnp.bfloat16)  # fmt: skip
+    rng = np.random.default_rng(0)
+    src_ids = rng.choice(4099, 700, replace=False)
+    dst_ids = rng.choice(4099, 700, replace=False)
+    want = _copy(layout, "xla", src_ids, dst_ids, seed=5)
+    got = _copy(layout, "pallas", src_ids, dst_ids, seed=5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert bool(jnp.array_equal(a, b))
