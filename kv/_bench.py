@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsync.kv import _pallas
 from jaxsync.kv._copy import copy_blocks
 from jaxsync.kv._layout import KVLayout
 from jaxsync.registry import BenchCase, register_bench
@@ -142,7 +143,7 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                 torch_fns["torch_copy_ceiling"] = lambda a=a, b=b: b.copy_(a)
             name = f"kv.copy_blocks {direction} {count} blocks ({size})"
             cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
-            if direction == "d2d" and device.startswith("cuda"):
+            if direction == "d2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
                 # The experimental one-pass Pallas kernel on the same ids (no torch rows).
                 rotation_p = itertools.cycle(id_sets)
 

@@ -33,6 +33,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.kv import _pallas
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
@@ -107,8 +108,8 @@ def copy_blocks(
         (which alone decide what runs).
       buckets: block-count buckets (default: powers of two >= 8).
       impl: "xla" (default, portable), or the experimental one-pass Pallas kernel for
-        device->device copies ("pallas"; "pallas_interpret" runs it in Pallas' interpreter, for
-        tests). See `jaxsync.kv._pallas`.
+        device->device copies: "pallas_interpret" runs it in Pallas' interpreter (tests);
+        compiled "pallas" is disabled while it fails parity on GPU. See `jaxsync.kv._pallas`.
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`
@@ -134,6 +135,11 @@ def copy_blocks(
     check_same_structure(src, dst, "src", "dst")
     if impl not in ("xla", "pallas", "pallas_interpret"):
         raise ValueError(f"impl must be 'xla', 'pallas' or 'pallas_interpret', got {impl!r}")
+    if impl == "pallas" and not _pallas.ALLOW_COMPILED:
+        raise ValueError(
+            "impl='pallas' is disabled: the compiled kernel does not match the XLA path on an "
+            "H200 (see jaxsync.kv._pallas); use impl='xla' (default)"
+        )
     if impl != "xla":
         if actual != "d2d":
             raise ValueError(f"impl={impl!r} copies device->device only, not {actual!r}")

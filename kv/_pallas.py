@@ -6,8 +6,12 @@ block straight from the source cache into the donated destination in one pass. G
 `(blocks, row_tiles)`: each program moves a `[1, tile_rows, cols]` slab of one layer's
 `[P, rows, cols]` view. Padded entries carry out-of-range destination ids and are skipped.
 
-Status: correct in interpret mode (tests on CPU); **not yet compiled or timed on a GPU**. The
-default stays the portable XLA path; this is opt-in until an H200 run shows it is faster.
+Status: correct in interpret mode (tests on CPU), but **wrong when compiled for an H200** (jax
+0.11.2, 2026-11-29): all four compiled-vs-XLA parity tests in tests/kv/test_kv_pallas.py failed
+there, so its fast timings (3.7-3.9 TB/s) mean nothing. Compiled use is disabled
+(`ALLOW_COMPILED`) until a GPU run shows parity; the interpreter stays available for development.
+Suspects to check first: `tile` derived from `pl.num_programs` inside the kernel (pass it
+statically), and scalar id loads from unblocked refs under the Triton lowering.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from jax.experimental import pallas as pl
 import jaxsync
 from jaxsync.kv._layout import Cache
 
+
+ALLOW_COMPILED = False
+"""Compiled (non-interpret) use; off while the kernel fails parity on GPU (tests flip it)."""
 
 _TILE_ELEMENTS = 4096  # per program: 8 KiB of bf16, few registers per thread
 

@@ -1,13 +1,14 @@
 """The experimental one-pass Pallas block copy, run in Pallas' interpreter on CPU.
 
-It must equal the XLA path bit for bit (the GPU compile and speed are for the H200 run)."""
+It must equal the XLA path bit for bit. Compiled on an H200 it does not (2026-11-29): those GPU
+tests are strict xfails, so a fix shows up as an unexpected pass."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsync.kv import KVLayout, copy_blocks
+from jaxsync.kv import KVLayout, _pallas, copy_blocks
 from jaxsync.kv._pallas import slab
 
 
@@ -60,10 +61,12 @@ def test_pallas_rejects_what_it_cannot_do():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="compiled Pallas kernel fails parity on an H200")
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_compiled_pallas_equals_xla_on_gpu(kind):
+def test_compiled_pallas_equals_xla_on_gpu(kind, monkeypatch):
     if jax.default_backend() != "gpu":
         pytest.skip("the compiled (Triton) kernel needs a GPU")
+    monkeypatch.setattr(_pallas, "ALLOW_COMPILED", True)
     ids = (list(range(9)), list(range(12, 3, -1)))
     want = _copy(LAYOUTS[kind], "xla", *ids)
     got = _copy(LAYOUTS[kind], "pallas", *ids)
@@ -72,9 +75,11 @@ def test_compiled_pallas_equals_xla_on_gpu(kind):
 
 
 @pytest.mark.gpu
-def test_compiled_pallas_at_the_released_block_shape_on_gpu():
+@pytest.mark.xfail(strict=True, reason="compiled Pallas kernel fails parity on an H200")
+def test_compiled_pallas_at_the_released_block_shape_on_gpu(monkeypatch):
     if jax.default_backend() != "gpu":
         pytest.skip("the compiled (Triton) kernel needs a GPU")
+    monkeypatch.setattr(_pallas, "ALLOW_COMPILED", True)
     layout = KVLayout(kind="packed", num_blocks=4099, block_size=16, num_kv_heads=8, head_dim=128,
                       dtype=jnp.bfloat16)  # fmt: skip
     rng = np.random.default_rng(0)
@@ -84,3 +89,11 @@ def test_compiled_pallas_at_the_released_block_shape_on_gpu():
     got = _copy(layout, "pallas", src_ids, dst_ids, seed=5)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert bool(jnp.array_equal(a, b))
+
+
+def test_compiled_pallas_is_disabled():
+    src = LAYOUTS["packed"].random(LAYERS, jax.random.key(0))
+    dst = LAYOUTS["packed"].random(LAYERS, jax.random.key(1))
+    with pytest.raises(ValueError, match="disabled"):
+        copy_blocks(src, dst, [0], [1], impl="pallas")
+    assert all(not x.is_deleted() for x in jax.tree.leaves(dst))  # nothing was donated
