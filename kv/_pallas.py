@@ -10,8 +10,14 @@ Status: correct in interpret mode (tests on CPU), but **wrong when compiled for 
 0.11.2, 2026-11-29): all four compiled-vs-XLA parity tests in tests/kv/test_kv_pallas.py failed
 there, so its fast timings (3.7-3.9 TB/s) mean nothing. Compiled use is disabled
 (`ALLOW_COMPILED`) until a GPU run shows parity; the interpreter stays available for development.
-Suspects to check first: `tile` derived from `pl.num_programs` inside the kernel (pass it
-statically), and scalar id loads from unblocked refs under the Triton lowering.
+The likely cause, found afterwards on CPU by cross-lowering for CUDA: since jax 0.10 Pallas
+lowers GPU kernels to Mosaic GPU by default (`jax_pallas_use_mosaic_gpu`), not Triton. This kernel
+was written for Triton's semantics (un-blocked refs are plain global-memory pointers; each program
+loads and stores one slab). Mosaic GPU stages un-blocked refs through shared memory per program
+instead, so programs write back whole stale output blocks. The kernel is now pinned to Triton
+(`pltriton.CompilerParams()`); its Triton IR does the intended per-slab copy. That fix is
+**unverified on a GPU**: the strict-xfail GPU tests turn into unexpected passes when it works,
+and then `ALLOW_COMPILED` can be flipped.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import math
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 import jaxsync
 from jaxsync.kv._layout import Cache
@@ -70,6 +77,8 @@ def _copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, interpret: bool) ->
         grid=(src_ids.shape[0], rows // tile),
         input_output_aliases={3: 0},
         interpret=interpret,
+        # Triton, not the default Mosaic GPU: the kernel relies on un-blocked refs being pointers.
+        compiler_params=None if interpret else pltriton.CompilerParams(),
     )(src_ids, dst_ids, s3, d3)
     return out.reshape(d.shape)
 

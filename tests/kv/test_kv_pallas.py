@@ -97,3 +97,18 @@ def test_compiled_pallas_is_disabled():
     with pytest.raises(ValueError, match="disabled"):
         copy_blocks(src, dst, [0], [1], impl="pallas")
     assert all(not x.is_deleted() for x in jax.tree.leaves(dst))  # nothing was donated
+
+
+def test_kernel_lowers_to_triton_for_cuda():
+    # Cross-lowered on the CPU: the kernel must reach XLA as a Triton call (Pallas' default GPU
+    # backend, Mosaic GPU, gives un-blocked refs other semantics).
+    from jaxsync.kv._pallas import _copy_leaf
+
+    s = jnp.zeros((8, 16, 256), jnp.bfloat16)
+    ids = jnp.zeros((4,), jnp.int32)
+
+    def f(s, d, a, b):
+        return _copy_leaf(s, d, a, b, interpret=False)
+
+    text = jax.jit(f).trace(s, s, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
