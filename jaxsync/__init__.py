@@ -7,6 +7,8 @@ Core API:
   bucket                      - pad sizes to buckets so many inputs share one program.
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
+  stack_layers, scan_layers   - identical layers as one stacked state, run with lax.scan.
+  split_layers, SplitLayers   - a module split into its non-layer state and stacked layers.
   precompile                  - compile every bucket of every path ahead of serving.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
 jaxsync.testing, jaxsync.models, jaxsync.kv.
@@ -18,6 +20,12 @@ from jaxsync._device_cache import (
     default_cache as default_cache,
 )
 from jaxsync._jit import JitMethod as JitMethod, jit_method as jit_method
+from jaxsync._layers import (
+    SplitLayers as SplitLayers,
+    scan_layers as scan_layers,
+    split_layers as split_layers,
+    stack_layers as stack_layers,
+)
 from jaxsync._placement import replicated_near as replicated_near
 from jaxsync._precompile import (
     Compiled as Compiled,

@@ -3,6 +3,12 @@
 Prints, with ~30 ms of device work queued: the whole call, the host planning, the packed upload,
 and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
+
+  python tools/explore_dispatch.py [--tiny] [--scan] [--compile-only]
+
+--scan builds the encoder with `scan_layers=True` (stacked layer weights, one lax.scan): run it
+with and without for the A/B. --compile-only prints the argument count and the lower/compile
+times of the first call and stops (no execution; for slow hosts).
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ def main() -> None:
     cfg = ref.TINY if "--tiny" in sys.argv else ref.RELEASED
     dtype = jnp.float32 if "--tiny" in sys.argv else jnp.bfloat16
     lens = [s * 100 for s in BENCH_SECONDS] if cfg is ref.RELEASED else [130, 57, 410, 260]
-    enc = AudioEncoder(Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
+    scan = "--scan" in sys.argv
+    tower = Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    enc = AudioEncoder(tower, scan_layers=scan)
+    del tower  # with --scan the encoder holds the stacked copy only
     rotation = padded_inputs(cfg, [lens] * 3)
     side = _Side("jax")
     x, lengths = rotation[0]
@@ -49,13 +58,23 @@ def main() -> None:
         f"qwen3_omni.audio.positions.{cfg.d_model}",
         lambda: sinusoid_table(TOKENS_PER_FULL_CHUNK, cfg.d_model),
     )
-    side.sync(enc(x, lengths).embeddings)
-    compiled = enc._jitted.lower(enc._leaves, x, positions, meta).compile()
+    t0 = time.perf_counter()
+    lowered = enc._jitted.lower(enc._leaves, x, positions, meta)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
     text = compiled.as_text()
     # XLA:GPU forms command buffers (CUDA graphs) from the thunk sequence, after HLO: the text
-    # shows the launches they group, not the graphs.
+    # shows the launches they group, not the graphs. A scan's loop body is counted once.
     launches = text.count(" fusion(") + text.count("custom-call(")
-    print(f"state leaves {len(enc._leaves)} | fusions + custom calls {launches}")
+    print(
+        f"scan_layers={scan} | state leaves {len(enc._leaves)} | jit args "
+        f"{len(jax.tree.leaves(lowered.args_info))} | fusions + custom calls {launches} (static) | "
+        f"lower {t1 - t0:.2f} s, compile {t2 - t1:.2f} s | StableHLO {len(lowered.as_text())} chars"
+    )
+    if "--compile-only" in sys.argv:
+        return
+    side.sync(enc(x, lengths).embeddings)
     it = iter(range(10**9))
     rows = {
         "whole call (rotated)": lambda: enc(*rotation[next(it) % 3]).embeddings,

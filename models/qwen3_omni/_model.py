@@ -75,6 +75,13 @@ class AudioEncoder:
       cache: where the constant position table lives.
       window_buckets: attention-window counts to compile for (default `WINDOW_BUCKETS`, about
         four sizes per octave); coarser buckets mean fewer programs and more padding.
+      scan_layers: opt-in: keep the layers' weights stacked [L, ...] and run them with
+        `jax.lax.scan` (`jaxsync.split_layers`). The program then takes ~1/L of the state
+        arguments (released size: 29 instead of 525, ~1 ms less jit dispatch on an H200) and
+        traces one layer instead of L (faster compiles). The encoder keeps only the stacked
+        copy: construction briefly holds both (one extra copy of the layer weights) until the
+        caller drops `tower`, after which the per-layer arrays are freed. Off by default until
+        measured on the GPU (a loop in the program may cost device time).
 
     Usage: `AudioEncoder(load_audio_encoder(cfg, ckpt))(features, [310, 0, 99])`.
     """
@@ -86,19 +93,33 @@ class AudioEncoder:
         placement: Any = None,
         cache: jaxsync.DeviceCache | None = None,
         window_buckets: Sequence[int] | None = None,
+        scan_layers: bool = False,
     ):
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
         self.cache = jaxsync.default_cache if cache is None else cache
         self.window_buckets = None if window_buckets is None else tuple(window_buckets)
+        self.scan_layers = scan_layers
         # The NNX state is flattened once: flattening it per call walks every Variable in Python
         # (about 1 us per leaf, over 500 leaves at the released size), a list of arrays is not.
-        graphdef, state = nnx.split(tower)
+        # With scan_layers the list is the non-layer leaves, then the stacked layer leaves.
+        if scan_layers:
+            graphdef, state, layer_graphdef, layer_state = jaxsync.split_layers(tower)
+        else:
+            (graphdef, state), layer_graphdef, layer_state = nnx.split(tower), None, []
+        layer_leaves, layer_treedef = jax.tree_util.tree_flatten(layer_state)
         self._leaves, treedef = jax.tree_util.tree_flatten(state)
+        num_own = len(self._leaves)
+        self._leaves += layer_leaves
 
         def forward(leaves, features, positions, meta):
-            module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-            return module(features, positions, meta)
+            module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves[:num_own]))
+            if not scan_layers:
+                return module(features, positions, meta)
+            stacked = jax.tree_util.tree_unflatten(layer_treedef, leaves[num_own:])
+            x = module.embed(features, positions, meta)
+            x = jaxsync.scan_layers(layer_graphdef, stacked, x, meta["window_lens"])
+            return module.head(x, meta)
 
         self._jitted = jax.jit(forward)
         # Servers see the same length mixes again (fixed windows, retried requests): planning and

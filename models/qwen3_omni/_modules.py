@@ -21,15 +21,20 @@ from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
 _LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
 
 
+# Built once: a layer keeps its activation as a static attribute, and layers stack (scan) only
+# when those compare equal, i.e. are the same function object.
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
 def activation(name: str):
-    """The HF `ACT2FN[name]` function for the supported names."""
-    return {
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-        "relu": jax.nn.relu,
-        "silu": jax.nn.silu,
-    }[name]
+    """The HF `ACT2FN[name]` function for the supported names (one object per name)."""
+    return _ACTIVATIONS[name]
 
 
 def sinusoid_table(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
@@ -120,7 +125,7 @@ class Qwen3OmniAudioTower(nnx.Module):
         positions: Float[Array, "13 D"],
         meta: jaxsync.Packed,
     ) -> Float[Array, "WQ O"]:
-        """Encodes one planned batch.
+        """Encodes one planned batch: `head(layers(embed(...)))`.
 
         Args:
           features: [F, T] mel features, all audios concatenated in time (T may be padded).
@@ -131,6 +136,15 @@ class Qwen3OmniAudioTower(nnx.Module):
           [W * Q, O] embeddings; row r < sum(tokens) is token r of the concatenated audios,
           later rows are zero.
         """
+        x = self.embed(features, positions, meta)
+        for layer in self.layers:  # `AudioEncoder(scan_layers=True)` runs these as one scan
+            x = layer(x, meta["window_lens"])
+        return self.head(x, meta)
+
+    def embed(
+        self, features: Float[Array, "F T"], positions: Float[Array, "13 D"], meta: jaxsync.Packed
+    ) -> Float[Array, "W Q D"]:
+        """The part before the layers: chunk gather, conv stem, positions, window layout."""
         cfg = self.cfg
         chunk, num_frames = cfg.chunk_len, features.shape[1]
         starts, lens = meta["slot_starts"], meta["slot_lens"]  # [S]
@@ -152,11 +166,12 @@ class Qwen3OmniAudioTower(nnx.Module):
         x = x + positions[None, : x.shape[1], :].astype(x.dtype)
 
         windows = meta["window_lens"].shape[0]
-        x = x.reshape(windows, cfg.window_tokens, cfg.d_model)  # [W, Q, D]
-        for layer in self.layers:
-            x = layer(x, meta["window_lens"])
+        return x.reshape(windows, cfg.window_tokens, cfg.d_model)  # [W, Q, D]
+
+    def head(self, x: Float[Array, "W Q D"], meta: jaxsync.Packed) -> Float[Array, "WQ O"]:
+        """The part after the layers: output projection and the gather into token order."""
         x = self.proj2(self.act(self.proj1(self.ln_post(x))))  # [W, Q, O]
-        flat = x.reshape(windows * cfg.window_tokens, cfg.output_dim)
+        flat = x.reshape(-1, self.cfg.output_dim)
         return jnp.take(flat, meta["out_src"], axis=0, mode="fill", fill_value=0)
 
 

@@ -233,9 +233,11 @@ def test_bad_input_raises_before_any_upload(random_encoder, case, monkeypatch):
         random_encoder(features, lens)
 
 
-def test_empty_batch_and_all_empty_audios(random_encoder):
+@pytest.mark.parametrize("scan", [False, True])
+def test_empty_batch_and_all_empty_audios(scan):
+    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)), scan_layers=scan)
     for lens in ([], [0, 0, 0]):
-        out = random_encoder(np.zeros((22, 0), np.float32), lens)
+        out = enc(np.zeros((22, 0), np.float32), lens)
         assert out.lengths == tuple(0 for _ in lens) and out.num_tokens == 0
         assert not np.asarray(out.embeddings).any()
         assert [s.shape[0] for s in out.split()] == [0] * len(lens)

@@ -34,7 +34,16 @@ def tiny(tmp_path_factory):
     ckpt = ref.save_hf_encoder(
         model, tmp_path_factory.mktemp("qwen3_omni") / "model.safetensors", "thinker.audio_tower."
     )
-    return dict(model=model, ckpt=ckpt, enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)))
+    return dict(
+        model=model,
+        ckpt=ckpt,
+        enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
+        # the same weights, layers stacked and run by one lax.scan
+        scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), scan_layers=True),
+    )
+
+
+ENCODERS = ("enc", "scan")
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -46,9 +55,10 @@ def _run(enc, lens, seed, *, pad=True):
 # ---------------------------------------------------------------- parity
 
 
+@pytest.mark.parametrize("which", ENCODERS)
 @pytest.mark.parametrize("lens", ver.PARITY_MIXES, ids=str)
-def test_fp32_parity(tiny, lens):
-    x, out = _run(tiny["enc"], lens, seed=sum(lens))
+def test_fp32_parity(tiny, lens, which):
+    x, out = _run(tiny[which], lens, seed=sum(lens))
     want = ref.reference_outputs(tiny["model"], x, lens)
     got = out.split()
     assert list(out.lengths) == [w.shape[0] for w in want]
@@ -57,6 +67,20 @@ def test_fp32_parity(tiny, lens):
         assert_close(g, w, rtol=1e-5, err_msg=f"audio {a} of {lens}")
     assert_close(out.embeddings[: out.num_tokens], np.concatenate(want), rtol=1e-5)
     assert not np.asarray(out.embeddings[out.num_tokens :]).any(), "padding rows must be zero"
+
+
+def test_scanned_layers_equal_the_layer_loop_bitwise(tiny):
+    # Bitwise: each scan step runs the same float32 ops on the same values as the unrolled layer;
+    # only the weights' source differs (an exact dynamic slice of the stacked arrays). Observed
+    # on XLA:CPU; another backend fusing the loop body differently could round differently.
+    # per layer 6 Linear + 2 LayerNorm (2 leaves each); own: 3 convs, ln_post, proj1, proj2 (2
+    # each) and conv_out's kernel
+    per_layer, own = 16, 13
+    assert len(tiny["enc"]._leaves) == own + per_layer * CFG.encoder_layers
+    assert len(tiny["scan"]._leaves) == own + per_layer
+    for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES + ver.ONE_BUCKET_MIXES):
+        want = np.asarray(tiny["enc"](x, lens).embeddings)
+        np.testing.assert_array_equal(np.asarray(tiny["scan"](x, lens).embeddings), want)
 
 
 def test_upstream_batch_dependence_is_reproduced(tiny):
@@ -110,9 +134,10 @@ def test_bf16_parity(tiny):
 # ---------------------------------------------------------------- sync-freedom
 
 
-def test_sync_free_and_one_program_for_five_mixes(tiny):
+@pytest.mark.parametrize("which", ENCODERS)
+def test_sync_free_and_one_program_for_five_mixes(tiny, which):
     inputs = ver.padded_inputs(CFG, ver.ONE_BUCKET_MIXES)
-    report = assert_sync_free(tiny["enc"], *inputs[0], inputs=inputs[1:])
+    report = assert_sync_free(tiny[which], *inputs[0], inputs=inputs[1:])
     assert report.compiles == 0
     print(report)
 
