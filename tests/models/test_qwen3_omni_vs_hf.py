@@ -207,8 +207,10 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    (case,) = ver._bench("cpu", "tiny")
+    case, scanned = ver._bench("cpu", "tiny")
+    assert scanned.name == f"{case.name} [scan_layers]" and not scanned.torch_fns
     ours = case.jax_fn()
+    np.testing.assert_array_equal(np.asarray(scanned.jax_fn()), np.asarray(ours))  # same input
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
         assert tuple(fn().shape) == (tokens, CFG.output_dim)
