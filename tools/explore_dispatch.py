@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
-from jaxsync.bench._timing import _Side
+from jaxsync.bench._timing import _Side, blocked_ms
 from jaxsync.models.qwen3_omni import _reference as ref
 from jaxsync.models.qwen3_omni._model import TOKENS_PER_FULL_CHUNK, AudioEncoder
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, sinusoid_table
@@ -30,15 +30,7 @@ from jaxsync.models.qwen3_omni._verify import BENCH_SECONDS, padded_inputs
 
 
 def _blocked(side: _Side, fn, n: int = 7) -> float:
-    times = []
-    for _ in range(n):
-        side.sync()
-        side.spin()
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-        side.sync(out)
-    return statistics.median(times)
+    return statistics.median(blocked_ms(fn, side) for _ in range(n))
 
 
 def main() -> None:

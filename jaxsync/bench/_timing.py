@@ -92,6 +92,17 @@ def _forwards_per_sample(fn: Callable[[], Any], side: _Side) -> int:
     return int(min(max(10.0 / per_call, 2), 1000))
 
 
+def blocked_ms(fn: Callable[[], Any], side: _Side) -> float:
+    """One host-blocked sample: ms for `fn()` to return with ~30 ms of device work queued."""
+    side.sync()
+    side.spin()
+    t0 = time.perf_counter()
+    out = fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    side.sync(out)
+    return ms
+
+
 def measure(fn: Callable[[], Any], side: _Side, *, repeat: int = 5) -> dict[str, float]:
     """First-call time, device time per forward, and host-blocked time for a zero-arg closure."""
     t0 = time.perf_counter()
@@ -110,12 +121,7 @@ def measure(fn: Callable[[], Any], side: _Side, *, repeat: int = 5) -> dict[str,
         side.sync(_last(outs))
         device.append(max((time.perf_counter() - t0) * 1e3 - busy, 0.0) / k)
 
-        side.sync()
-        side.spin()
-        t1 = time.perf_counter()
-        out = fn()
-        blocked.append((time.perf_counter() - t1) * 1e3)
-        side.sync(out)
+        blocked.append(blocked_ms(fn, side))
     return {
         "first_call_ms": first_ms,
         "device_ms": statistics.median(device),
