@@ -4,7 +4,7 @@
 #   check   - install, gpu-marked tests, the mel and kv suites on the GPU, jaxsync verify (streams)
 #   bench1  - jaxsync bench, released sizes: kv, qwen3_omni, voxtral, chameleon (OUT_DIR/bench-bench1.tgz)
 #   bench2  - the same for gemma3n and glm4v (OUT_DIR/bench-bench2.tgz)
-#   dispatch - qwen3_omni host time: stacked vs per-layer weights, default vs TFRT client; Pallas
+#   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,16 +38,19 @@ case "$phase" in
     tar czf "$out/bench-$phase.tgz" -C "$out" bench && rm -rf "$out/bench"
     ;;
   dispatch)
-    # Host time per qwen3_omni call: per-layer leaves vs stacked layers (scan_layers=True), and
-    # both under the TFRT GPU client; then the Pallas copy's parity (strict xfails: an XPASS
-    # means the Triton-pinned kernel works).
-    for v in "" "--scan"; do
-      echo "== default client $v"; timeout 80 python3 tools/explore_dispatch.py $v 2>&1 | tail -10
-      echo "== tfrt client $v"
-      XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 80 python3 tools/explore_dispatch.py $v \
-        2>&1 | tail -10
-    done
+    # Pallas copy parity first (strict xfails: an XPASS means the Triton-pinned kernel works);
+    # then pinned-host swaps, per-layer vs block-major pool (also with while loops in CUDA
+    # graphs); then qwen3_omni host time with stacked layers under three runtime settings.
     timeout 120 python3 -m pytest -q -rxX -p no:cacheprovider tests/kv/test_kv_pallas.py 2>&1 | tail -8
+    wh="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    echo "== swap default"; timeout 60 python3 tools/explore_swap.py 2>&1 | tail -9
+    echo "== swap $wh"; XLA_FLAGS=$wh timeout 60 python3 tools/explore_swap.py 2>&1 | tail -9
+    echo "== qwen3 --scan default"; timeout 75 python3 tools/explore_dispatch.py --scan 2>&1 | tail -10
+    echo "== qwen3 --scan $wh"
+    XLA_FLAGS=$wh timeout 75 python3 tools/explore_dispatch.py --scan 2>&1 | tail -10
+    echo "== qwen3 --scan tfrt client"
+    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 75 python3 tools/explore_dispatch.py --scan \
+      2>&1 | tail -10
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
