@@ -28,6 +28,7 @@ from jaxsync.bench._timing import _Side, measure
 from jaxsync.kv import copy_blocks
 from jaxsync.kv._layout import KVLayout
 
+
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
 
@@ -93,11 +94,13 @@ def main() -> None:
     to_dev = jax.jit(lambda x: x, out_shardings=on_dev)
     report("ceiling d2h (one transfer)", lambda: to_host(flat_dev))
     report("ceiling h2d (one transfer)", lambda: to_dev(flat_host))
-    del flat_dev, flat_host
 
     dev_cache = layout.random(names, jax.random.key(0), placement=on_dev)
     host_cache = layout.random(names, jax.random.key(1), placement=pinned)
-    state = {"d2h": layout.random(names, jax.random.key(4), placement=pinned), "h2d": layout.random(names, jax.random.key(3), placement=on_dev)}
+    state = {
+        "d2h": layout.random(names, jax.random.key(4), placement=pinned),
+        "h2d": layout.random(names, jax.random.key(3), placement=on_dev),
+    }
     it = iter(range(10**9))
 
     def per_layer(direction):
@@ -108,7 +111,6 @@ def main() -> None:
 
     report(f"per-layer d2h {n} blocks", lambda: per_layer("d2h"))
     report(f"per-layer h2d {n} blocks", lambda: per_layer("h2d"))
-    del host_cache, state
 
     pool_shape = (layout.num_blocks, layers) + layout.leaf_shape[1:]
     pool = {"p": jax.device_put(jnp.zeros(pool_shape, layout.dtype), pinned)}
@@ -136,8 +138,10 @@ def main() -> None:
     print(f"pool round trip equal: {ok}")
     t0 = time.perf_counter()
     text = pool_to_device.lower(pool["p"], back, packed(s, d)).compile().as_text()
-    print(f"pool h2d HLO: {text.count('copy-start')} copy-start, "
-          f"{text.count('dynamic-slice')} dynamic-slice ({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"pool h2d HLO: {text.count('copy-start')} copy-start, "
+        f"{text.count('dynamic-slice')} dynamic-slice ({time.perf_counter() - t0:.1f} s)"
+    )
 
 
 if __name__ == "__main__":
