@@ -124,6 +124,7 @@ BASELINES = (
     "transformers_sdpa",
     "transformers_torch_extractor",
     "torch_copy_ceiling",
+    "torch_pinned_ceiling",
 )
 
 

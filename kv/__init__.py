@@ -7,6 +7,12 @@ buckets (one compiled program per bucket) and handles all layers of a cache in o
 
 from jaxsync.kv._copy import Direction as Direction, copy_blocks as copy_blocks
 from jaxsync.kv._layout import Cache as Cache, KVLayout as KVLayout
+from jaxsync.kv._pool import (
+    HostPool as HostPool,
+    host_pool as host_pool,
+    swap_in as swap_in,
+    swap_out as swap_out,
+)
 from jaxsync.kv._slots import (
     extract_kv as extract_kv,
     inject_kv as inject_kv,

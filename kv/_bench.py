@@ -8,7 +8,10 @@ bytes read plus written of the copied blocks. Baselines on the same data:
   `index_copy_` per layer (vLLM's copy on CUDA; the swap variants move the gathered blocks with
   `.to(dst.device)` as `insert_blocks_to_device` / `swap_out_blocks_to_host` do);
 * "vllm pre-PR": the same with a blocking pageable id upload (`torch.tensor(ids, device=...)`);
-* "torch_copy_ceiling": one contiguous device copy of the same number of bytes (read + write).
+* "torch_copy_ceiling": one contiguous device copy of the same number of bytes (read + write);
+* "torch_pinned_ceiling": one contiguous pinned-host <-> device copy of the same bytes, next to
+  the block-major `HostPool` swaps (rows marked "[pool]"; their vLLM pattern is the per-layer
+  row with the same ids).
 
 Note for the runner: JAX preallocates 75% of GPU memory by default; set
 XLA_PYTHON_CLIENT_PREALLOCATE=false so the torch baselines fit next to the JAX caches.
@@ -25,6 +28,7 @@ import numpy as np
 from jaxsync.kv import _pallas
 from jaxsync.kv._copy import copy_blocks
 from jaxsync.kv._layout import KVLayout
+from jaxsync.kv._pool import host_pool, swap_in, swap_out
 from jaxsync.registry import BenchCase, register_bench
 
 
@@ -102,6 +106,7 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
         "h2d": layout.random(names, jax.random.key(3), placement=on_dev),
     }
     host_src = host_layout.random(names, jax.random.key(4), placement=pinned)
+    pool = {"pool": host_pool(src, cfg["host_blocks"])}
 
     def torch_cache(cache, where):
         out = []
@@ -153,7 +158,32 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                     return state["d2d"]
 
                 cases.append(BenchCase(f"{name} [pallas]", pallas_fn, {}, bytes_moved=nbytes))
+            if direction != "d2d":
+                cases.append(_pool_case(name, direction, src, state, pool, id_sets, nbytes, device))
     return cases
+
+
+def _pool_case(name, direction, src, state, pool, id_sets, nbytes, device) -> BenchCase:
+    """The same swap through a block-major HostPool, next to a pinned transfer of its bytes."""
+    import torch
+
+    rotation = itertools.cycle(id_sets)
+
+    def jax_fn():
+        s, d = next(rotation)
+        if direction == "d2h":
+            pool["pool"] = swap_out(src, pool["pool"], s, d)
+            return pool["pool"].blocks
+        state["h2d"] = swap_in(pool["pool"], state["h2d"], s, d)
+        return state["h2d"]
+
+    torch_fns = {}
+    if device.startswith("cuda"):
+        dev = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes // 2, dtype=torch.uint8).pin_memory()
+        a, b = (dev, host) if direction == "d2h" else (host, dev)
+        torch_fns["torch_pinned_ceiling"] = lambda a=a, b=b: b.copy_(a, non_blocking=True)
+    return BenchCase(f"{name} [pool]", jax_fn, torch_fns, bytes_moved=nbytes)
 
 
 def _torch_like(x: jax.Array, device: str):

@@ -8,6 +8,7 @@ Parity compares bit patterns with the PyTorch reference in `_reference` (metric 
 
 from __future__ import annotations
 
+import functools
 import tempfile
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 import jaxsync.kv._bench  # noqa: F401  (registers the "kv" bench family)
 from jaxsync.kv._copy import copy_blocks
 from jaxsync.kv._layout import KVLayout
+from jaxsync.kv._pool import HostPool, host_pool, swap_in, swap_out
 from jaxsync.kv._slots import extract_kv, inject_kv, slot_mapping_for
 from jaxsync.kv._storage import load_kv, save_kv
 from jaxsync.registry import Parity, PathCase, register_path
@@ -90,6 +92,72 @@ def _build_swap_out(checkpoint: str | None) -> PathCase:
 @register_path("kv.swap_in", "paged KV block copy, pinned host -> device")
 def _build_swap_in(checkpoint: str | None) -> PathCase:
     return _copy_case("pinned_host", "device")
+
+
+def _pool_parity(step, leaf_of, layout_name: str) -> Parity:
+    """Bit mismatches of `step(ids)` against torch index_select per leaf (`leaf_of` picks the
+    checked blocks of leaf i out of the result)."""
+    import torch
+
+    from jaxsync.kv._reference import to_torch
+
+    bad = 0
+    for s_ids, d_ids in _IDS:
+        out = step(s_ids, d_ids)
+        for i, leaf in enumerate(jax.tree.leaves(_pool_src())):
+            want = to_torch(leaf).index_select(0, torch.tensor(s_ids)).float().numpy()
+            got = np.asarray(leaf_of(out, i, d_ids)).astype(np.float32)
+            bad += int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
+    return Parity(bad, 0, "mismatches", f"torch index_select per layer, {layout_name}")
+
+
+@functools.cache
+def _pool_src():
+    return _LAYOUT.random(_LAYERS, jax.random.key(4), placement=_placement("device"))
+
+
+@register_path("kv.swap_out_pool", "device cache -> block-major pinned-host HostPool")
+def _build_pool_out(checkpoint: str | None) -> PathCase:
+    from jaxsync.kv._reference import as_numpy
+
+    src = _pool_src()
+    pool = host_pool(src, 13)
+
+    def step(cache, pool, src_ids, dst_ids):  # the pool is donated: a fresh copy per call
+        return swap_out(cache, HostPool(jnp.copy(pool.blocks), pool.treedef), src_ids, dst_ids)
+
+    def parity() -> Parity:
+        return _pool_parity(
+            lambda s, d: step(src, pool, s, d),
+            lambda out, i, d: as_numpy(out.blocks)[d, i],
+            "3 id sets",
+        )
+
+    return PathCase(step, [(src, pool, s, d) for s, d in _IDS], parity, buckets=(8, 16),
+                    make_inputs=lambda b: (src, pool, list(range(min(b, 13))),
+                                           list(range(min(b, 13)))[::-1]))  # fmt: skip
+
+
+@register_path("kv.swap_in_pool", "block-major pinned-host HostPool -> device cache")
+def _build_pool_in(checkpoint: str | None) -> PathCase:
+    n = _LAYOUT.num_blocks
+    src = _pool_src()
+    pool = swap_out(src, host_pool(src, n), list(range(n)), list(range(n)))
+    target = _LAYOUT.random(_LAYERS, jax.random.key(5), placement=_placement("device"))
+
+    def step(pool, cache, src_ids, dst_ids):
+        return swap_in(pool, _fresh(cache), src_ids, dst_ids)
+
+    def parity() -> Parity:
+        return _pool_parity(
+            lambda s, d: step(pool, target, s, d),
+            lambda out, i, d: jax.tree.leaves(out)[i][np.asarray(d)],
+            "pool holds block b of every layer at b",
+        )
+
+    return PathCase(step, [(pool, target, s, d) for s, d in _IDS], parity, buckets=(8, 16),
+                    make_inputs=lambda b: (pool, target, list(range(min(b, n))),
+                                           list(range(min(b, n)))[::-1]))  # fmt: skip
 
 
 @register_path("kv.extract_kv", "per-token KV rows at a slot mapping (packed + MLA layers)")

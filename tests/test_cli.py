@@ -184,11 +184,21 @@ def test_bench_markdown_and_chart(tmp_path):
                 "bytes_moved": 10,
                 "jaxsync": dict(m, gbps=3500.0),
                 "vllm_post_pr": dict(m, device_ms=4.0, kernels=3),
-            }
+            },
+            {
+                "family": "kv",
+                "size": "tiny",
+                "name": "swap 64 [pool]",
+                "bytes_moved": 10,
+                "jaxsync": dict(m, gbps=40.0),
+                "torch_pinned_ceiling": dict(m, gbps=50.0),
+            },
         ],
     }
     text = markdown(result)
     assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) |" in text
+    # a host<->device row is measured against its own pinned transfer, not the device copy
+    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 | 100 |  | 40 (80%) |" in text
     render(result, tmp_path)
     assert (tmp_path / "bench.md").exists()
 

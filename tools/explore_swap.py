@@ -6,62 +6,26 @@ layer between device caches and pinned host memory, next to the large pinned tra
 
 * "per-layer": `jaxsync.kv.copy_blocks` between `{layer: [P, ...]}` caches, one DMA per block and
   layer (L x N small DMAs);
-* "pool": a block-major host pool `[P_host, L, ...]`, one DMA per block moving every layer's
-  slice at once (N DMAs of L x block bytes) through a device staging buffer `[N, L, ...]` that is
-  gathered / scattered per layer on the device.
+* "pool": `jaxsync.kv.swap_out` / `swap_in` with a block-major `HostPool` `[P_host, L, ...]`,
+  one DMA per block moving every layer's slice at once (N DMAs of L x block bytes).
 
   python tools/explore_swap.py [--tiny] [--blocks N]
 """
 
 from __future__ import annotations
 
-import functools as ft
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxsync
 from jaxsync.bench._timing import _Side, measure
-from jaxsync.kv import copy_blocks
+from jaxsync.kv import copy_blocks, host_pool, swap_in, swap_out
 from jaxsync.kv._layout import KVLayout
 
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
-
-
-@ft.partial(jax.jit, donate_argnames="dst")
-def pool_to_device(pool, dst, ids):
-    """pool: [Ph, L, ...] pinned host; dst: {layer: [P, ...]} device (donated)."""
-    src_ids, dst_ids = ids["src"], ids["dst"]
-    staging = jnp.zeros((src_ids.shape[0],) + pool.shape[1:], pool.dtype)  # [N, L, ...]
-
-    def body(k, st):
-        blk = jax.device_put(jax.lax.dynamic_slice_in_dim(pool, src_ids[k], 1, 0), DEVICE)
-        return jax.lax.dynamic_update_slice_in_dim(st, blk, k, 0)
-
-    staging = jax.lax.fori_loop(0, src_ids.shape[0], body, staging)
-    names = sorted(dst)
-    return {
-        n: dst[n].at[dst_ids].set(staging[:, i], mode="drop", unique_indices=True)
-        for i, n in enumerate(names)
-    }
-
-
-@ft.partial(jax.jit, donate_argnames="pool")
-def device_to_pool(src, pool, ids):
-    """src: {layer: [P, ...]} device; pool: [Ph, L, ...] pinned host (donated)."""
-    src_ids, dst_ids = ids["src"], ids["dst"]
-    names = sorted(src)
-    staging = jnp.stack([src[n].at[src_ids].get(mode="clip") for n in names], axis=1)
-
-    def body(k, p):
-        blk = jax.device_put(jax.lax.dynamic_slice_in_dim(staging, k, 1, 0), HOST)
-        return jax.lax.dynamic_update_slice_in_dim(p, blk, dst_ids[k], 0)
-
-    return jax.lax.fori_loop(0, src_ids.shape[0], body, pool)
 
 
 def main() -> None:
@@ -83,7 +47,7 @@ def main() -> None:
 
     def report(name, fn):
         m = measure(fn, side, repeat=3)
-        gbps = nbytes / (m["device_ms"] * 1e-3) / 1e9
+        gbps = nbytes / max(m["device_ms"] * 1e-3, 1e-9) / 1e9
         print(f"{name:34s} device {m['device_ms']:8.3f} ms | blocked {m['blocked_ms']:7.3f} ms | "
               f"{gbps:6.1f} GB/s | first {m['first_call_ms']:.0f} ms", flush=True)  # fmt: skip
 
@@ -112,36 +76,25 @@ def main() -> None:
     report(f"per-layer d2h {n} blocks", lambda: per_layer("d2h"))
     report(f"per-layer h2d {n} blocks", lambda: per_layer("h2d"))
 
-    pool_shape = (layout.num_blocks, layers) + layout.leaf_shape[1:]
-    pool = {"p": jax.device_put(jnp.zeros(pool_shape, layout.dtype), pinned)}
+    pool = {"p": host_pool(dev_cache, layout.num_blocks)}
     dest = {"d": layout.random(names, jax.random.key(2), placement=on_dev)}
 
-    def packed(s, d):
-        return jaxsync.upload_packed({"src": np.asarray(s, np.int32),
-                                      "dst": np.asarray(d, np.int32)})  # fmt: skip
-
     def pool_out():
-        pool["p"] = device_to_pool(dev_cache, pool["p"], packed(*ids[next(it) % 4]))
-        return pool["p"]
+        pool["p"] = swap_out(dev_cache, pool["p"], *ids[next(it) % 4])
+        return pool["p"].blocks
 
     def pool_in():
-        dest["d"] = pool_to_device(pool["p"], dest["d"], packed(*ids[next(it) % 4]))
+        dest["d"] = swap_in(pool["p"], dest["d"], *ids[next(it) % 4])
         return dest["d"]
 
     report(f"pool d2h {n} blocks", pool_out)
     report(f"pool h2d {n} blocks", pool_in)
     # Parity of the pool round trip against the source blocks (one id set).
     s, d = ids[0]
-    pool["p"] = device_to_pool(dev_cache, pool["p"], packed(s, d))
-    back = pool_to_device(pool["p"], dest["d"], packed(d, s))
+    pool["p"] = swap_out(dev_cache, pool["p"], s, d)
+    back = swap_in(pool["p"], dest["d"], d, s)
     ok = all(bool(jnp.array_equal(back[nm][s], dev_cache[nm][s])) for nm in names)
     print(f"pool round trip equal: {ok}")
-    t0 = time.perf_counter()
-    text = pool_to_device.lower(pool["p"], back, packed(s, d)).compile().as_text()
-    print(
-        f"pool h2d HLO: {text.count('copy-start')} copy-start, "
-        f"{text.count('dynamic-slice')} dynamic-slice ({time.perf_counter() - t0:.1f} s)"
-    )
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ def markdown(result: dict[str, Any]) -> str:
             gbps = ""
             if m.get("gbps"):
                 c = ceil["jax" if label == "jaxsync" else "torch"]
+                pinned = row.get("torch_pinned_ceiling", {}).get("gbps")
+                if pinned:  # a host<->device row: its own pinned transfer is the ceiling
+                    c = pinned
                 gbps = f"{m['gbps']:.0f} ({100 * m['gbps'] / c:.0f}%)"
             kernels = "" if m.get("kernels") is None else str(m["kernels"])
             lines.append(

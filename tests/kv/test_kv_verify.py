@@ -8,7 +8,7 @@ from jaxsync import registry
 
 
 KV_PATHS = ["kv.copy_blocks", "kv.extract_kv", "kv.inject_kv", "kv.load_kv", "kv.swap_in",
-            "kv.swap_out"]  # fmt: skip
+            "kv.swap_in_pool", "kv.swap_out", "kv.swap_out_pool"]  # fmt: skip
 
 
 def test_registered():
@@ -28,6 +28,7 @@ def test_parity_and_inputs(name):
 def test_tiny_bench_cases_run():
     cases = registry._benches["kv"]("cpu", "tiny")
     assert {c.name.split()[1] for c in cases} == {"d2d", "d2h", "h2d"}
+    assert sum(c.name.endswith("[pool]") for c in cases) == 4  # d2h and h2d at both counts
     for case in cases[:3]:
         jax.block_until_ready(case.jax_fn())
         for fn in case.torch_fns.values():
