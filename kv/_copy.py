@@ -85,6 +85,13 @@ def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: boo
     return jax.lax.fori_loop(0, src_ids.shape[0], body, dst)
 
 
+def _platform(leaf: jax.Array) -> str:
+    if isinstance(leaf, jax.core.Tracer):  # static scans trace on the default backend
+        return jax.default_backend()
+    platform = next(iter(leaf.devices())).platform
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
 @entry_point
 def copy_blocks(
     src: Cache,
@@ -107,9 +114,9 @@ def copy_blocks(
       direction: optional "d2d", "d2h" or "h2d", checked against the caches' memory kinds
         (which alone decide what runs).
       buckets: block-count buckets (default: powers of two >= 8).
-      impl: "xla" (default, portable), or the experimental one-pass Pallas kernel for
-        device->device copies: "pallas_interpret" runs it in Pallas' interpreter (tests);
-        compiled "pallas" is disabled while it fails parity on GPU. See `jaxsync.kv._pallas`.
+      impl: "xla" (default, portable), or the one-pass Pallas (Triton) kernel for
+        device->device copies on GPUs, "pallas"; "pallas_interpret" runs it in Pallas'
+        interpreter (tests, any backend). See `jaxsync.kv._pallas`.
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`
@@ -136,9 +143,11 @@ def copy_blocks(
     if impl not in ("xla", "pallas", "pallas_interpret"):
         raise ValueError(f"impl must be 'xla', 'pallas' or 'pallas_interpret', got {impl!r}")
     if impl == "pallas" and not _pallas.ALLOW_COMPILED:
+        raise ValueError("impl='pallas' is switched off (jaxsync.kv._pallas.ALLOW_COMPILED)")
+    if impl == "pallas" and _platform(d_leaves[0]) != "gpu":
         raise ValueError(
-            "impl='pallas' is disabled: the compiled kernel does not match the XLA path on an "
-            "H200 (see jaxsync.kv._pallas); use impl='xla' (default)"
+            f"impl='pallas' compiles a Triton kernel for GPUs, not {_platform(d_leaves[0])!r}; "
+            "use impl='xla' (default) or 'pallas_interpret'"
         )
     if impl != "xla":
         if actual != "d2d":
@@ -168,7 +177,8 @@ def copy_blocks(
     device_leaf = s_leaves[0] if kinds[0] == "device" else d_leaves[0]
     ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
     if actual == "d2d" and impl != "xla":
-        return copy_same_memory_pallas(src, dst, ids, interpret=impl == "pallas_interpret")
+        with _pallas.quiet_triton_deprecation():
+            return copy_same_memory_pallas(src, dst, ids, interpret=impl == "pallas_interpret")
     if actual == "d2d":
         return _copy_same_memory(src, dst, ids)
     return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")

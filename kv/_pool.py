@@ -41,6 +41,10 @@ from jaxsync.kv._layout import (
 )
 
 
+UNROLL = 1
+"""Loop iterations per unrolled step (read at trace time; tools/explore_swap.py --unroll)."""
+
+
 @ft.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["treedef"])
 @dataclasses.dataclass(frozen=True)
 class HostPool:
@@ -144,7 +148,7 @@ def _swap_out(leaves: list[jax.Array], pool: jax.Array, ids: jaxsync.Packed) -> 
         block = jax.device_put(block, jax.memory.Space.Host)
         return jax.lax.dynamic_update_slice_in_dim(p, block, dst_ids[k], axis=0)
 
-    return jax.lax.fori_loop(0, src_ids.shape[0], body, pool)
+    return jax.lax.fori_loop(0, src_ids.shape[0], body, pool, unroll=UNROLL)
 
 
 @ft.partial(jax.jit, donate_argnames="leaves")
@@ -159,7 +163,7 @@ def _swap_in(pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed) -> l
         block = jax.device_put(block, jax.memory.Space.Device)
         return jax.lax.dynamic_update_slice_in_dim(st, block, k, axis=0)
 
-    staging = jax.lax.fori_loop(0, src_ids.shape[0], body, staging)
+    staging = jax.lax.fori_loop(0, src_ids.shape[0], body, staging, unroll=UNROLL)
     return [
         x.at[dst_ids].set(staging[:, i], mode="drop", unique_indices=True)
         for i, x in enumerate(leaves)

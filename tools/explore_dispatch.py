@@ -4,10 +4,11 @@ Prints, with ~30 ms of device work queued: the whole call, the host planning, th
 and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
-  python tools/explore_dispatch.py [--tiny] [--scan] [--compile-only]
+  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only]
 
---scan builds the encoder with `scan_layers=True` (stacked layer weights, one lax.scan): run it
-with and without for the A/B. --compile-only prints the argument count and the lower/compile
+--per-layer builds the encoder with `scan_layers=False` (one array per layer weight) instead of
+the default stacked weights run by one lax.scan: run it with and without for the A/B.
+--compile-only prints the argument count and the lower/compile
 times of the first call and stops (no execution; for slow hosts).
 """
 
@@ -37,10 +38,10 @@ def main() -> None:
     cfg = ref.TINY if "--tiny" in sys.argv else ref.RELEASED
     dtype = jnp.float32 if "--tiny" in sys.argv else jnp.bfloat16
     lens = [s * 100 for s in BENCH_SECONDS] if cfg is ref.RELEASED else [130, 57, 410, 260]
-    scan = "--scan" in sys.argv
+    scan = "--per-layer" not in sys.argv
     tower = Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     enc = AudioEncoder(tower, scan_layers=scan)
-    del tower  # with --scan the encoder holds the stacked copy only
+    del tower  # with stacked layers the encoder holds the stacked copy only
     rotation = padded_inputs(cfg, [lens] * 3)
     side = _Side("jax")
     x, lengths = rotation[0]

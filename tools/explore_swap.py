@@ -9,7 +9,9 @@ layer between device caches and pinned host memory, next to the large pinned tra
 * "pool": `jaxsync.kv.swap_out` / `swap_in` with a block-major `HostPool` `[P_host, L, ...]`,
   one DMA per block moving every layer's slice at once (N DMAs of L x block bytes).
 
-  python tools/explore_swap.py [--tiny] [--blocks N]
+  python tools/explore_swap.py [--tiny] [--blocks N] [--unroll K] [--pool-only]
+
+--unroll K unrolls the pool's DMA loops K times (`jaxsync.kv._pool.UNROLL`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsync.bench._timing import _Side, measure
-from jaxsync.kv import copy_blocks, host_pool, swap_in, swap_out
+from jaxsync.kv import _pool, copy_blocks, host_pool, swap_in, swap_out
 from jaxsync.kv._layout import KVLayout
 
 
@@ -35,6 +37,8 @@ def main() -> None:
     layout = KVLayout(kind="packed", num_blocks=64 if tiny else 1024, block_size=16,
                       num_kv_heads=2 if tiny else 8, head_dim=8 if tiny else 128)  # fmt: skip
     n = min(n, layout.num_blocks // 2)
+    if "--unroll" in sys.argv:
+        _pool.UNROLL = int(sys.argv[sys.argv.index("--unroll") + 1])
     names = sorted(f"layer{i:02d}" for i in range(layers))
     dev = jax.devices()[0]
     on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
@@ -73,8 +77,9 @@ def main() -> None:
         state[direction] = copy_blocks(src, state[direction], s, d)
         return state[direction]
 
-    report(f"per-layer d2h {n} blocks", lambda: per_layer("d2h"))
-    report(f"per-layer h2d {n} blocks", lambda: per_layer("h2d"))
+    if "--pool-only" not in sys.argv:
+        report(f"per-layer d2h {n} blocks", lambda: per_layer("d2h"))
+        report(f"per-layer h2d {n} blocks", lambda: per_layer("h2d"))
 
     pool = {"p": host_pool(dev_cache, layout.num_blocks)}
     dest = {"d": layout.random(names, jax.random.key(2), placement=on_dev)}

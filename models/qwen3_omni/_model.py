@@ -75,13 +75,14 @@ class AudioEncoder:
       cache: where the constant position table lives.
       window_buckets: attention-window counts to compile for (default `WINDOW_BUCKETS`, about
         four sizes per octave); coarser buckets mean fewer programs and more padding.
-      scan_layers: opt-in: keep the layers' weights stacked [L, ...] and run them with
-        `jax.lax.scan` (`jaxsync.split_layers`). The program then takes ~1/L of the state
-        arguments (released size: 29 instead of 525, ~1 ms less jit dispatch on an H200) and
-        traces one layer instead of L (faster compiles). The encoder keeps only the stacked
-        copy: construction briefly holds both (one extra copy of the layer weights) until the
-        caller drops `tower`, after which the per-layer arrays are freed. Off by default until
-        measured on the GPU (a loop in the program may cost device time).
+      scan_layers: keep the layers' weights stacked [L, ...] and run them with `jax.lax.scan`
+        (`jaxsync.split_layers`); the default. The program takes ~1/L of the state arguments
+        (released size: 29 instead of 525) and traces one layer instead of L. Measured on an
+        H200 (2026-11-29, released size, 4 audios): host-blocked 2.8 ms instead of 5.2 ms
+        (0.2 ms of jit dispatch under the TFRT GPU client), device time 10.9 ms instead of
+        9.7 ms. False keeps one array per layer weight (the lowest device time). The encoder
+        keeps only the stacked copy: construction briefly holds both until the caller drops
+        `tower`.
 
     Usage: `AudioEncoder(load_audio_encoder(cfg, ckpt))(features, [310, 0, 99])`.
     """
@@ -93,7 +94,7 @@ class AudioEncoder:
         placement: Any = None,
         cache: jaxsync.DeviceCache | None = None,
         window_buckets: Sequence[int] | None = None,
-        scan_layers: bool = False,
+        scan_layers: bool = True,
     ):
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement

@@ -37,9 +37,9 @@ def tiny(tmp_path_factory):
     return dict(
         model=model,
         ckpt=ckpt,
-        enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
-        # the same weights, layers stacked and run by one lax.scan
-        scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), scan_layers=True),
+        enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), scan_layers=False),
+        # the same weights, layers stacked and run by one lax.scan (the default)
+        scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
     )
 
 
@@ -207,10 +207,10 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    case, scanned = ver._bench("cpu", "tiny")
-    assert scanned.name == f"{case.name} [scan_layers]" and not scanned.torch_fns
+    case, per_layer = ver._bench("cpu", "tiny")
+    assert per_layer.name == f"{case.name} [per_layer]" and not per_layer.torch_fns
     ours = case.jax_fn()
-    np.testing.assert_array_equal(np.asarray(scanned.jax_fn()), np.asarray(ours))  # same input
+    np.testing.assert_array_equal(np.asarray(per_layer.jax_fn()), np.asarray(ours))  # same input
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
         assert tuple(fn().shape) == (tokens, CFG.output_dim)
