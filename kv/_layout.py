@@ -96,6 +96,25 @@ class KVLayout:
         return cache
 
 
+@jax.jit
+def _copy_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
+    def one(x):
+        if jax.typeof(x).memory_space == jax.memory.Space.Host:
+            # Through the device, in one program: an eager jnp.copy of a pinned-host array
+            # blocked the host until the device queue drained (H200, jax 0.11.2).
+            return jax.device_put(jax.device_put(x, jax.memory.Space.Device), jax.memory.Space.Host)
+        return jnp.copy(x)
+
+    return [one(x) for x in leaves]
+
+
+def fresh_copy(tree: Any) -> Any:
+    """An asynchronous copy of a cache (or a `HostPool`) in the same memory kinds and shardings,
+    for callers that must keep an input an entry point donates (tests, `jaxsync verify`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, _copy_leaves(leaves))
+
+
 def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
     """Flattens a cache, checking that it is a non-empty dict of block-first jax.Arrays."""
     if not isinstance(cache, dict):

@@ -17,8 +17,8 @@ import numpy as np
 
 import jaxsync.kv._bench  # noqa: F401  (registers the "kv" bench family)
 from jaxsync.kv._copy import copy_blocks
-from jaxsync.kv._layout import KVLayout
-from jaxsync.kv._pool import HostPool, host_pool, swap_in, swap_out
+from jaxsync.kv._layout import KVLayout, fresh_copy
+from jaxsync.kv._pool import host_pool, swap_in, swap_out
 from jaxsync.kv._slots import extract_kv, inject_kv, slot_mapping_for
 from jaxsync.kv._storage import load_kv, save_kv
 from jaxsync.registry import Parity, PathCase, register_path
@@ -40,8 +40,7 @@ def _placement(kind: str) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 
-def _fresh(cache):
-    return jax.tree.map(jnp.copy, cache)
+_fresh = fresh_copy
 
 
 def _mismatches(actual, expected) -> int:
@@ -124,7 +123,7 @@ def _build_pool_out(checkpoint: str | None) -> PathCase:
     pool = host_pool(src, 13)
 
     def step(cache, pool, src_ids, dst_ids):  # the pool is donated: a fresh copy per call
-        return swap_out(cache, HostPool(jnp.copy(pool.blocks), pool.treedef), src_ids, dst_ids)
+        return swap_out(cache, fresh_copy(pool), src_ids, dst_ids)
 
     def parity() -> Parity:
         return _pool_parity(

@@ -15,6 +15,7 @@ import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
+from jaxsync.kv._layout import fresh_copy
 from jaxsync.kv._reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
 
 
@@ -145,7 +146,7 @@ def _fresh_dst(fn):
     # copy_blocks donates dst; the checker calls the entry point several times with the same
     # arguments, so each call gets its own (asynchronous, device-side) copy of dst.
     def step(src, dst, src_ids, dst_ids):
-        return fn(src, jax.tree.map(jnp.copy, dst), src_ids, dst_ids)
+        return fn(src, fresh_copy(dst), src_ids, dst_ids)
 
     return step
 

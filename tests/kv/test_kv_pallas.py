@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxsync.testing
 from jaxsync.kv import KVLayout, _pallas, copy_blocks
 from jaxsync.kv._pallas import slab
 
@@ -112,3 +113,21 @@ def test_kernel_lowers_to_triton_for_cuda():
     with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns on every Triton lowering
         text = jax.jit(f).trace(s, s, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_auto_picks_pallas_only_for_single_device_power_of_two_caches_on_gpu(monkeypatch):
+    from jaxsync.kv import _copy
+
+    leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
+    assert not _copy._pallas_fits(leaves) or jax.default_backend() == "gpu"  # CPU: XLA
+    monkeypatch.setattr(_copy, "_platform", lambda leaf: "gpu")
+    assert _copy._pallas_fits(leaves)
+    odd = KVLayout(kind="packed", num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3)
+    assert not _copy._pallas_fits(jax.tree.leaves(odd.random(LAYERS, jax.random.key(0))))
+    mesh = jaxsync.testing.device_mesh("h")
+    sharded = jax.device_put(
+        leaves[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    assert not _copy._pallas_fits([sharded])  # pallas_call has no sharding rule: XLA
+    monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
+    assert not _copy._pallas_fits(leaves)

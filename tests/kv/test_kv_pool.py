@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
+from jaxsync.kv._layout import fresh_copy
 from jaxsync.kv._pool import _swap_in, _swap_out
 from jaxsync.kv._reference import as_numpy, host_random_cache
 
@@ -154,10 +155,10 @@ def test_sync_free_and_one_program_per_bucket():
     pool = swap_out(cache, host_pool(cache, 13), list(range(13)), list(range(13)))
 
     def out_step(cache, pool, s, d):  # swap_out donates the pool: a fresh copy per call
-        return swap_out(cache, HostPool(jnp.copy(pool.blocks), pool.treedef), s, d)
+        return swap_out(cache, fresh_copy(pool), s, d)
 
     def in_step(pool, cache, s, d):
-        return swap_in(pool, jax.tree.map(jnp.copy, cache), s, d)
+        return swap_in(pool, fresh_copy(cache), s, d)
 
     counts = (2, 5, 8)
     jaxsync.check.assert_sync_free(

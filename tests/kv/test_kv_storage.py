@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, kv_folder, load_kv, save_kv, slot_mapping_for
+from jaxsync.kv._layout import fresh_copy
 from jaxsync.kv._reference import as_numpy, to_numpy, torch_extract
 
 
@@ -74,7 +75,7 @@ def test_load_lands_on_the_cache_sharding_sync_free(tmp_path):
     target = layout.random(LAYERS, jax.random.key(1), placement=shard)
 
     def step(root, caches, tokens, blocks):  # load donates the caches: one copy per call
-        return load_kv(root, jax.tree.map(jnp.copy, caches), tokens, blocks)
+        return load_kv(root, fresh_copy(caches), tokens, blocks)
 
     jaxsync.check.assert_sync_free(
         step, tmp_path, target, TOKENS, [0, 5, 1], inputs=[(tmp_path, target, other, [8, 1])]
