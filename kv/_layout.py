@@ -96,23 +96,32 @@ class KVLayout:
         return cache
 
 
-@jax.jit
-def _copy_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
-    def one(x):
-        if jax.typeof(x).memory_space == jax.memory.Space.Host:
-            # Through the device, in one program: an eager jnp.copy of a pinned-host array
-            # blocked the host until the device queue drained (H200, jax 0.11.2).
-            return jax.device_put(jax.device_put(x, jax.memory.Space.Device), jax.memory.Space.Host)
-        return jnp.copy(x)
-
-    return [one(x) for x in leaves]
+_copy_leaves = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
 
 
-def fresh_copy(tree: Any) -> Any:
-    """An asynchronous copy of a cache (or a `HostPool`) in the same memory kinds and shardings,
-    for callers that must keep an input an entry point donates (tests, `jaxsync verify`)."""
+def fresh_copy(tree: Any, memory_kind: str = "device") -> Any:
+    """An asynchronous copy of a device-resident cache (or `HostPool`) in `memory_kind`
+    ("device" or "pinned_host"), same shardings otherwise, for callers that must keep an input
+    an entry point donates (tests, `jaxsync verify`).
+
+    Copies *from* pinned host are refused: on an H200 (jax 0.11.2) a program reading a whole
+    pinned-host array blocked the host until the device queue drained, while device -> pinned
+    transfers did not (tools/diagnose_pinned.py). Keep the master copy on the device.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return jax.tree_util.tree_unflatten(treedef, _copy_leaves(leaves))
+    if any(_memory_kind(x) != "device" for x in leaves):
+        raise ValueError("fresh_copy copies from device memory only; keep the master on device")
+    if memory_kind == "device":
+        return jax.tree_util.tree_unflatten(treedef, _copy_leaves(leaves))
+    if memory_kind != "pinned_host":
+        raise ValueError(f"memory_kind must be 'device' or 'pinned_host', got {memory_kind!r}")
+
+    def place(x):
+        if _traced(x):  # jaxsync.check's static scans trace callers: no concrete sharding
+            return jax.device_put(x, jax.memory.Space.Host)
+        return jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
+
+    return jax.tree_util.tree_unflatten(treedef, [place(x) for x in leaves])
 
 
 def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:

@@ -18,7 +18,7 @@ import numpy as np
 import jaxsync.kv._bench  # noqa: F401  (registers the "kv" bench family)
 from jaxsync.kv._copy import copy_blocks
 from jaxsync.kv._layout import KVLayout, fresh_copy
-from jaxsync.kv._pool import host_pool, swap_in, swap_out
+from jaxsync.kv._pool import HostPool, host_pool, swap_in, swap_out
 from jaxsync.kv._slots import extract_kv, inject_kv, slot_mapping_for
 from jaxsync.kv._storage import load_kv, save_kv
 from jaxsync.registry import Parity, PathCase, register_path
@@ -40,7 +40,6 @@ def _placement(kind: str) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 
-_fresh = fresh_copy
 
 
 def _mismatches(actual, expected) -> int:
@@ -55,10 +54,12 @@ def _mismatches(actual, expected) -> int:
 
 def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
     src = _LAYOUT.random(_LAYERS, jax.random.key(0), placement=_placement(src_kind))
-    dst = _LAYOUT.random(_LAYERS, jax.random.key(1), placement=_placement(dst_kind))
+    # The destination's master stays on the device; each call gets a fresh copy in dst_kind
+    # (see `fresh_copy` for why not a copy of a pinned-host array).
+    dst = _LAYOUT.random(_LAYERS, jax.random.key(1), placement=_placement("device"))
 
     def step(src, dst, src_ids, dst_ids):
-        return copy_blocks(src, _fresh(dst), src_ids, dst_ids)
+        return copy_blocks(src, fresh_copy(dst, dst_kind), src_ids, dst_ids)
 
     def parity() -> Parity:
         from jaxsync.kv._reference import torch_copy_blocks
@@ -120,10 +121,11 @@ def _build_pool_out(checkpoint: str | None) -> PathCase:
     from jaxsync.kv._reference import as_numpy
 
     src = _pool_src()
-    pool = host_pool(src, 13)
+    master = host_pool(src, 13)
+    pool = HostPool(jax.device_put(master.blocks, _placement("device")), master.treedef)
 
     def step(cache, pool, src_ids, dst_ids):  # the pool is donated: a fresh copy per call
-        return swap_out(cache, fresh_copy(pool), src_ids, dst_ids)
+        return swap_out(cache, fresh_copy(pool, "pinned_host"), src_ids, dst_ids)
 
     def parity() -> Parity:
         return _pool_parity(
@@ -145,7 +147,7 @@ def _build_pool_in(checkpoint: str | None) -> PathCase:
     target = _LAYOUT.random(_LAYERS, jax.random.key(5), placement=_placement("device"))
 
     def step(pool, cache, src_ids, dst_ids):
-        return swap_in(pool, _fresh(cache), src_ids, dst_ids)
+        return swap_in(pool, fresh_copy(cache), src_ids, dst_ids)
 
     def parity() -> Parity:
         return _pool_parity(
@@ -190,7 +192,7 @@ def _build_inject(checkpoint: str | None) -> PathCase:
     rows = extract_kv(donor, _SLOTS[0])  # bucket 16, shared by all three slot lists
 
     def step(cache, rows, slots):
-        return inject_kv(_fresh(cache), rows, slots)
+        return inject_kv(fresh_copy(cache), rows, slots)
 
     def parity() -> Parity:
         from jaxsync.kv._reference import as_numpy, torch_inject
@@ -216,7 +218,7 @@ def _build_load(checkpoint: str | None) -> PathCase:
         save_kv(root, cache, tokens, blocks)
 
     def step(root, caches, tokens, blocks):
-        return load_kv(root, _fresh(caches), tokens, blocks)
+        return load_kv(root, fresh_copy(caches), tokens, blocks)
 
     def parity() -> Parity:
         from jaxsync.kv._reference import torch_extract

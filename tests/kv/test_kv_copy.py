@@ -142,11 +142,11 @@ def test_padded_equals_unpadded(direction):
     assert_bits_equal(snapshot(exact), snapshot(padded))
 
 
-def _fresh_dst(fn):
+def _fresh_dst(fn, memory_kind):
     # copy_blocks donates dst; the checker calls the entry point several times with the same
-    # arguments, so each call gets its own (asynchronous, device-side) copy of dst.
+    # arguments, so each call gets its own (asynchronous) copy of a device-resident master.
     def step(src, dst, src_ids, dst_ids):
-        return fn(src, fresh_copy(dst), src_ids, dst_ids)
+        return fn(src, fresh_copy(dst, memory_kind), src_ids, dst_ids)
 
     return step
 
@@ -155,8 +155,8 @@ def _fresh_dst(fn):
 def test_sync_free_and_one_program_per_bucket(direction):
     s_place, d_place = PLACE[direction]
     src = make("packed", 13, np.float32, 0, s_place)
-    dst = make("packed", 13, np.float32, 1, d_place)
-    step = _fresh_dst(copy_blocks)
+    dst = make("packed", 13, np.float32, 1, DEV)  # the master; steps copy it to d_place
+    step = _fresh_dst(copy_blocks, d_place.memory_kind)
     inputs = [(src, dst, list(range(k)), list(range(12, 12 - k, -1))) for k in (2, 5, 8)]
     jaxsync.check.assert_sync_free(step, src, dst, [0], [1], inputs=inputs)
 

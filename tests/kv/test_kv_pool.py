@@ -153,17 +153,18 @@ def test_padded_equals_unpadded():
 def test_sync_free_and_one_program_per_bucket():
     cache = make()
     pool = swap_out(cache, host_pool(cache, 13), list(range(13)), list(range(13)))
+    master = HostPool(jax.device_put(pool.blocks, DEV), pool.treedef)  # on the device
 
-    def out_step(cache, pool, s, d):  # swap_out donates the pool: a fresh copy per call
-        return swap_out(cache, fresh_copy(pool), s, d)
+    def out_step(cache, master, s, d):  # swap_out donates the pool: a fresh copy per call
+        return swap_out(cache, fresh_copy(master, "pinned_host"), s, d)
 
     def in_step(pool, cache, s, d):
         return swap_in(pool, fresh_copy(cache), s, d)
 
     counts = (2, 5, 8)
     jaxsync.check.assert_sync_free(
-        out_step, cache, pool, [0], [1],
-        inputs=[(cache, pool, list(range(k)), list(range(12, 12 - k, -1))) for k in counts],
+        out_step, cache, master, [0], [1],
+        inputs=[(cache, master, list(range(k)), list(range(12, 12 - k, -1))) for k in counts],
     )  # fmt: skip
     jaxsync.check.assert_sync_free(
         in_step, pool, cache, [0], [1],
@@ -238,3 +239,17 @@ def test_property_round_trip_and_untouched_blocks(ids, dtype, seed):
     for got, want, old in zip(back, leaves_np(cache), target_before, strict=True):
         assert np.array_equal(bits(got[cache_ids]), bits(want[cache_ids]))
         assert np.array_equal(bits(got[rest]), bits(old[rest]))
+
+
+def test_fresh_copy_places_device_masters_and_refuses_pinned_sources():
+    cache = make()
+    host = fresh_copy(cache, "pinned_host")
+    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(host))
+    assert all(
+        np.array_equal(bits(a), bits(b))
+        for a, b in zip(leaves_np(host), leaves_np(cache), strict=True)
+    )
+    with pytest.raises(ValueError, match="from device memory only"):
+        fresh_copy(host)
+    with pytest.raises(ValueError, match="memory_kind must be"):
+        fresh_copy(cache, "unpinned_host")
