@@ -17,7 +17,7 @@ import numpy as np
 
 import jaxsync.kv._bench  # noqa: F401  (registers the "kv" bench family)
 from jaxsync.kv._copy import copy_blocks
-from jaxsync.kv._layout import KVLayout, fresh_copy
+from jaxsync.kv._layout import KVLayout, donation_copy, fresh_copy
 from jaxsync.kv._pool import HostPool, host_pool, swap_in, swap_out
 from jaxsync.kv._slots import extract_kv, inject_kv, slot_mapping_for
 from jaxsync.kv._storage import load_kv, save_kv
@@ -40,8 +40,6 @@ def _placement(kind: str) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
 
-
-
 def _mismatches(actual, expected) -> int:
     from jaxsync.kv._reference import as_numpy, to_numpy
 
@@ -54,12 +52,13 @@ def _mismatches(actual, expected) -> int:
 
 def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
     src = _LAYOUT.random(_LAYERS, jax.random.key(0), placement=_placement(src_kind))
-    # The destination's master stays on the device; each call gets a fresh copy in dst_kind
-    # (see `fresh_copy` for why not a copy of a pinned-host array).
-    dst = _LAYOUT.random(_LAYERS, jax.random.key(1), placement=_placement("device"))
+    # Each call gets a fresh destination copied from a device-resident master (see
+    # `fresh_copy` for why not from the pinned-host array).
+    master = _LAYOUT.random(_LAYERS, jax.random.key(1), placement=_placement("device"))
+    dst = fresh_copy(master, dst_kind)
 
     def step(src, dst, src_ids, dst_ids):
-        return copy_blocks(src, fresh_copy(dst, dst_kind), src_ids, dst_ids)
+        return copy_blocks(src, donation_copy(dst, master, dst_kind), src_ids, dst_ids)
 
     def parity() -> Parity:
         from jaxsync.kv._reference import torch_copy_blocks
@@ -121,11 +120,11 @@ def _build_pool_out(checkpoint: str | None) -> PathCase:
     from jaxsync.kv._reference import as_numpy
 
     src = _pool_src()
-    master = host_pool(src, 13)
-    pool = HostPool(jax.device_put(master.blocks, _placement("device")), master.treedef)
+    pool = host_pool(src, 13)
+    master = HostPool(jax.device_put(pool.blocks, _placement("device")), pool.treedef)
 
     def step(cache, pool, src_ids, dst_ids):  # the pool is donated: a fresh copy per call
-        return swap_out(cache, fresh_copy(pool, "pinned_host"), src_ids, dst_ids)
+        return swap_out(cache, donation_copy(pool, master, "pinned_host"), src_ids, dst_ids)
 
     def parity() -> Parity:
         return _pool_parity(

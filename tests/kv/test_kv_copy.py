@@ -15,7 +15,7 @@ import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
-from jaxsync.kv._layout import fresh_copy
+from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
 
 
@@ -142,21 +142,18 @@ def test_padded_equals_unpadded(direction):
     assert_bits_equal(snapshot(exact), snapshot(padded))
 
 
-def _fresh_dst(fn, memory_kind):
-    # copy_blocks donates dst; the checker calls the entry point several times with the same
-    # arguments, so each call gets its own (asynchronous) copy of a device-resident master.
-    def step(src, dst, src_ids, dst_ids):
-        return fn(src, fresh_copy(dst, memory_kind), src_ids, dst_ids)
-
-    return step
-
-
 @pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
 def test_sync_free_and_one_program_per_bucket(direction):
+    # copy_blocks donates dst and the checker calls it several times with the same arguments:
+    # each call gets its own (asynchronous) copy of a device-resident master.
     s_place, d_place = PLACE[direction]
     src = make("packed", 13, np.float32, 0, s_place)
-    dst = make("packed", 13, np.float32, 1, DEV)  # the master; steps copy it to d_place
-    step = _fresh_dst(copy_blocks, d_place.memory_kind)
+    master = make("packed", 13, np.float32, 1, DEV)
+    dst = fresh_copy(master, d_place.memory_kind)
+
+    def step(src, dst, src_ids, dst_ids):
+        return copy_blocks(src, donation_copy(dst, master, d_place.memory_kind), src_ids, dst_ids)
+
     inputs = [(src, dst, list(range(k)), list(range(12, 12 - k, -1))) for k in (2, 5, 8)]
     jaxsync.check.assert_sync_free(step, src, dst, [0], [1], inputs=inputs)
 

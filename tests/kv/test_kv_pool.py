@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
-from jaxsync.kv._layout import fresh_copy
+from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._pool import _swap_in, _swap_out
 from jaxsync.kv._reference import as_numpy, host_random_cache
 
@@ -155,16 +155,16 @@ def test_sync_free_and_one_program_per_bucket():
     pool = swap_out(cache, host_pool(cache, 13), list(range(13)), list(range(13)))
     master = HostPool(jax.device_put(pool.blocks, DEV), pool.treedef)  # on the device
 
-    def out_step(cache, master, s, d):  # swap_out donates the pool: a fresh copy per call
-        return swap_out(cache, fresh_copy(master, "pinned_host"), s, d)
+    def out_step(cache, pool, s, d):  # swap_out donates the pool: a fresh copy per call
+        return swap_out(cache, donation_copy(pool, master, "pinned_host"), s, d)
 
     def in_step(pool, cache, s, d):
         return swap_in(pool, fresh_copy(cache), s, d)
 
     counts = (2, 5, 8)
     jaxsync.check.assert_sync_free(
-        out_step, cache, master, [0], [1],
-        inputs=[(cache, master, list(range(k)), list(range(12, 12 - k, -1))) for k in counts],
+        out_step, cache, pool, [0], [1],
+        inputs=[(cache, pool, list(range(k)), list(range(12, 12 - k, -1))) for k in counts],
     )  # fmt: skip
     jaxsync.check.assert_sync_free(
         in_step, pool, cache, [0], [1],
