@@ -13,7 +13,12 @@ from typing import Any
 
 
 # The chart's baseline: the first label a row has (vLLM's post-PR torch pattern when it exists).
-REFERENCE_LABELS = ("vllm_post_pr", "transformers_sdpa", "transformers_eager")
+REFERENCE_LABELS = (
+    "vllm_post_pr",
+    "transformers_sdpa",
+    "transformers_eager",
+    "torch_pinned_ceiling",
+)
 
 
 def _environment() -> dict[str, Any]:
