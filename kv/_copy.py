@@ -38,10 +38,8 @@ from jaxsync.kv import _pallas, _pool
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
-    check_range,
     check_same_structure,
-    check_unique,
-    host_ids,
+    checked_ids,
     index_placement,
     memory_kind,
 )
@@ -170,14 +168,8 @@ def copy_blocks(
         bad = [tuple(x.shape) for x in d_leaves if slab(tuple(x.shape)) is None]
         if bad:
             raise ValueError(f"impl={impl!r} needs power-of-two block dims; got leaf shapes {bad}")
-    s_ids, d_ids = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
-    if s_ids.size != d_ids.size:
-        # Upstream silently does nothing here; a caller with such lists has a bug.
-        raise ValueError(f"src_ids has {s_ids.size} ids but dst_ids has {d_ids.size}")
     num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
-    check_range(s_ids, num_src, "src_ids")
-    check_range(d_ids, num_dst, "dst_ids")
-    check_unique(d_ids, "dst_ids")
+    s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
     n = int(s_ids.size)
     if n == 0:
         return dst

@@ -198,6 +198,18 @@ def check_unique(ids: np.ndarray, name: str) -> None:
         raise ValueError(f"{name} must be unique; repeated: {uniq[counts > 1][:8].tolist()}")
 
 
+def checked_ids(src_ids: Any, dst_ids: Any, num_src: int, num_dst: int) -> tuple[np.ndarray, ...]:
+    """Block-id pairs of a copy, validated on the host: same length, in range, dst unique."""
+    s, d = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
+    if s.size != d.size:
+        # Upstream silently does nothing here; a caller with such lists has a bug.
+        raise ValueError(f"src_ids has {s.size} ids but dst_ids has {d.size}")
+    check_range(s, num_src, "src_ids")
+    check_range(d, num_dst, "dst_ids")
+    check_unique(d, "dst_ids")
+    return s, d
+
+
 def _traced(leaf: jax.Array) -> bool:
     # Entry points also run under tracing (jaxsync.check's static scans); tracers have no
     # concrete sharding or deletion state, and their memory space lives on the abstract value.

@@ -6,6 +6,8 @@ reached only 12.6 GB/s on an H200 against a 55.2 GB/s single transfer (tools/exp
 jax 0.11.2, 2026-11-29). A `HostPool` stores host block b of *every* leaf contiguously,
 `[P_host, L, *block]` (L = leaves of the cache in its flattened order: sorted layer names, k
 before v), so one DMA moves a block of all layers: 512 DMAs of 2 MiB, 40.5 GB/s in the same run.
+With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 76-81% of a large pinned
+transfer in both directions (H200, 12:29 UTC, docs/benchmarks.md).
 
 * `swap_out`: one gather per leaf on the device into a staging buffer `[N, L, *block]`, then one
   DMA per block into the (donated) pool.
@@ -33,9 +35,7 @@ from jaxsync.check import entry_point
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
-    check_range,
-    check_unique,
-    host_ids,
+    checked_ids,
     index_placement,
     memory_kind,
 )
@@ -123,16 +123,6 @@ def _check(pool: HostPool, cache: Cache) -> list[jax.Array]:
     return leaves
 
 
-def _ids(src_ids, dst_ids, num_src: int, num_dst: int) -> tuple[np.ndarray, np.ndarray]:
-    s, d = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
-    if s.size != d.size:
-        raise ValueError(f"src_ids has {s.size} ids but dst_ids has {d.size}")
-    check_range(s, num_src, "src_ids")
-    check_range(d, num_dst, "dst_ids")
-    check_unique(d, "dst_ids")
-    return s, d
-
-
 def _padded(ids: np.ndarray, fill: np.ndarray) -> np.ndarray:
     """`fill` (the bucket's length) with its head replaced by `ids`, as int32."""
     out = np.asarray(fill, np.int32).copy()
@@ -194,7 +184,7 @@ def swap_out(
         and on a pool of another structure, block shape, dtype or memory kind.
     """
     leaves = _check(pool, cache)
-    s, d = _ids(src_ids, dst_ids, leaves[0].shape[0], pool.num_blocks)
+    s, d = checked_ids(src_ids, dst_ids, leaves[0].shape[0], pool.num_blocks)
     if s.size == 0:
         return pool
     size = jaxsync.bucket(int(s.size), buckets)
@@ -226,7 +216,7 @@ def swap_in(
     """
     leaves = _check(pool, cache)
     num_dst = leaves[0].shape[0]
-    s, d = _ids(src_ids, dst_ids, pool.num_blocks, num_dst)
+    s, d = checked_ids(src_ids, dst_ids, pool.num_blocks, num_dst)
     if s.size == 0:
         return cache
     size = jaxsync.bucket(int(s.size), buckets)
