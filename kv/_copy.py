@@ -95,8 +95,14 @@ def _pallas_fits(leaves: list[jax.Array]) -> bool:
     """Whether "auto" picks the Pallas kernel: on, a GPU, one device, power-of-two blocks."""
     if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
         return False
-    one_device = isinstance(leaves[0], jax.core.Tracer) or len(leaves[0].sharding.device_set) == 1
-    return one_device and all(slab(tuple(x.shape)) is not None for x in leaves)
+    return _device_count(leaves[0]) == 1 and all(slab(tuple(x.shape)) is not None for x in leaves)
+
+
+def _device_count(leaf: jax.Array) -> int:
+    if isinstance(leaf, jax.core.Tracer):  # static scans must see the program that runs
+        mesh = jax.typeof(leaf).sharding.mesh
+        return 1 if mesh.empty else mesh.size
+    return len(leaf.sharding.device_set)
 
 
 @entry_point

@@ -129,5 +129,10 @@ def test_auto_picks_pallas_only_for_single_device_power_of_two_caches_on_gpu(mon
         leaves[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     )
     assert not _copy._pallas_fits([sharded])  # pallas_call has no sharding rule: XLA
+    traced = []  # the static scans trace the entry point: same choice as the concrete call
+    jax.make_jaxpr(lambda a, b: traced.append((_copy._pallas_fits([a]), _copy._pallas_fits([b]))))(
+        leaves[0], sharded
+    )
+    assert traced == [(True, False)]
     monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
     assert not _copy._pallas_fits(leaves)
