@@ -35,7 +35,7 @@ from flax import nnx
 
 import jaxsync
 from jaxsync import check
-from jaxsync.kv import copy_blocks, inject_kv
+from jaxsync.kv import host_pool, inject_kv, swap_in, swap_out
 from jaxsync.models.chameleon import ChameleonConfig, ChameleonImagePaths, ChameleonVQVAE
 from jaxsync.models.chameleon._reference import tiny_hf_config
 
@@ -89,8 +89,8 @@ class Server:
         self.lm = ToyLM(cfg.vocab_size, 32, seed)
         shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
         self.cache = {f"layer{i}": jnp.zeros(shape) for i in range(LAYERS)}
-        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-        self.swap_pool = {k: jax.device_put(jnp.zeros(shape), host) for k in self.cache}
+        # Block-major pinned-host swap space: one DMA moves a block of every layer.
+        self.swap_pool = host_pool(self.cache, NUM_BLOCKS)
         self.free_blocks = list(range(NUM_BLOCKS))
         self.deliberate_reads = 0
 
@@ -125,8 +125,8 @@ class Server:
 
     def swap_out_and_in(self, block: int, spare: int) -> None:
         # Offload one block to pinned host, then bring it back (ids are host data).
-        self.swap_pool = copy_blocks(self.cache, self.swap_pool, [block], [spare], direction="d2h")
-        self.cache = copy_blocks(self.swap_pool, self.cache, [spare], [block], direction="h2d")
+        self.swap_pool = swap_out(self.cache, self.swap_pool, [block], [spare])
+        self.cache = swap_in(self.swap_pool, self.cache, [spare], [block])
 
 
 def run(steps: int = 64, seed: int = 0, quiet: bool = False) -> dict[str, float]:
