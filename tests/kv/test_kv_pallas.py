@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, _pallas, copy_blocks
 from jaxsync.kv._pallas import slab
@@ -136,3 +137,22 @@ def test_auto_picks_pallas_only_for_single_device_power_of_two_caches_on_gpu(mon
     assert traced == [(True, False)]
     monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
     assert not _copy._pallas_fits(leaves)
+
+
+@pytest.mark.gpu
+def test_default_gpu_copy_is_the_pallas_kernel_and_passes_every_proof():
+    if jax.default_backend() != "gpu":
+        pytest.skip("the compiled (Triton) kernel needs a GPU")
+    from jaxsync.kv import _copy
+    from jaxsync.kv._layout import fresh_copy
+
+    layout = LAYOUTS["packed"]
+    src = layout.random(LAYERS, jax.random.key(0))
+    master = layout.random(LAYERS, jax.random.key(1))
+    assert _copy._pallas_fits(jax.tree.leaves(master))  # "auto" runs the kernel here
+
+    def step(src, dst, src_ids, dst_ids):  # copy_blocks donates dst: a fresh copy per call
+        return copy_blocks(src, fresh_copy(dst), src_ids, dst_ids)
+
+    inputs = [(src, master, list(range(k)), list(range(12, 12 - k, -1))) for k in (2, 5, 8)]
+    jaxsync.check.assert_sync_free(step, src, master, [0], [1], inputs=inputs)
