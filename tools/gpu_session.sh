@@ -5,6 +5,7 @@
 #   bench1  - jaxsync bench, released sizes: kv, qwen3_omni, voxtral, chameleon (OUT_DIR/bench-bench1.tgz)
 #   bench2  - the same for gemma3n and glm4v (OUT_DIR/bench-bench2.tgz)
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
+#   followup - what the 2026-11-29 third session left unverified (kv harness, Pallas proofs, ...)
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +53,19 @@ case "$phase" in
     echo "== qwen3 (stacked layers) tfrt client"
     XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 75 python3 tools/explore_dispatch.py \
       2>&1 | tail -10
+    ;;
+  followup)
+    # What the third session of 2026-11-29 left unverified on a GPU: the kv harness's final form
+    # and the default (Pallas) copy under every proof; pool unroll 16/32 vs 8; qwen3_omni under
+    # the TFRT client through the bench.
+    timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/kv \
+      -k "sync_free or fresh_copy or pallas" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -30
+    timeout 120 jaxsync verify --paths kv 2>&1 | tee "$out/verify-kv.txt" | tail -11
+    for u in 16 32; do echo "== pool unroll $u"
+      timeout 60 python3 tools/explore_swap.py --pool-only --unroll $u 2>&1 | grep -E "ceiling|pool"
+    done
+    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 jaxsync bench --paths qwen3_omni \
+      --sizes released --out "$out/bench-tfrt" 2>&1 | grep measured
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
