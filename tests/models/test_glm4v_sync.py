@@ -16,16 +16,7 @@ from jaxsync.testing import requires_torch
 from jaxsync.weights import WeightError
 
 
-CFG = glm4v.Glm4vVisionConfig(
-    depth=2,
-    hidden_size=48,
-    num_heads=4,
-    image_size=42,
-    patch_size=7,
-    out_hidden_size=29,
-    intermediate_size=37,
-    attention_bias=True,
-)
+CFG = glm4v.Glm4vVisionConfig(**ref.TINY)  # the same tiny odd-sized tower as the parity tests
 
 
 @pytest.fixture(scope="module")
