@@ -43,7 +43,7 @@ from jaxsync.kv._layout import (
     index_placement,
     memory_kind,
 )
-from jaxsync.kv._pallas import copy_same_memory_pallas, slab
+from jaxsync.kv._pallas import copy_same_memory_pallas
 
 
 Direction = Literal["d2d", "d2h", "h2d"]
@@ -92,17 +92,10 @@ def _platform(leaf: jax.Array) -> str:
 
 
 def _pallas_fits(leaves: list[jax.Array]) -> bool:
-    """Whether "auto" picks the Pallas kernel: on, a GPU, one device, power-of-two blocks."""
+    """Whether "auto" picks the Pallas kernel: on, a GPU, a `_pallas.plan` for these leaves."""
     if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
         return False
-    return _device_count(leaves[0]) == 1 and all(slab(tuple(x.shape)) is not None for x in leaves)
-
-
-def _device_count(leaf: jax.Array) -> int:
-    if isinstance(leaf, jax.core.Tracer):  # static scans must see the program that runs
-        mesh = jax.typeof(leaf).sharding.mesh
-        return 1 if mesh.empty else mesh.size
-    return len(leaf.sharding.device_set)
+    return isinstance(_pallas.plan(leaves), _pallas.Plan)
 
 
 @entry_point
@@ -160,7 +153,7 @@ def copy_blocks(
             f"impl must be 'auto', 'xla', 'pallas' or 'pallas_interpret', got {impl!r}"
         )
     if impl == "auto":
-        impl = "pallas" if actual == "d2d" and _pallas_fits(d_leaves) else "xla"
+        impl = "pallas" if actual == "d2d" and _pallas_fits(s_leaves + d_leaves) else "xla"
     if impl == "pallas" and not _pallas.ALLOW_COMPILED:
         raise ValueError("impl='pallas' is switched off (jaxsync.kv._pallas.ALLOW_COMPILED)")
     if impl == "pallas" and _platform(d_leaves[0]) != "gpu":
@@ -171,9 +164,9 @@ def copy_blocks(
     if impl != "xla":
         if actual != "d2d":
             raise ValueError(f"impl={impl!r} copies device->device only, not {actual!r}")
-        bad = [tuple(x.shape) for x in d_leaves if slab(tuple(x.shape)) is None]
-        if bad:
-            raise ValueError(f"impl={impl!r} needs power-of-two block dims; got leaf shapes {bad}")
+        kernel_plan = _pallas.plan(s_leaves + d_leaves)
+        if not isinstance(kernel_plan, _pallas.Plan):
+            raise ValueError(f"impl={impl!r} cannot copy these caches: {kernel_plan}")
     num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
     s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
     n = int(s_ids.size)
@@ -191,7 +184,9 @@ def copy_blocks(
     ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
     if actual == "d2d" and impl != "xla":
         with _pallas.quiet_triton_deprecation():
-            return copy_same_memory_pallas(src, dst, ids, interpret=impl == "pallas_interpret")
+            return copy_same_memory_pallas(
+                src, dst, ids, plan=kernel_plan, interpret=impl == "pallas_interpret"
+            )
     if actual == "d2d":
         return _copy_same_memory(src, dst, ids)
     return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")

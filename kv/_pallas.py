@@ -21,32 +21,23 @@ will remove its Triton backend; a Mosaic GPU port (`plgpu.kernel`) is the follow
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools as ft
 import math
-import warnings
+from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxsync
+from jaxsync.check._static import quiet_triton_deprecation  # noqa: F401 (re-exported)
 from jaxsync.kv._layout import Cache
 
 
 ALLOW_COMPILED = True
 """Compiled (non-interpret) use of the kernel; a switch to turn it off if a GPU misbehaves."""
-
-
-@contextlib.contextmanager
-def quiet_triton_deprecation():
-    """Silences Pallas' "Triton backend is deprecated" warning (emitted at lowering) and only
-    that one: a user running with warnings as errors would otherwise get an exception."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
-        )
-        yield
 
 
 _TILE_ELEMENTS = 4096  # per program: 8 KiB of bf16, few registers per thread
@@ -97,10 +88,71 @@ def _copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, interpret: bool) ->
     return out.reshape(d.shape)
 
 
-@ft.partial(jax.jit, donate_argnames="dst", static_argnames="interpret")
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How the kernel runs on a cache: on one device, or per shard under `shard_map` when the
+    cache is split over a mesh on axes other than the block axis (then every device copies its
+    own slice of every block with the replicated ids, and nothing crosses devices)."""
+
+    mesh: Any = None  # jax.sharding.Mesh / AbstractMesh, None on one device
+    spec: PartitionSpec | None = None  # every leaf's spec, block axis unsharded
+
+
+def _local_shape(shape: tuple[int, ...], mesh: Any, spec: tuple) -> tuple[int, ...] | None:
+    out = list(shape)
+    for dim, axes in enumerate(spec):
+        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+            if out[dim] % mesh.shape[axis]:
+                return None
+            out[dim] //= mesh.shape[axis]
+    return tuple(out)
+
+
+def _leaf_sharding(leaf: jax.Array) -> tuple[Any, tuple] | None:
+    """(mesh, full-length spec), (None, ()) on one device, None when not expressible."""
+    traced = isinstance(leaf, jax.core.Tracer)
+    sharding = jax.typeof(leaf).sharding if traced else leaf.sharding
+    if traced and sharding.mesh.empty or not traced and len(sharding.device_set) == 1:
+        return None, ()
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    if traced and any(t != AxisType.Explicit for t in mesh.axis_types):
+        return None  # auto axes are not in the traced type: the real spec is unknown here
+    return mesh, tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+
+
+def plan(leaves: list[jax.Array]) -> Plan | str:
+    """The kernel's `Plan` for these leaves (all of src and dst), or why it cannot run them."""
+    placements = {_leaf_sharding(x) for x in leaves}
+    if None in placements or len(placements) != 1:
+        return "src and dst leaves must share one placement (a NamedSharding or one device)"
+    ((mesh, spec),) = placements
+    if spec and spec[0] is not None:
+        return "the block axis must not be sharded"
+    local = [_local_shape(tuple(x.shape), mesh, spec) if mesh else tuple(x.shape) for x in leaves]
+    bad = [shape for shape in local if shape is None or slab(shape) is None]
+    if bad:
+        return f"needs power-of-two (per-device) block dims; got leaf shapes {bad}"
+    return Plan(mesh, PartitionSpec(*spec) if mesh else None)
+
+
+@ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "interpret"))
 def copy_same_memory_pallas(
-    src: Cache, dst: Cache, ids: jaxsync.Packed, interpret: bool = False
+    src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), interpret: bool = False
 ) -> Cache:
     """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids)."""
-    src_ids, dst_ids = ids["src"], ids["dst"]
-    return jax.tree.map(lambda s, d: _copy_leaf(s, d, src_ids, dst_ids, interpret), src, dst)
+
+    def local(src, dst, src_ids, dst_ids):
+        return jax.tree.map(lambda s, d: _copy_leaf(s, d, src_ids, dst_ids, interpret), src, dst)
+
+    if plan.mesh is not None:  # per shard; pallas_call itself has no sharding rule
+        spec, replicated = plan.spec, PartitionSpec()
+        local = jax.shard_map(
+            local,
+            mesh=plan.mesh,
+            in_specs=(spec, spec, replicated, replicated),
+            out_specs=spec,
+            check_vma=False,
+        )
+    return local(src, dst, ids["src"], ids["dst"])

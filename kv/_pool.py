@@ -143,12 +143,23 @@ def _swap_out(leaves: list[jax.Array], pool: jax.Array, ids: jaxsync.Packed) -> 
     return jax.lax.fori_loop(0, src_ids.shape[0], body, pool, unroll=UNROLL)
 
 
+def _staging_sharding(leaf: jax.Array) -> NamedSharding | None:
+    """`[N, L, *block]` sharded like the cache leaf's block axes (explicit mesh axes type-check
+    the loop's update against it). Taken from the device leaf, not the pool: under jax 0.11.2 on
+    two H200s, zeros placed like the pinned-host pool came out unsharded."""
+    sharding = jax.typeof(leaf).sharding
+    if sharding.mesh.empty:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(None, None, *spec[1:]))
+
+
 @ft.partial(jax.jit, donate_argnames="leaves")
 def _swap_in(pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed) -> list[jax.Array]:
     src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each; padded dst ids are out of range
-    # Sharded like the pool (explicit mesh axes type-check the loop's update against it).
-    sharding = jax.typeof(pool).sharding
-    staging = jnp.zeros((src_ids.shape[0], *pool.shape[1:]), pool.dtype, out_sharding=sharding)
+    staging = jnp.zeros(
+        (src_ids.shape[0], *pool.shape[1:]), pool.dtype, out_sharding=_staging_sharding(leaves[0])
+    )
 
     def body(k, st):
         block = jax.lax.dynamic_slice_in_dim(pool, src_ids[k], 1, axis=0)  # [1, L, ...]

@@ -1,8 +1,15 @@
-"""KV block copy with caches sharded over kv heads on every local GPU (issue: multi-GPU run).
+"""KV block copies and swaps with caches sharded over kv heads on every local GPU (multi-GPU run).
 
-Per GPU: effective GB/s (bytes read + written of the copied blocks, per device) against a per-GPU
-device-to-device copy ceiling measured in the same run, and host time for copy_blocks to return.
-Usage: python tools/bench_kv_sharded.py [--layers 32] [--blocks 4096] [--counts 64 512 2048]
+Per GPU, measured in one process with `jaxsync.bench._timing.measure` (device time from queued
+back-to-back calls, host-blocked time with ~30 ms of work queued):
+
+* d2d `copy_blocks`, default impl ("auto": the Pallas kernel per shard under shard_map on GPUs)
+  and impl="xla", against a per-GPU device copy ceiling (every GPU copying 1 GiB at once);
+* `swap_out` / `swap_in` through a `HostPool` sharded like the cache, against a per-GPU pinned
+  transfer ceiling (one sharded device_put of the same bytes, every GPU on its own link).
+
+Bytes: d2d counts read + written of the copied blocks, swaps the bytes moved one way; both per
+GPU. Usage: python tools/bench_kv_sharded.py [--layers 32] [--blocks 4096] [--counts 64 512 2048]
 """
 
 from __future__ import annotations
@@ -10,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -21,68 +26,109 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxsync.bench._timing import copy_ceiling_gbps  # noqa: E402
-from jaxsync.kv import KVLayout, copy_blocks  # noqa: E402
+from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure  # noqa: E402
+from jaxsync.kv import KVLayout, copy_blocks, host_pool, swap_in, swap_out  # noqa: E402
+
+
+def _pinned_ceiling(mesh, nbytes_per_gpu: int, side, to_host: bool) -> float:
+    """GB/s per GPU of one sharded pinned <-> device transfer of `nbytes_per_gpu` per GPU."""
+    dev = NamedSharding(mesh, P("h"), memory_kind="device")
+    host = dev.with_memory_kind("pinned_host")
+    x = jax.device_put(jnp.zeros((mesh.size * nbytes_per_gpu // 2,), jnp.bfloat16), dev)
+    src, target = (x, host) if to_host else (jax.device_put(x, host), dev)
+    m = measure(lambda: jax.device_put(src, target), side, repeat=3)
+    return nbytes_per_gpu / max(m["device_ms"] * 1e-3, 1e-9) / 1e9
+
+
+def _closures(src, state, ids, host_ids):
+    """Zero-arg calls for `measure`, rotating over 4 id sets; donated caches live in `state`."""
+    it = iter(range(1 << 30))
+
+    def d2d(impl):
+        def fn():
+            s, d = ids[next(it) % 4]
+            state["dst"] = copy_blocks(src, state["dst"], s, d, impl=impl)
+            return state["dst"]
+
+        return fn
+
+    def out():
+        s, d = host_ids[next(it) % 4]
+        state["pool"] = swap_out(src, state["pool"], s, d)
+        return state["pool"].blocks
+
+    def back():
+        d, s = host_ids[next(it) % 4]
+        state["dst"] = swap_in(state["pool"], state["dst"], s, d)
+        return state["dst"]
+
+    return d2d, out, back
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=4096)
+    ap.add_argument("--host-blocks", type=int, default=2048)
     ap.add_argument("--counts", type=int, nargs="*", default=[64, 512, 2048])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("h",), devices=devices)
     shard = NamedSharding(mesh, P(None, "h"))  # [P, K, S, 2H] split over kv heads
-    layout = KVLayout(kind="packed", num_blocks=args.blocks, block_size=16, num_kv_heads=8,
-                      head_dim=128, dtype=jnp.bfloat16)  # fmt: skip
-    names = [f"layer{i}" for i in range(args.layers)]
+    layout = KVLayout(kind="packed", num_blocks=args.blocks, block_size=16,
+                      num_kv_heads=args.heads, head_dim=args.head_dim,
+                      dtype=jnp.bfloat16)  # fmt: skip
+    names = [f"layer{i:02d}" for i in range(args.layers)]
     src = layout.random(names, jax.random.key(0), placement=shard)
-    dst = layout.random(names, jax.random.key(1), placement=shard)
+    state = {"dst": layout.random(names, jax.random.key(1), placement=shard)}
+    state["pool"] = host_pool(src, args.host_blocks)
+    side = _Side("jax")
     ceiling = copy_ceiling_gbps("jax", 1 << 30, mesh=mesh)
+    per_gpu_block = layout.block_nbytes * args.layers / mesh.size
+    pinned = {}
     rng = np.random.default_rng(0)
     rows = []
     for count in args.counts:
-        ids = [
-            (
-                rng.choice(args.blocks, count, replace=False),
-                rng.choice(args.blocks, count, replace=False),
-            )
-            for _ in range(4)
-        ]
-        dst = copy_blocks(src, dst, *ids[0])  # compile the bucket
-        jax.block_until_ready(dst)
-        device_s, returned_ms = [], []
-        for rep in range(8):
-            s, d = ids[rep % 4]
-            t0 = time.perf_counter()
-            dst = copy_blocks(src, dst, s, d)
-            t1 = time.perf_counter()
-            jax.block_until_ready(dst)
-            t2 = time.perf_counter()
-            returned_ms.append((t1 - t0) * 1e3)
-            device_s.append(t2 - t0)
-        per_dev_bytes = 2 * count * layout.block_nbytes * args.layers / mesh.size
-        gbps = per_dev_bytes / statistics.median(device_s) / 1e9
-        shardings_kept = all(leaf.sharding == shard for leaf in jax.tree.leaves(dst))
-        rows.append(dict(blocks=count, gbps_per_gpu=gbps, pct_ceiling=100 * gbps / ceiling,
-                         copy_ms=1e3 * statistics.median(device_s),
-                         returned_ms=statistics.median(returned_ms),
-                         sharding_kept=shardings_kept))  # fmt: skip
+        ids = [(rng.choice(args.blocks, count, replace=False),
+                rng.choice(args.blocks, count, replace=False)) for _ in range(4)]  # fmt: skip
+        host_ids = [(s, rng.choice(args.host_blocks, count, replace=False)) for s, _ in ids]
+        d2d, out, back = _closures(src, state, ids, host_ids)
+        cases = [("d2d", "auto", d2d("auto"), ceiling, 2), ("d2d", "xla", d2d("xla"), ceiling, 2)]
+        if count <= args.host_blocks // 2:
+            for name, fn, to_host in (("d2h pool", out, True), ("h2d pool", back, False)):
+                if to_host not in pinned:
+                    pinned[to_host] = _pinned_ceiling(mesh, 1 << 30, side, to_host)
+                cases.append((name, "pool", fn, pinned[to_host], 1))
+        for what, impl, fn, ref, passes in cases:
+            m = measure(fn, side, repeat=3)
+            gbps = passes * count * per_gpu_block / max(m["device_ms"] * 1e-3, 1e-9) / 1e9
+            kept = all(x.sharding.is_equivalent_to(shard, x.ndim)
+                       for x in jax.tree.leaves(state["dst"]))  # fmt: skip
+            rows.append(dict(copy=what, impl=impl, blocks=count, gbps_per_gpu=gbps,
+                             pct_ceiling=100 * gbps / ref, ceiling_gbps_per_gpu=ref,
+                             device_ms=m["device_ms"], blocked_ms=m["blocked_ms"],
+                             sharding_kept=kept))  # fmt: skip
+            print(f"{what} {impl} {count}: {gbps:.0f} GB/s/GPU = {100 * gbps / ref:.0f}% "
+                  f"of {ref:.0f}; device {m['device_ms']:.3f} ms, blocked "
+                  f"{m['blocked_ms']:.3f} ms", flush=True)  # fmt: skip
     result = dict(devices=[d.device_kind for d in devices], gpus=mesh.size,
-                  ceiling_gbps_per_gpu=ceiling, layers=args.layers, rows=rows)  # fmt: skip
-    print(json.dumps(result, indent=2))
-    print(f"{mesh.size} x {devices[0].device_kind}; per-GPU copy ceiling {ceiling:.0f} GB/s")
-    print("| blocks | GB/s per GPU | % ceiling | copy ms | copy_blocks returned after ms |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+                  copy_ceiling_gbps_per_gpu=ceiling, pinned_ceiling_gbps_per_gpu=pinned,
+                  jax=jax.__version__, layers=args.layers, rows=rows)  # fmt: skip
+    print(f"{mesh.size} x {devices[0].device_kind}, jax {jax.__version__}; per-GPU copy ceiling "
+          f"{ceiling:.0f} GB/s")  # fmt: skip
+    print("| copy | impl | blocks | GB/s per GPU | % ceiling | device ms | host-blocked ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['blocks']} | {r['gbps_per_gpu']:.0f} | {r['pct_ceiling']:.0f}% | "
-              f"{r['copy_ms']:.2f} | {r['returned_ms']:.2f} |")  # fmt: skip
+        print(f"| {r['copy']} | {r['impl']} | {r['blocks']} | {r['gbps_per_gpu']:.0f} | "
+              f"{r['pct_ceiling']:.0f}% | {r['device_ms']:.3f} | "
+              f"{r['blocked_ms']:.3f} |")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(result, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

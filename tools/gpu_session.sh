@@ -5,7 +5,8 @@
 #   bench1  - jaxsync bench, released sizes: kv, qwen3_omni, voxtral, chameleon (OUT_DIR/bench-bench1.tgz)
 #   bench2  - the same for gemma3n and glm4v (OUT_DIR/bench-bench2.tgz)
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
-#   followup - what the 2026-11-29 third session left unverified (kv harness, Pallas proofs, ...)
+#   followup - what the 2026-11-29 third session left unverified (kv harness, Pallas proofs,
+#              pool DMA unroll 8/16/32/64)
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,11 +62,18 @@ case "$phase" in
     timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/kv \
       -k "sync_free or fresh_copy or pallas" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -30
     timeout 120 jaxsync verify --paths kv 2>&1 | tee "$out/verify-kv.txt" | tail -11
-    for u in 16 32; do echo "== pool unroll $u"
+    for u in 8 16 32 64; do echo "== pool unroll $u"
       timeout 60 python3 tools/explore_swap.py --pool-only --unroll $u 2>&1 | grep -E "ceiling|pool"
     done
-    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 jaxsync bench --paths qwen3_omni \
-      --sizes released --out "$out/bench-tfrt" 2>&1 | grep measured
+    ;;
+  sharded)
+    # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
+    # takes all of them), then tools/bench_kv_sharded.py. NVLink multicast stays off.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nvidia-smi topo -m 2>&1 | tee "$out/topology.txt"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/kv \
+      tests/test_device_cache.py 2>&1 | grep -E "^E |FAILED|passed|failed" | tee "$out/sharded-tests.log"
+    timeout 150 python3 tools/bench_kv_sharded.py --out "$out/kv-sharded.json" 2>&1 | tail -8
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync.check
 import jaxsync.testing
@@ -21,6 +22,8 @@ LAYOUTS = {
                          dtype=jnp.float32),
     "mla": KVLayout(kind="mla", num_blocks=13, block_size=4, latent_dim=16, dtype=jnp.float16),
 }  # fmt: skip
+HEADS = KVLayout(kind="packed", num_blocks=16, block_size=4, num_kv_heads=8, head_dim=8,
+                 dtype=jnp.bfloat16)  # fmt: skip  # 8 kv heads: one per simulated device
 
 
 def _copy(layout, impl, src_ids, dst_ids, seed=0):
@@ -116,7 +119,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert "__gpu$xla.gpu.triton" in text
 
 
-def test_auto_picks_pallas_only_for_single_device_power_of_two_caches_on_gpu(monkeypatch):
+def test_auto_picks_pallas_for_power_of_two_blocks_on_gpu_per_shard(monkeypatch):
     from jaxsync.kv import _copy
 
     leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
@@ -126,17 +129,64 @@ def test_auto_picks_pallas_only_for_single_device_power_of_two_caches_on_gpu(mon
     odd = KVLayout(kind="packed", num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3)
     assert not _copy._pallas_fits(jax.tree.leaves(odd.random(LAYERS, jax.random.key(0))))
     mesh = jaxsync.testing.device_mesh("h")
-    sharded = jax.device_put(
-        leaves[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    )
-    assert not _copy._pallas_fits([sharded])  # pallas_call has no sharding rule: XLA
+    heads = HEADS.random(LAYERS, jax.random.key(0), placement=NamedSharding(mesh, P(None, "h")))
+    blocks = NamedSharding(mesh, P("h"))  # 8 blocks split over the mesh: XLA
+    by_block = jax.device_put(jnp.zeros((8, 2, 4, 16), jnp.bfloat16), blocks)
+    single, sharded = leaves[0], jax.tree.leaves(heads)[0]
+    assert _copy._pallas_fits([sharded]) and not _copy._pallas_fits([by_block])
+    assert not _copy._pallas_fits([single, sharded])  # src and dst placed differently: XLA
     traced = []  # the static scans trace the entry point: same choice as the concrete call
-    jax.make_jaxpr(lambda a, b: traced.append((_copy._pallas_fits([a]), _copy._pallas_fits([b]))))(
-        leaves[0], sharded
+    jax.make_jaxpr(lambda *xs: traced.append([_copy._pallas_fits([x]) for x in xs]))(
+        single, sharded, by_block
     )
-    assert traced == [(True, False)]
+    assert traced == [[True, True, False]]
     monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
     assert not _copy._pallas_fits(leaves)
+
+
+@pytest.mark.parametrize(
+    "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+)
+def test_sharded_pallas_runs_per_shard_without_collectives(impl):
+    # Caches split over kv heads: the kernel runs per shard under shard_map, every device
+    # copying its slice of each block; the result equals XLA's and keeps the sharding.
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        pytest.skip("the compiled (Triton) kernel needs GPUs")
+    mesh = jaxsync.testing.device_mesh("h")
+    shard = NamedSharding(mesh, P(None, "h"))
+    src_ids, dst_ids = [3, 0, 12, 5], [7, 2, 0, 11]
+
+    def run(impl):
+        src = HEADS.random(LAYERS, jax.random.key(0), placement=shard)
+        dst = HEADS.random(LAYERS, jax.random.key(1), placement=shard)
+        return copy_blocks(src, dst, src_ids, dst_ids, impl=impl)
+
+    got, want = run(impl), run("xla")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.sharding.is_equivalent_to(shard, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    src = HEADS.random(LAYERS, jax.random.key(0), placement=shard)
+    ids = jaxsync.upload_packed(
+        {"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)},
+        placement=NamedSharding(mesh, P()),
+    )
+    plan = _pallas.plan(jax.tree.leaves(src) * 2)
+    assert plan.spec == P(None, "h", None, None)
+    with _pallas.quiet_triton_deprecation():  # lowering the Triton kernel warns (jax >= 0.11)
+        hlo = (
+            _pallas.copy_same_memory_pallas.lower(
+                src, src, ids, plan=plan, interpret=impl != "pallas"
+            )
+            .compile()
+            .as_text()
+        )
+    assert not [
+        c for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce") if c in hlo
+    ]
+    with pytest.raises(ValueError, match="block axis"):
+        by_block = {n: jax.device_put(x, NamedSharding(mesh, P("h"))) for n, x in
+                    HEADS.random(LAYERS, jax.random.key(2), placement=None).items()}  # fmt: skip
+        copy_blocks(by_block, dict(by_block), [0], [1], impl="pallas_interpret")
 
 
 @pytest.mark.gpu
