@@ -157,7 +157,8 @@ def _staging_sharding(leaf: jax.Array) -> NamedSharding | None:
 @ft.partial(jax.jit, donate_argnames="leaves")
 def _swap_in(pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed) -> list[jax.Array]:
     src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each; padded dst ids are out of range
-    staging = jnp.zeros(
+    # Uninitialized (no memset of N blocks on GPUs): the loop writes every row, padding included.
+    staging = jax.lax.empty(
         (src_ids.shape[0], *pool.shape[1:]), pool.dtype, out_sharding=_staging_sharding(leaves[0])
     )
 
