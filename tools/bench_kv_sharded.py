@@ -6,7 +6,8 @@ back-to-back calls, host-blocked time with ~30 ms of work queued):
 * d2d `copy_blocks`, default impl ("auto": the Pallas kernel per shard under shard_map on GPUs)
   and impl="xla", against a per-GPU device copy ceiling (every GPU copying 1 GiB at once);
 * `swap_out` / `swap_in` through a `HostPool` sharded like the cache, against a per-GPU pinned
-  transfer ceiling (one sharded device_put of the same bytes, every GPU on its own link).
+  transfer ceiling (one sharded device_put of 1 GiB per GPU, every GPU on its own link, timed
+  by wall clock).
 
 Bytes: d2d counts read + written of the copied blocks, swaps the bytes moved one way; both per
 GPU. Usage: python tools/bench_kv_sharded.py [--layers 32] [--blocks 4096] [--counts 64 512 2048]
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -30,14 +33,23 @@ from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure  # noqa: E40
 from jaxsync.kv import KVLayout, copy_blocks, host_pool, swap_in, swap_out  # noqa: E402
 
 
-def _pinned_ceiling(mesh, nbytes_per_gpu: int, side, to_host: bool) -> float:
-    """GB/s per GPU of one sharded pinned <-> device transfer of `nbytes_per_gpu` per GPU."""
+def _pinned_ceiling(mesh, nbytes_per_gpu: int, to_host: bool) -> float:
+    """GB/s per GPU of one sharded pinned <-> device transfer of `nbytes_per_gpu` per GPU.
+
+    Wall time from the call to the last byte, median of 5: a transfer runs on its own stream,
+    so `measure`'s queued busy work (a kernel on the first GPU) would overlap it and inflate the
+    rate (it read 99.5 GB/s per GPU host->device on two H200s, over a PCIe link)."""
     dev = NamedSharding(mesh, P("h"), memory_kind="device")
     host = dev.with_memory_kind("pinned_host")
     x = jax.device_put(jnp.zeros((mesh.size * nbytes_per_gpu // 2,), jnp.bfloat16), dev)
     src, target = (x, host) if to_host else (jax.device_put(x, host), dev)
-    m = measure(lambda: jax.device_put(src, target), side, repeat=3)
-    return nbytes_per_gpu / max(m["device_ms"] * 1e-3, 1e-9) / 1e9
+    jax.block_until_ready(jax.device_put(src, target))  # warm-up
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.device_put(src, target))
+        times.append(time.perf_counter() - t0)
+    return nbytes_per_gpu / statistics.median(times) / 1e9
 
 
 def _closures(src, state, ids, host_ids):
@@ -101,7 +113,7 @@ def main() -> None:
         if count <= args.host_blocks // 2:
             for name, fn, to_host in (("d2h pool", out, True), ("h2d pool", back, False)):
                 if to_host not in pinned:
-                    pinned[to_host] = _pinned_ceiling(mesh, 1 << 30, side, to_host)
+                    pinned[to_host] = _pinned_ceiling(mesh, 1 << 30, to_host)
                 cases.append((name, "pool", fn, pinned[to_host], 1))
         for what, impl, fn, ref, passes in cases:
             m = measure(fn, side, repeat=3)
