@@ -19,9 +19,10 @@ slice. XLA's host offloader turns these into DMAs of single blocks; a gather/sca
 host-memory operand is either rejected by JAX (gather) or run as slow host compute (scatter).
 Measured on an H200 (jax 0.11.2, 2026-11-29, 32 layers x 64 KiB blocks): d2h 85-86% of a large
 pinned transfer; h2d only 22-23% (one small host->device DMA per block and layer), which is why
-`jaxsync.kv.HostPool` exists (76-77%). Device->device copies use the one-pass Pallas kernel on
-GPUs (82-91% of a same-size contiguous copy at 512-2048 blocks), XLA elsewhere (68-69%: a gather
-and a scatter, two passes).
+`jaxsync.kv.HostPool` exists (76-78%). Device->device copies use the one-pass Pallas kernel on
+GPUs (82-96% of a same-size contiguous copy at 512-2048 blocks; per shard under `shard_map` for
+caches split over kv heads, 89-100% of the per-GPU ceiling on two H200s), XLA elsewhere (67-73%:
+a gather and a scatter, two passes).
 """
 
 from __future__ import annotations
@@ -121,10 +122,12 @@ def copy_blocks(
         (which alone decide what runs).
       buckets: block-count buckets (default: powers of two >= 8).
       impl: "auto" (default): the one-pass Pallas (Triton) kernel, "pallas", for
-        device->device copies of single-device caches on a GPU whose block dims are powers of
-        two (H200: 82-90% of a same-size contiguous copy at 512-2048 blocks, against 59-61% for
-        XLA's gather + scatter), else "xla" (portable; sharded caches keep their sharding with
-        no collectives). "pallas_interpret" runs the kernel in Pallas' interpreter (tests).
+        device->device copies on GPUs whose (per-device) block dims are powers of two, on one
+        device or per shard when src and dst share a sharding that leaves the block axis whole
+        (H200: 82-96% of a same-size contiguous copy at 512-2048 blocks, against 67-73% for
+        XLA's gather + scatter); else "xla" (portable). Either way sharded caches keep their
+        sharding with no collectives. "pallas_interpret" runs the kernel in Pallas'
+        interpreter (tests).
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`

@@ -13,6 +13,11 @@ Triton, that Pallas' Triton backend is deprecated). `tools/diagnose_pallas.py` c
 compiled Triton kernel with the XLA copy block by block on the H200: no block differs. Copies
 now run with that one warning silenced (`quiet_triton_deprecation`).
 
+Sharded caches: `pallas_call` has no sharding rule, so `plan` runs the kernel per shard under
+`shard_map` when src and dst share one NamedSharding that leaves the block axis whole (caches
+split over kv heads). Every device copies its slice of every block with the replicated ids; no
+collective. Two H200s, 2026-11-29: 89-100% of the per-GPU copy ceiling at 512-2048 blocks.
+
 The kernel is pinned to Triton (`pltriton.CompilerParams()`): it relies on un-blocked refs being
 global-memory pointers, each program loading and storing one slab. Pallas' default GPU backend
 since jax 0.10 (Mosaic GPU) stages un-blocked refs through shared memory instead. Pallas says it

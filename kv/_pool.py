@@ -6,8 +6,8 @@ reached only 12.6 GB/s on an H200 against a 55.2 GB/s single transfer (tools/exp
 jax 0.11.2, 2026-11-29). A `HostPool` stores host block b of *every* leaf contiguously,
 `[P_host, L, *block]` (L = leaves of the cache in its flattened order: sorted layer names, k
 before v), so one DMA moves a block of all layers: 512 DMAs of 2 MiB, 40.5 GB/s in the same run.
-With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 76-81% of a large pinned
-transfer in both directions (H200, 12:29 UTC, docs/benchmarks.md).
+With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 80-81% (swap_out) and 76-78%
+(swap_in) of a large pinned transfer (H200, 2026-11-29, docs/benchmarks.md).
 
 * `swap_out`: one gather per leaf on the device into a staging buffer `[N, L, *block]`, then one
   DMA per block into the (donated) pool.
@@ -44,7 +44,8 @@ from jaxsync.kv._layout import (
 UNROLL = 8
 """DMA-loop iterations per unrolled step, read at trace time. H200, 512 blocks x 2 MiB
 (tools/explore_swap.py --unroll): 8 gave swap_out 45.4 / swap_in 42.9 GB/s and 1.4 / 2.3 ms
-host-blocked, against 41.2 / 40.5 GB/s and 4.0 / 4.1 ms at 1 (55.2 GB/s single transfer)."""
+host-blocked, against 41.2 / 40.5 GB/s and 4.0 / 4.1 ms at 1 (55.2 GB/s single transfer); 16, 32
+and 64 gave no more (swap_in 42.7 / 41.7 / 42.6 GB/s, a later run)."""
 
 
 @ft.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["treedef"])
