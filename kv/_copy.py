@@ -158,7 +158,10 @@ def copy_blocks(
     if impl == "auto":
         impl = "pallas" if actual == "d2d" and _pallas_fits(s_leaves + d_leaves) else "xla"
     if impl == "pallas" and not _pallas.ALLOW_COMPILED:
-        raise ValueError("impl='pallas' is switched off (jaxsync.kv._pallas.ALLOW_COMPILED)")
+        raise ValueError(
+            "impl='pallas' is unavailable: jaxsync.kv._pallas.ALLOW_COMPILED is False (switched "
+            "off, or this jax has no Pallas Triton backend); use impl='xla'"
+        )
     if impl == "pallas" and _platform(d_leaves[0]) != "gpu":
         raise ValueError(
             f"impl='pallas' compiles a Triton kernel for GPUs, not {_platform(d_leaves[0])!r}; "

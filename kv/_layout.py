@@ -151,6 +151,16 @@ def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
 
 def check_same_structure(src: Cache, dst: Cache, src_name: str, dst_name: str) -> None:
     """Same layer set, same per-layer structure, same block shape and dtype (P may differ)."""
+    s_leaves, s_def = jax.tree_util.tree_flatten(src)
+    d_leaves, d_def = jax.tree_util.tree_flatten(dst)
+    if (
+        s_def == d_def
+        and all(  # the common case, in one pass; the loop below names the culprit
+            s.shape[1:] == d.shape[1:] and s.dtype == d.dtype
+            for s, d in zip(s_leaves, d_leaves, strict=True)
+        )
+    ):
+        return
     if set(src) != set(dst):
         only_s, only_d = sorted(set(src) - set(dst)), sorted(set(dst) - set(src))
         raise ValueError(
@@ -193,9 +203,10 @@ def check_range(ids: np.ndarray, limit: int, name: str) -> None:
 
 def check_unique(ids: np.ndarray, name: str) -> None:
     """Duplicate scatter targets would make the result depend on XLA's write order."""
-    uniq, counts = np.unique(ids, return_counts=True)
-    if uniq.size != ids.size:
-        raise ValueError(f"{name} must be unique; repeated: {uniq[counts > 1][:8].tolist()}")
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size:
+        raise ValueError(f"{name} must be unique; repeated: {np.unique(repeated)[:8].tolist()}")
 
 
 def checked_ids(src_ids: Any, dst_ids: Any, num_src: int, num_dst: int) -> tuple[np.ndarray, ...]:

@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxsync
@@ -41,8 +40,14 @@ from jaxsync.check._static import quiet_triton_deprecation  # noqa: F401 (re-exp
 from jaxsync.kv._layout import Cache
 
 
-ALLOW_COMPILED = True
-"""Compiled (non-interpret) use of the kernel; a switch to turn it off if a GPU misbehaves."""
+try:  # Pallas plans to drop its Triton backend: without it, "auto" copies through XLA
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - depends on the installed jax
+    pltriton = None
+
+ALLOW_COMPILED = pltriton is not None
+"""Compiled (non-interpret) use of the kernel; a switch to turn it off if a GPU misbehaves. False
+when this jax has no Pallas Triton backend."""
 
 
 _TILE_ELEMENTS = 4096  # per program: 8 KiB of bf16, few registers per thread
