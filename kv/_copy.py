@@ -108,7 +108,7 @@ def copy_blocks(
     *,
     direction: Direction | None = None,
     buckets: tuple[int, ...] | None = None,
-    impl: Literal["auto", "xla", "pallas", "pallas_interpret"] = "auto",
+    impl: Literal["auto", "xla", "pallas", "mosaic", "pallas_interpret"] = "auto",
 ) -> Cache:
     """Copies blocks between two paged caches, every layer in one jitted call.
 
@@ -126,8 +126,9 @@ def copy_blocks(
         device or per shard when src and dst share a sharding that leaves the block axis whole
         (H200: 82-96% of a same-size contiguous copy at 512-2048 blocks, against 67-73% for
         XLA's gather + scatter); else "xla" (portable). Either way sharded caches keep their
-        sharding with no collectives. "pallas_interpret" runs the kernel in Pallas'
-        interpreter (tests).
+        sharding with no collectives. "mosaic": the same copy through Pallas' Mosaic GPU
+        backend (TMA; Hopper GPUs, opt-in, see `kv._mosaic`). "pallas_interpret" runs the
+        kernel in Pallas' interpreter (tests).
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`
@@ -151,9 +152,9 @@ def copy_blocks(
             f"direction {direction!r} given, but the caches' memory kinds say {actual!r}"
         )
     check_same_structure(src, dst, "src", "dst")
-    if impl not in ("auto", "xla", "pallas", "pallas_interpret"):
+    if impl not in ("auto", "xla", "pallas", "mosaic", "pallas_interpret"):
         raise ValueError(
-            f"impl must be 'auto', 'xla', 'pallas' or 'pallas_interpret', got {impl!r}"
+            f"impl must be 'auto', 'xla', 'pallas', 'mosaic' or 'pallas_interpret', got {impl!r}"
         )
     if impl == "auto":
         impl = "pallas" if actual == "d2d" and _pallas_fits(s_leaves + d_leaves) else "xla"
@@ -162,9 +163,9 @@ def copy_blocks(
             "impl='pallas' is unavailable: jaxsync.kv._pallas.ALLOW_COMPILED is False (switched "
             "off, or this jax has no Pallas Triton backend); use impl='xla'"
         )
-    if impl == "pallas" and _platform(d_leaves[0]) != "gpu":
+    if impl in ("pallas", "mosaic") and _platform(d_leaves[0]) != "gpu":
         raise ValueError(
-            f"impl='pallas' compiles a Triton kernel for GPUs, not {_platform(d_leaves[0])!r}; "
+            f"impl={impl!r} compiles a GPU kernel, not one for {_platform(d_leaves[0])!r}; "
             "use impl='xla' or 'pallas_interpret'"
         )
     if impl != "xla":
@@ -190,9 +191,8 @@ def copy_blocks(
     ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
     if actual == "d2d" and impl != "xla":
         with _pallas.quiet_triton_deprecation():
-            return copy_same_memory_pallas(
-                src, dst, ids, plan=kernel_plan, interpret=impl == "pallas_interpret"
-            )
+            backend = {"pallas": "triton", "pallas_interpret": "interpret"}.get(impl, impl)
+            return copy_same_memory_pallas(src, dst, ids, plan=kernel_plan, backend=backend)
     if actual == "d2d":
         return _copy_same_memory(src, dst, ids)
     return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")

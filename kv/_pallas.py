@@ -82,10 +82,15 @@ def _kernel(src_ids, dst_ids, src, dst_in, out):
         out[pl.ds(d, 1), rows, :] = src[pl.ds(s, 1), rows, :]
 
 
-def _copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, interpret: bool) -> jax.Array:
+def _copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, backend: str) -> jax.Array:
     rows, cols, tile = slab(d.shape)
     s3 = s.reshape(s.shape[0], rows, cols)
     d3 = d.reshape(d.shape[0], rows, cols)
+    if backend == "mosaic":  # imported here: a jax without Mosaic GPU still gets the rest
+        from jaxsync.kv import _mosaic
+
+        return _mosaic.copy_leaf(s3, d3, src_ids, dst_ids).reshape(d.shape)
+    interpret = backend == "interpret"
     out = pl.pallas_call(
         _kernel,
         out_shape=jax.ShapeDtypeStruct(d3.shape, d3.dtype),
@@ -147,14 +152,17 @@ def plan(leaves: list[jax.Array]) -> Plan | str:
     return Plan(mesh, PartitionSpec(*spec) if mesh else None)
 
 
-@ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "interpret"))
+@ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "backend"))
 def copy_same_memory_pallas(
-    src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), interpret: bool = False
+    src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), backend: str = "triton"
 ) -> Cache:
-    """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids)."""
+    """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids).
+
+    backend: "triton" (the GPU default), "mosaic" (`kv._mosaic`, Hopper, opt-in) or "interpret"
+    (Pallas' interpreter, any backend; tests)."""
 
     def local(src, dst, src_ids, dst_ids):
-        return jax.tree.map(lambda s, d: _copy_leaf(s, d, src_ids, dst_ids, interpret), src, dst)
+        return jax.tree.map(lambda s, d: _copy_leaf(s, d, src_ids, dst_ids, backend), src, dst)
 
     if plan.mesh is not None:  # per shard; pallas_call itself has no sharding rule
         spec, replicated = plan.spec, PartitionSpec()

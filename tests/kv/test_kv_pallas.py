@@ -65,37 +65,56 @@ def test_pallas_rejects_what_it_cannot_do():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_compiled_pallas_equals_xla_on_gpu(kind):
+def test_compiled_pallas_equals_xla_on_gpu(kind, impl):
     if jax.default_backend() != "gpu":
-        pytest.skip("the compiled (Triton) kernel needs a GPU")
+        pytest.skip("the compiled (Triton / Mosaic GPU) kernel needs a GPU")
     ids = (list(range(9)), list(range(12, 3, -1)))
     want = _copy(LAYOUTS[kind], "xla", *ids)
-    got = _copy(LAYOUTS[kind], "pallas", *ids)
+    got = _copy(LAYOUTS[kind], impl, *ids)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.gpu
-def test_compiled_pallas_at_the_released_block_shape_on_gpu():
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_compiled_pallas_at_the_released_block_shape_on_gpu(impl):
     if jax.default_backend() != "gpu":
-        pytest.skip("the compiled (Triton) kernel needs a GPU")
+        pytest.skip("the compiled (Triton / Mosaic GPU) kernel needs a GPU")
     layout = KVLayout(kind="packed", num_blocks=4099, block_size=16, num_kv_heads=8, head_dim=128,
                       dtype=jnp.bfloat16)  # fmt: skip
     rng = np.random.default_rng(0)
     src_ids = rng.choice(4099, 700, replace=False)
     dst_ids = rng.choice(4099, 700, replace=False)
     want = _copy(layout, "xla", src_ids, dst_ids, seed=5)
-    got = _copy(layout, "pallas", src_ids, dst_ids, seed=5)
+    got = _copy(layout, impl, src_ids, dst_ids, seed=5)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert bool(jnp.array_equal(a, b))
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_mosaic_kernel_lowers_for_cuda(kind):
+    # Cross-lowered on the CPU: impl="mosaic" must reach XLA as a Mosaic GPU call; its shared-
+    # memory id copies and TMA boxes pass Mosaic's checks at every test layout.
+    from jaxsync.kv import _pallas
+
+    src = LAYOUTS[kind].random(LAYERS, jax.random.key(0))
+    ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
+    lowered = _pallas.copy_same_memory_pallas.trace(src, src, ids, backend="mosaic").lower(
+        lowering_platforms=("cuda",)
+    )
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text
+    # In place: each kernel's output aliases its (donated) destination leaf, no cache copy.
+    assert text.count("output_operand_alias<") == len(LAYERS) * (2 if kind == "separate" else 1)
 
 
 def test_compiled_pallas_refusals_donate_nothing(monkeypatch):
     src = LAYOUTS["packed"].random(LAYERS, jax.random.key(0))
     dst = LAYOUTS["packed"].random(LAYERS, jax.random.key(1))
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="Triton kernel for GPUs, not 'cpu'"):
+        with pytest.raises(ValueError, match="GPU kernel, not one for 'cpu'"):
             copy_blocks(src, dst, [0], [1], impl="pallas")
     monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
     with pytest.raises(ValueError, match="switched off"):
@@ -112,7 +131,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     ids = jnp.zeros((4,), jnp.int32)
 
     def f(s, d, a, b):
-        return _copy_leaf(s, d, a, b, interpret=False)
+        return _copy_leaf(s, d, a, b, backend="triton")
 
     with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns on every Triton lowering
         text = jax.jit(f).trace(s, s, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
@@ -175,7 +194,7 @@ def test_sharded_pallas_runs_per_shard_without_collectives(impl):
     with _pallas.quiet_triton_deprecation():  # lowering the Triton kernel warns (jax >= 0.11)
         hlo = (
             _pallas.copy_same_memory_pallas.lower(
-                src, src, ids, plan=plan, interpret=impl != "pallas"
+                src, src, ids, plan=plan, backend="triton" if impl == "pallas" else "interpret"
             )
             .compile()
             .as_text()
