@@ -21,7 +21,8 @@ collective. Two H200s, 2026-11-29: 89-100% of the per-GPU copy ceiling at 512-20
 The kernel is pinned to Triton (`pltriton.CompilerParams()`): it relies on un-blocked refs being
 global-memory pointers, each program loading and storing one slab. Pallas' default GPU backend
 since jax 0.10 (Mosaic GPU) stages un-blocked refs through shared memory instead. Pallas says it
-will remove its Triton backend; a Mosaic GPU port (`plgpu.kernel`) is the follow-up.
+will remove its Triton backend; the Mosaic GPU port exists (`kv._mosaic`, `impl="mosaic"`,
+opt-in), as fast on an H200 but slower to compile.
 """
 
 from __future__ import annotations
