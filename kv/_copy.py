@@ -93,10 +93,30 @@ def _platform(leaf: jax.Array) -> str:
 
 
 def _pallas_fits(leaves: list[jax.Array]) -> bool:
-    """Whether "auto" picks the Pallas kernel: on, a GPU, a `_pallas.plan` for these leaves."""
+    """Whether a compiled kernel may copy these leaves: on, a GPU, a `_pallas.plan` for them."""
     if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
         return False
     return isinstance(_pallas.plan(leaves), _pallas.Plan)
+
+
+def _auto_kernel(leaves: list[jax.Array]) -> str:
+    """What "auto" runs for a device->device copy: the Triton kernel where it fits; the Mosaic GPU
+    port on Hopper GPUs once a jax without Triton is installed (as fast on an H200); else XLA."""
+    if not _pallas_fits(leaves):
+        return "xla"
+    if _pallas.TRITON:
+        return "pallas"
+    return "mosaic" if _hopper(leaves[0]) else "xla"
+
+
+def _hopper(leaf: jax.Array) -> bool:
+    """Compute capability >= 9.0 (TMA and the Mosaic GPU backend)."""
+    traced = isinstance(leaf, jax.core.Tracer)
+    device = jax.devices()[0] if traced else next(iter(leaf.devices()))
+    try:
+        return float(device.compute_capability) >= 9.0
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 @entry_point
@@ -121,7 +141,8 @@ def copy_blocks(
       direction: optional "d2d", "d2h" or "h2d", checked against the caches' memory kinds
         (which alone decide what runs).
       buckets: block-count buckets (default: powers of two >= 8).
-      impl: "auto" (default): the one-pass Pallas (Triton) kernel, "pallas", for
+      impl: "auto" (default): the one-pass Pallas (Triton) kernel, "pallas" ("mosaic" on
+        Hopper GPUs if this jax has no Triton backend), for
         device->device copies on GPUs whose (per-device) block dims are powers of two, on one
         device or per shard when src and dst share a sharding that leaves the block axis whole
         (H200: 82-96% of a same-size contiguous copy at 512-2048 blocks, against 67-73% for
@@ -157,11 +178,15 @@ def copy_blocks(
             f"impl must be 'auto', 'xla', 'pallas', 'mosaic' or 'pallas_interpret', got {impl!r}"
         )
     if impl == "auto":
-        impl = "pallas" if actual == "d2d" and _pallas_fits(s_leaves + d_leaves) else "xla"
-    if impl == "pallas" and not _pallas.ALLOW_COMPILED:
+        impl = _auto_kernel(s_leaves + d_leaves) if actual == "d2d" else "xla"
+    if impl in ("pallas", "mosaic") and not _pallas.ALLOW_COMPILED:
         raise ValueError(
-            "impl='pallas' is unavailable: jaxsync.kv._pallas.ALLOW_COMPILED is False (switched "
-            "off, or this jax has no Pallas Triton backend); use impl='xla'"
+            f"impl={impl!r} is switched off (jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla'"
+        )
+    if impl == "pallas" and not _pallas.TRITON:
+        raise ValueError(
+            "impl='pallas' needs Pallas' Triton backend, which this jax lacks; use impl='mosaic' "
+            "(Hopper GPUs) or 'xla'"
         )
     if impl in ("pallas", "mosaic") and _platform(d_leaves[0]) != "gpu":
         raise ValueError(

@@ -41,14 +41,17 @@ from jaxsync.check._static import quiet_triton_deprecation  # noqa: F401 (re-exp
 from jaxsync.kv._layout import Cache
 
 
-try:  # Pallas plans to drop its Triton backend: without it, "auto" copies through XLA
+try:  # Pallas plans to drop its Triton backend: without it "auto" takes kv._mosaic on Hopper
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - depends on the installed jax
     pltriton = None
 
-ALLOW_COMPILED = pltriton is not None
-"""Compiled (non-interpret) use of the kernel; a switch to turn it off if a GPU misbehaves. False
-when this jax has no Pallas Triton backend."""
+TRITON = pltriton is not None
+"""Whether this jax has Pallas' Triton backend (the default GPU kernel)."""
+
+ALLOW_COMPILED = True
+"""Compiled (non-interpret) use of the kernels, Triton or Mosaic GPU; a switch to turn them off
+if a GPU misbehaves ("auto" then copies through XLA)."""
 
 
 _TILE_ELEMENTS = 4096  # per program: 8 KiB of bf16, few registers per thread

@@ -163,6 +163,29 @@ def test_auto_picks_pallas_for_power_of_two_blocks_on_gpu_per_shard(monkeypatch)
     assert not _copy._pallas_fits(leaves)
 
 
+def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
+    from jaxsync.kv import _copy
+
+    leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
+    monkeypatch.setattr(_copy, "_platform", lambda leaf: "gpu")
+    assert _copy._auto_kernel(leaves) == "pallas"
+    monkeypatch.setattr(_pallas, "TRITON", False)
+    monkeypatch.setattr(_copy, "_hopper", lambda leaf: True)
+    assert _copy._auto_kernel(leaves) == "mosaic"
+    monkeypatch.setattr(_copy, "_hopper", lambda leaf: False)  # pre-Hopper: no TMA
+    assert _copy._auto_kernel(leaves) == "xla"
+    assert not _copy._hopper(leaves[0])  # a CPU device has no compute capability
+    src = LAYOUTS["packed"].random(LAYERS, jax.random.key(1))
+    dst = LAYOUTS["packed"].random(LAYERS, jax.random.key(2))
+    with pytest.raises(ValueError, match="Triton backend, which this jax lacks"):
+        copy_blocks(src, dst, [0], [1], impl="pallas")
+    monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
+    assert _copy._auto_kernel(leaves) == "xla"
+    with pytest.raises(ValueError, match="switched off"):
+        copy_blocks(src, dst, [0], [1], impl="mosaic")
+    assert not any(x.is_deleted() for x in jax.tree.leaves(dst))  # untouched on error
+
+
 @pytest.mark.parametrize(
     "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 )
