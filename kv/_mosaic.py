@@ -1,4 +1,4 @@
-"""Mosaic GPU variant of the block copy kernel (`copy_blocks(..., impl="mosaic")`, opt-in).
+"""Mosaic GPU variant of the block copy kernel (`copy_blocks(..., impl="mosaic")`).
 
 Why: Pallas will remove its Triton backend, which the default GPU kernel (`kv._pallas`) is pinned
 to. This variant uses Pallas' Mosaic GPU backend instead (`pl.kernel` on a `plgpu.Mesh`; Mosaic
@@ -11,7 +11,8 @@ in-place aliasing), but it has no interpreter path: parity is proven on a GPU on
 (`tests/kv/test_kv_pallas.py`). H200, jax 0.11.2, 2026-11-29 (`tools/explore_mosaic.py`,
 released workload): bit-identical to XLA; 0.609 / 2.298 ms for 512 / 2048 blocks against
 Triton's 0.618 / 2.211 and a same-size copy's 0.498 / 1.976; compile 4.3-4.9 s against 0.7-1 s.
-So it stays opt-in until Triton goes; TILE_BYTES 8192 and 32768 measured the same.
+So "auto" takes it only on Hopper GPUs under a jax without Triton; TILE_BYTES 8192 and 32768
+measured the same.
 """
 
 from __future__ import annotations
