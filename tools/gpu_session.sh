@@ -6,7 +6,7 @@
 #   bench2  - the same for gemma3n and glm4v (OUT_DIR/bench-bench2.tgz)
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
 #   followup - what the 2026-11-29 third session left unverified (kv harness, Pallas proofs,
-#              pool DMA unroll 8/16/32/64)
+#              pool DMA unroll 8/16/32/64), then the Mosaic GPU copy against Triton and XLA
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +65,8 @@ case "$phase" in
     for u in 8 16 32 64; do echo "== pool unroll $u"
       timeout 60 python3 tools/explore_swap.py --pool-only --unroll $u 2>&1 | grep -E "ceiling|pool"
     done
+    echo "== copy kernels: Triton vs Mosaic GPU vs XLA"
+    timeout 100 python3 tools/explore_mosaic.py --tiles 8192 32768 2>&1 | grep -v cuda_timer
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
