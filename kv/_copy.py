@@ -35,7 +35,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.kv import _pallas, _pool
+from jaxsync.kv import _mosaic, _pallas, _pool
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
@@ -106,7 +106,8 @@ def _auto_kernel(leaves: list[jax.Array]) -> str:
         return "xla"
     if _pallas.TRITON:
         return "pallas"
-    return "mosaic" if _hopper(leaves[0]) else "xla"
+    usable = _mosaic.plgpu is not None and _pallas.plan(leaves).mosaic
+    return "mosaic" if usable and _hopper(leaves[0]) else "xla"
 
 
 def _hopper(leaf: jax.Array) -> bool:
@@ -199,6 +200,11 @@ def copy_blocks(
         kernel_plan = _pallas.plan(s_leaves + d_leaves)
         if not isinstance(kernel_plan, _pallas.Plan):
             raise ValueError(f"impl={impl!r} cannot copy these caches: {kernel_plan}")
+        if impl == "mosaic" and not (kernel_plan.mosaic and _mosaic.plgpu is not None):
+            raise ValueError(
+                "impl='mosaic' needs Pallas' Mosaic GPU backend and blocks of at least 128 bytes "
+                "per device; use impl='pallas' or 'xla'"
+            )
     num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
     s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
     n = int(s_ids.size)

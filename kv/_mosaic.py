@@ -18,19 +18,40 @@ measured the same.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+
+try:  # an import failure only takes impl="mosaic" away
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the installed jax
+    plgpu = None
 
 TILE_BYTES = 32768
-"""Bytes one program stages through shared memory; at most 256 rows (a TMA box limit)."""
+"""Bytes one program stages through shared memory."""
+_BOX = 256  # TMA copies at most 256 elements along each dimension
+_MIN_BYTES = 128  # Mosaic GPU copies whole multiples of a warpgroup's 128 bytes
+
+
+def view(block: tuple[int, ...], itemsize: int) -> tuple[int, int] | None:
+    """`(rows, cols)` view of one block `[..., cols]` for TMA, or None if this kernel cannot copy
+    it: dims not powers of two, rows under 16 bytes, or blocks under 128 bytes. Rows wider than
+    256 elements are re-viewed as 256-wide rows (a contiguous reshape)."""
+    rows, cols = math.prod(block[:-1]), block[-1]
+    if rows & (rows - 1) or cols & (cols - 1) or cols * itemsize < 16:
+        return None
+    if rows * cols * itemsize < _MIN_BYTES:
+        return None
+    if cols > _BOX:
+        rows, cols = rows * cols // _BOX, _BOX
+    return rows, cols
 
 
 def tile_rows(rows: int, cols: int, itemsize: int) -> int:
     """Rows per program: a power of two dividing `rows` (itself a power of two)."""
-    return max(1, min(rows, 256, TILE_BYTES // (cols * itemsize)))
+    return max(1, min(rows, _BOX, TILE_BYTES // (cols * itemsize)))
 
 
 def _body(src_ids, dst_ids, src, out, *, tile: int):
@@ -51,12 +72,15 @@ def _body(src_ids, dst_ids, src, out, *, tile: int):
         pl.run_scoped(move, smem, plgpu.Barrier(num_arrivals=1))
 
 
-def copy_leaf(s3: jax.Array, d3: jax.Array, src_ids: jax.Array, dst_ids: jax.Array) -> jax.Array:
-    """`d3[dst_ids[k]] <- s3[src_ids[k]]` on `[P, rows, cols]` views, d3 updated in place.
+def copy_leaf(s: jax.Array, d: jax.Array, src_ids: jax.Array, dst_ids: jax.Array) -> jax.Array:
+    """`d[dst_ids[k]] <- s[src_ids[k]]` for `[P, ...]` leaves whose blocks `view` accepts, d
+    updated in place.
 
-    `d3` becomes a mutable ref the kernel writes; the call lowers to one Mosaic GPU custom call
-    whose output aliases d3's buffer, so a donated cache is not copied."""
-    _, rows, cols = d3.shape
+    `d` becomes a mutable ref the kernel writes; the call lowers to one Mosaic GPU custom call
+    whose output aliases d's buffer, so a donated cache is not copied."""
+    rows, cols = view(tuple(d.shape[1:]), d.dtype.itemsize)
+    s3 = s.reshape(s.shape[0], rows, cols)
+    d3 = d.reshape(d.shape[0], rows, cols)
     tile = tile_rows(rows, cols, d3.dtype.itemsize)
     out = jax.new_ref(d3)
     pl.kernel(
@@ -64,4 +88,4 @@ def copy_leaf(s3: jax.Array, d3: jax.Array, src_ids: jax.Array, dst_ids: jax.Arr
         out_type=(),
         mesh=plgpu.Mesh(grid=(src_ids.shape[0], rows // tile), grid_names=("block", "tile")),
     )(src_ids, dst_ids, s3, out)
-    return out[...]
+    return out[...].reshape(d.shape)

@@ -38,6 +38,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxsync
 from jaxsync.check._static import quiet_triton_deprecation  # noqa: F401 (re-exported)
+from jaxsync.kv import _mosaic
 from jaxsync.kv._layout import Cache
 
 
@@ -87,13 +88,11 @@ def _kernel(src_ids, dst_ids, src, dst_in, out):
 
 
 def _copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, backend: str) -> jax.Array:
+    if backend == "mosaic":
+        return _mosaic.copy_leaf(s, d, src_ids, dst_ids)
     rows, cols, tile = slab(d.shape)
     s3 = s.reshape(s.shape[0], rows, cols)
     d3 = d.reshape(d.shape[0], rows, cols)
-    if backend == "mosaic":  # imported here: a jax without Mosaic GPU still gets the rest
-        from jaxsync.kv import _mosaic
-
-        return _mosaic.copy_leaf(s3, d3, src_ids, dst_ids).reshape(d.shape)
     interpret = backend == "interpret"
     out = pl.pallas_call(
         _kernel,
@@ -115,6 +114,7 @@ class Plan:
 
     mesh: Any = None  # jax.sharding.Mesh / AbstractMesh, None on one device
     spec: PartitionSpec | None = None  # every leaf's spec, block axis unsharded
+    mosaic: bool = False  # the Mosaic GPU port can copy these (per-device) blocks too
 
 
 def _local_shape(shape: tuple[int, ...], mesh: Any, spec: tuple) -> tuple[int, ...] | None:
@@ -153,7 +153,11 @@ def plan(leaves: list[jax.Array]) -> Plan | str:
     bad = [shape for shape in local if shape is None or slab(shape) is None]
     if bad:
         return f"needs power-of-two (per-device) block dims; got leaf shapes {bad}"
-    return Plan(mesh, PartitionSpec(*spec) if mesh else None)
+    mosaic = all(
+        _mosaic.view(shape[1:], x.dtype.itemsize) is not None
+        for shape, x in zip(local, leaves, strict=True)
+    )
+    return Plan(mesh, PartitionSpec(*spec) if mesh else None, mosaic)
 
 
 @ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "backend"))

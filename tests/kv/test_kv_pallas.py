@@ -93,13 +93,27 @@ def test_compiled_pallas_at_the_released_block_shape_on_gpu(impl):
         assert bool(jnp.array_equal(a, b))
 
 
-@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_mosaic_view_keeps_tma_boxes_legal():
+    from jaxsync.kv._mosaic import view
+
+    assert view((8, 16, 256), 2) == (128, 256)  # released packed block: the natural view
+    assert view((4, 16), 2) == (4, 16)  # rows of 32 bytes, 128-byte block
+    assert view((16, 512), 2) == (32, 256)  # TMA boxes stop at 256 elements: re-viewed
+    assert view((1, 1, 2), 4) is None  # 8-byte rows and block: under TMA's minimums
+    assert view((2, 6), 2) is None  # not a power of two
+
+
+LOWERING = {**LAYOUTS, "mla_wide": KVLayout(kind="mla", num_blocks=5, block_size=4, latent_dim=512,
+                                            dtype=jnp.bfloat16)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(LOWERING))
 def test_mosaic_kernel_lowers_for_cuda(kind):
     # Cross-lowered on the CPU: impl="mosaic" must reach XLA as a Mosaic GPU call; its shared-
     # memory id copies and TMA boxes pass Mosaic's checks at every test layout.
     from jaxsync.kv import _pallas
 
-    src = LAYOUTS[kind].random(LAYERS, jax.random.key(0))
+    src = LOWERING[kind].random(LAYERS, jax.random.key(0))
     ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
     lowered = _pallas.copy_same_memory_pallas.trace(src, src, ids, backend="mosaic").lower(
         lowering_platforms=("cuda",)
@@ -172,6 +186,9 @@ def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
     monkeypatch.setattr(_pallas, "TRITON", False)
     monkeypatch.setattr(_copy, "_hopper", lambda leaf: True)
     assert _copy._auto_kernel(leaves) == "mosaic"
+    tiny = KVLayout(kind="separate", num_blocks=8, block_size=1, num_kv_heads=1, head_dim=2)
+    tiny_leaves = jax.tree.leaves(tiny.random(LAYERS, jax.random.key(3)))
+    assert _copy._auto_kernel(tiny_leaves) == "xla"  # 8-byte blocks: below Mosaic's minimum
     monkeypatch.setattr(_copy, "_hopper", lambda leaf: False)  # pre-Hopper: no TMA
     assert _copy._auto_kernel(leaves) == "xla"
     assert not _copy._hopper(leaves[0])  # a CPU device has no compute capability
