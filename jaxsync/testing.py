@@ -78,11 +78,12 @@ def save_torch_state(module_or_state: Any, path: str | Path) -> str:
     return str(path)
 
 
-def device_mesh(axis: str = "x", max_devices: int = 8):
+def device_mesh(axis: str = "x", max_devices: int = 8, *, auto: bool = False):
     """A 1-D mesh over the largest power of two <= min(max_devices, devices) of this backend.
 
     CI gets 8 simulated CPU devices; a multi-GPU machine gets its GPUs. Skips the calling test
-    when fewer than 2 devices exist.
+    when fewer than 2 devices exist. `auto=True` gives the axis AxisType.Auto (shardings not in
+    traced types) instead of jax's default, Explicit.
     """
     import jax
 
@@ -92,7 +93,8 @@ def device_mesh(axis: str = "x", max_devices: int = 8):
         import pytest
 
         pytest.skip("needs at least 2 devices")
-    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n])
+    kind = jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit
+    return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n], axis_types=(kind,))
 
 
 def torch_available() -> bool:

@@ -177,9 +177,9 @@ def test_in_place_update_scales_with_blocks_not_cache():
     assert mem.temp_size_in_bytes <= 4 * block_bytes < cache_bytes
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return jaxsync.testing.device_mesh("h")
+@pytest.fixture(scope="module", params=[False, True], ids=["explicit", "auto"])
+def mesh(request):
+    return jaxsync.testing.device_mesh("h", auto=request.param)
 
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")

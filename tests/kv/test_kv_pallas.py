@@ -206,12 +206,13 @@ def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
 @pytest.mark.parametrize(
     "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 )
-def test_sharded_pallas_runs_per_shard_without_collectives(impl):
+@pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
+def test_sharded_pallas_runs_per_shard_without_collectives(impl, auto):
     # Caches split over kv heads: the kernel runs per shard under shard_map, every device
     # copying its slice of each block; the result equals XLA's and keeps the sharding.
     if impl == "pallas" and jax.default_backend() != "gpu":
         pytest.skip("the compiled (Triton) kernel needs GPUs")
-    mesh = jaxsync.testing.device_mesh("h")
+    mesh = jaxsync.testing.device_mesh("h", auto=auto)
     shard = NamedSharding(mesh, P(None, "h"))
     src_ids, dst_ids = [3, 0, 12, 5], [7, 2, 0, 11]
 

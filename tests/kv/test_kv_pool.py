@@ -175,8 +175,9 @@ def test_sync_free_and_one_program_per_bucket():
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 
-def test_sharded_over_heads_keeps_sharding_without_collectives():
-    mesh = jaxsync.testing.device_mesh("h")
+@pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
+def test_sharded_over_heads_keeps_sharding_without_collectives(auto):
+    mesh = jaxsync.testing.device_mesh("h", auto=auto)
     layout = KVLayout(kind="packed", num_blocks=12, block_size=4, num_kv_heads=8, head_dim=2,
                       dtype=jnp.float32)  # fmt: skip
     shard = NamedSharding(mesh, P(None, "h"))
