@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsync.kv import _pallas
-from jaxsync.kv._copy import copy_blocks
+from jaxsync.kv._copy import _hopper, copy_blocks
 from jaxsync.kv._layout import KVLayout
 from jaxsync.kv._pool import host_pool, swap_in, swap_out
 from jaxsync.registry import BenchCase, register_bench
@@ -149,18 +149,27 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
             name = f"kv.copy_blocks {direction} {count} blocks ({size})"
             cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
             if direction == "d2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
-                # On a GPU the default ("auto") is the Pallas kernel: XLA's copy on the same ids.
-                rotation_x = itertools.cycle(id_sets)
-
-                def xla_fn(s_cache=s_cache, ids=rotation_x):
-                    s, d = next(ids)
-                    state["d2d"] = copy_blocks(s_cache, state["d2d"], s, d, impl="xla")
-                    return state["d2d"]
-
-                cases.append(BenchCase(f"{name} [xla]", xla_fn, {}, bytes_moved=nbytes))
+                # On a GPU the default ("auto") is the Pallas kernel: XLA's copy on the same ids,
+                # and on Hopper the Mosaic GPU port.
+                others = ["xla"] + (["mosaic"] if _hopper(jax.tree.leaves(src)[0]) else [])
+                cases += [
+                    _impl_case(name, impl, s_cache, state, id_sets, nbytes) for impl in others
+                ]
             if direction != "d2d":
                 cases.append(_pool_case(name, direction, src, state, pool, id_sets, nbytes, device))
     return cases
+
+
+def _impl_case(name, impl, s_cache, state, id_sets, nbytes) -> BenchCase:
+    """The d2d copy of `name` with an explicit `impl`, on the same ids (row "[impl]")."""
+    rotation = itertools.cycle(id_sets)
+
+    def jax_fn():
+        s, d = next(rotation)
+        state["d2d"] = copy_blocks(s_cache, state["d2d"], s, d, impl=impl)
+        return state["d2d"]
+
+    return BenchCase(f"{name} [{impl}]", jax_fn, {}, bytes_moved=nbytes)
 
 
 def _pool_case(name, direction, src, state, pool, id_sets, nbytes, device) -> BenchCase:
