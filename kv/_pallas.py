@@ -127,8 +127,12 @@ def _local_shape(shape: tuple[int, ...], mesh: Any, spec: tuple) -> tuple[int, .
     return tuple(out)
 
 
-def _leaf_sharding(leaf: jax.Array) -> tuple[Any, tuple] | None:
-    """(mesh, full-length spec), (None, ()) on one device, None when not expressible."""
+_AUTO = "auto axes"
+
+
+def _leaf_sharding(leaf: jax.Array) -> tuple[Any, tuple] | str | None:
+    """(mesh, full-length spec), (None, ()) on one device, `_AUTO` for a traced leaf on a mesh
+    with Auto axes, None when not expressible."""
     traced = isinstance(leaf, jax.core.Tracer)
     sharding = jax.typeof(leaf).sharding if traced else leaf.sharding
     if traced and sharding.mesh.empty or not traced and len(sharding.device_set) == 1:
@@ -137,13 +141,18 @@ def _leaf_sharding(leaf: jax.Array) -> tuple[Any, tuple] | None:
         return None
     mesh = sharding.mesh
     if traced and any(t != AxisType.Explicit for t in mesh.axis_types):
-        return None  # auto axes are not in the traced type: the real spec is unknown here
+        return _AUTO  # auto axes are not in the traced type: the real spec is unknown here
     return mesh, tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
 
 
 def plan(leaves: list[jax.Array]) -> Plan | str:
     """The kernel's `Plan` for these leaves (all of src and dst), or why it cannot run them."""
     placements = {_leaf_sharding(x) for x in leaves}
+    if _AUTO in placements:
+        return (
+            "traced caches on a mesh with Auto axes carry no sharding in their type; inside jit "
+            "use impl='auto' (XLA there) or 'xla', or give the mesh Explicit axes"
+        )
     if None in placements or len(placements) != 1:
         return "src and dst leaves must share one placement (a NamedSharding or one device)"
     ((mesh, spec),) = placements

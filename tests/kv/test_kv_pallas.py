@@ -232,6 +232,10 @@ def test_sharded_pallas_runs_per_shard_without_collectives(impl, auto):
     )
     plan = _pallas.plan(jax.tree.leaves(src) * 2)
     assert plan.spec == P(None, "h", None, None)
+    traced = []  # inside jit, Auto axes hide the spec: explicit kernels refuse with a reason
+    jax.make_jaxpr(lambda *xs: traced.append(_pallas.plan(list(xs))))(*jax.tree.leaves(src))
+    assert isinstance(traced[0], _pallas.Plan) != auto
+    assert auto == ("Auto axes" in str(traced[0]))
     with _pallas.quiet_triton_deprecation():  # lowering the Triton kernel warns (jax >= 0.11)
         hlo = (
             _pallas.copy_same_memory_pallas.lower(
