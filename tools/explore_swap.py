@@ -9,7 +9,10 @@ layer between device caches and pinned host memory, next to the large pinned tra
 * "pool": `jaxsync.kv.swap_out` / `swap_in` with a block-major `HostPool` `[P_host, L, ...]`,
   one DMA per block moving every layer's slice at once (N DMAs of L x block bytes).
 
-  python tools/explore_swap.py [--tiny] [--blocks N] [--unroll K] [--pool-only]
+  python tools/explore_swap.py [--tiny] [--blocks N] [--unroll K] [--pool-only] [--runs]
+
+--runs adds a prototype host->device swap for pool ids in runs of 4 and 16 consecutive blocks
+(one DMA per run): what coalescing consecutive pool ids in `swap_in` could gain.
 
 --unroll K unrolls the pool's DMA loops K times (`jaxsync.kv._pool.UNROLL`).
 """
@@ -94,12 +97,56 @@ def main() -> None:
 
     report(f"pool d2h {n} blocks", pool_out)
     report(f"pool h2d {n} blocks", pool_in)
+    if "--runs" in sys.argv:  # what coalescing consecutive pool ids could gain (prototype)
+        for run in (4, 16):
+            report(f"pool h2d {n} blocks, runs of {run}", _runs_h2d(pool, dest, n, run))
     # Parity of the pool round trip against the source blocks (one id set).
     s, d = ids[0]
     pool["p"] = swap_out(dev_cache, pool["p"], s, d)
     back = swap_in(pool["p"], dest["d"], d, s)
     ok = all(bool(jnp.array_equal(back[nm][s], dev_cache[nm][s])) for nm in names)
     print(f"pool round trip equal: {ok}")
+
+
+def _runs_h2d(pool, dest, n: int, run: int):
+    """A prototype h2d swap for pool ids that come in runs of `run` consecutive blocks: one DMA
+    per run (`run` x 2 MiB) into staging, then the same per-leaf scatter as `swap_in`. Random
+    runs of the pool; ids go up packed like the library's."""
+    import functools as ft
+
+    import jaxsync
+
+    rng = np.random.default_rng(1)
+    num = pool["p"].num_blocks
+    sets = []
+    for _ in range(4):
+        starts = rng.choice(num // run, n // run, replace=False) * run
+        dst = rng.choice(dest["d"][next(iter(dest["d"]))].shape[0], n, replace=False)
+        sets.append({"starts": starts.astype(np.int32), "dst": dst.astype(np.int32)})
+    it = iter(range(1 << 30))
+
+    @ft.partial(jax.jit, donate_argnums=1)
+    def swap(blocks, leaves, ids):
+        starts, dst = ids["starts"], ids["dst"]
+        staging = jax.lax.empty((n, *blocks.shape[1:]), blocks.dtype)
+
+        def body(j, st):
+            piece = jax.lax.dynamic_slice_in_dim(blocks, starts[j], run, axis=0)  # [run, L, ...]
+            piece = jax.device_put(piece, DEVICE)
+            return jax.lax.dynamic_update_slice_in_dim(st, piece, j * run, axis=0)
+
+        staging = jax.lax.fori_loop(0, n // run, body, staging, unroll=8)
+        return [x.at[dst].set(staging[:, i], unique_indices=True) for i, x in enumerate(leaves)]
+
+    names = sorted(dest["d"])
+
+    def fn():
+        ids = jaxsync.upload_packed(sets[next(it) % 4])
+        out = swap(pool["p"].blocks, [dest["d"][k] for k in names], ids)
+        dest["d"] = dict(zip(names, out, strict=True))
+        return out
+
+    return fn
 
 
 if __name__ == "__main__":

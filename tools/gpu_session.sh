@@ -5,8 +5,8 @@
 #   bench1  - jaxsync bench, released sizes: kv, qwen3_omni, voxtral, chameleon (OUT_DIR/bench-bench1.tgz)
 #   bench2  - the same for gemma3n and glm4v (OUT_DIR/bench-bench2.tgz)
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
-#   followup - what the 2026-11-29 third session left unverified (kv harness, Pallas proofs,
-#              pool DMA unroll 8/16/32/64), then the Mosaic GPU copy against Triton and XLA
+#   followup - kv proofs on the GPU, `jaxsync verify --paths kv`, pool swaps with a prototype
+#              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,15 +56,15 @@ case "$phase" in
       2>&1 | tail -10
     ;;
   followup)
-    # What the third session of 2026-11-29 left unverified on a GPU: the kv harness's final form
-    # and the default (Pallas) copy under every proof; pool unroll 16/32 vs 8; qwen3_omni under
-    # the TFRT client through the bench.
+    # The kv proofs on the GPU (sync-freedom, fresh copies, both compiled copy kernels), then
+    # the open kv questions: h2d coalescing and the Mosaic GPU kernel's speed.
     timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/kv \
       -k "sync_free or fresh_copy or pallas" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -30
     timeout 120 jaxsync verify --paths kv 2>&1 | tee "$out/verify-kv.txt" | tail -11
-    for u in 8 16 32 64; do echo "== pool unroll $u"
-      timeout 60 python3 tools/explore_swap.py --pool-only --unroll $u 2>&1 | grep -E "ceiling|pool"
-    done
+    # (The unroll sweep 8/16/32/64 ran on 2026-11-29: no gain past 8.) What coalescing
+    # consecutive pool ids could gain for host->device swaps:
+    echo "== pool swaps, and h2d in runs of consecutive pool ids"
+    timeout 90 python3 tools/explore_swap.py --pool-only --runs 2>&1 | grep -E "ceiling|pool"
     echo "== copy kernels: Triton vs Mosaic GPU vs XLA"
     timeout 100 python3 tools/explore_mosaic.py --tiles 8192 32768 2>&1 | grep -v cuda_timer
     ;;
