@@ -19,12 +19,14 @@ layer between device caches and pinned host memory, next to the large pinned tra
 
 from __future__ import annotations
 
+import functools as ft
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxsync
 from jaxsync.bench._timing import _Side, measure
 from jaxsync.kv import _pool, copy_blocks, host_pool, swap_in, swap_out
 from jaxsync.kv._layout import KVLayout
@@ -112,10 +114,6 @@ def _runs_h2d(pool, dest, n: int, run: int):
     """A prototype h2d swap for pool ids that come in runs of `run` consecutive blocks: one DMA
     per run (`run` x 2 MiB) into staging, then the same per-leaf scatter as `swap_in`. Random
     runs of the pool; ids go up packed like the library's."""
-    import functools as ft
-
-    import jaxsync
-
     rng = np.random.default_rng(1)
     num = pool["p"].num_blocks
     sets = []
