@@ -177,6 +177,24 @@ def test_auto_picks_pallas_for_power_of_two_blocks_on_gpu_per_shard(monkeypatch)
     assert not _copy._pallas_fits(leaves)
 
 
+def test_sharded_mosaic_kernel_lowers_per_shard_for_cuda():
+    mesh = jaxsync.testing.device_mesh("h")
+    src = HEADS.random(LAYERS, jax.random.key(0), placement=NamedSharding(mesh, P(None, "h")))
+    ids = jaxsync.upload_packed(
+        {"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)},
+        placement=NamedSharding(mesh, P()),
+    )
+    plan = _pallas.plan(jax.tree.leaves(src) * 2)
+    assert plan.mosaic and plan.mesh is not None  # [1, 4, 16] bf16 per device: 128 bytes
+    text = (
+        _pallas.copy_same_memory_pallas.trace(src, src, ids, plan=plan, backend="mosaic")
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "mosaic_gpu" in text and text.count("output_operand_alias<") == len(LAYERS)
+    assert not [c for c in ("all_gather", "all_to_all", "collective_permute") if c in text]
+
+
 def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
     from jaxsync.kv import _copy
 
