@@ -4,7 +4,10 @@ Prints, with ~30 ms of device work queued: the whole call, the host planning, th
 and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
-  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only]
+  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed]
+
+--packed adds a prototype with the weights packed into one buffer per dtype (fewer jit
+arguments): its host dispatch time and device time next to the default's.
 
 --per-layer builds the encoder with `scan_layers=False` (one array per layer weight) instead of
 the default stacked weights run by one lax.scan: run it with and without for the A/B.
@@ -20,10 +23,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jaxsync
-from jaxsync.bench._timing import _Side, blocked_ms
+from jaxsync.bench._timing import _Side, blocked_ms, measure
 from jaxsync.models.qwen3_omni import _reference as ref
 from jaxsync.models.qwen3_omni._model import TOKENS_PER_FULL_CHUNK, AudioEncoder
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, sinusoid_table
@@ -87,8 +91,46 @@ def main() -> None:
     one = enc._leaves[0]
     rows["trivial jit, 1 arg"] = lambda: many([one])
     side.sync(many([one]))
+    if "--packed" in sys.argv:  # the weights packed into one buffer per dtype (prototype)
+        packed, bufs = _packed_forward(enc)
+        side.sync(packed(bufs, x, positions, meta))
+        rows[f"jit dispatch, weights in {len(bufs)} buffers"] = lambda: packed(
+            bufs, x, positions, meta
+        )
+        for name, fn in (("default", lambda: enc._forward(x, positions, meta)),
+                         ("packed", lambda: packed(bufs, x, positions, meta))):  # fmt: skip
+            m = measure(fn, side, repeat=3)
+            print(f"device time, {name} weights: {m['device_ms']:.3f} ms/fwd")
     for name, fn in rows.items():
         print(f"{name:28s} {_blocked(side, fn):8.3f} ms host")
+
+
+def _packed_forward(enc):
+    """The encoder's program with its state leaves packed into one flat buffer per dtype (made
+    once) and sliced back inside jit: fewer jit arguments, possibly a device-side slice copy."""
+    groups: dict = {}
+    for i, leaf in enumerate(enc._leaves):
+        groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    dtypes = sorted(groups, key=str)
+    bufs = [jnp.concatenate([enc._leaves[i].ravel() for i in groups[d]]) for d in dtypes]
+    where = {}  # leaf index -> (buffer, offset)
+    for b, d in enumerate(dtypes):
+        offset = 0
+        for i in groups[d]:
+            where[i] = (b, offset)
+            offset += enc._leaves[i].size
+    shapes = [leaf.shape for leaf in enc._leaves]
+
+    @jax.jit
+    def packed(bufs, features, positions, meta):
+        leaves = []
+        for i, shape in enumerate(shapes):
+            b, o = where[i]
+            size = int(np.prod(shape))
+            leaves.append(jax.lax.slice_in_dim(bufs[b], o, o + size).reshape(shape))
+        return enc._jitted(leaves, features, positions, meta)
+
+    return packed, bufs
 
 
 if __name__ == "__main__":

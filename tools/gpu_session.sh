@@ -7,6 +7,7 @@
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
 #   followup - kv proofs on the GPU, `jaxsync verify --paths kv`, pool swaps with a prototype
 #              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
+#   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +68,14 @@ case "$phase" in
     timeout 90 python3 tools/explore_swap.py --pool-only --runs 2>&1 | grep -E "ceiling|pool"
     echo "== copy kernels: Triton vs Mosaic GPU vs XLA"
     timeout 100 python3 tools/explore_mosaic.py --tiles 8192 32768 2>&1 | grep -v cuda_timer
+    ;;
+  host)
+    # qwen3_omni host time: the encoder's weights packed into one buffer per dtype (fewer jit
+    # arguments) against the default, under the default and the TFRT client.
+    echo "== default client"; timeout 120 python3 tools/explore_dispatch.py --packed 2>&1 | tail -13
+    echo "== tfrt client"
+    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 120 python3 tools/explore_dispatch.py \
+      --packed 2>&1 | tail -13
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
