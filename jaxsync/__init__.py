@@ -8,6 +8,7 @@ Core API:
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
   stack_layers, scan_layers   - identical layers as one stacked state, run with lax.scan.
+  PackedLeaves                - state arrays as one flat buffer per dtype (fewer jit arguments).
   split_layers, SplitLayers   - a module split into its non-layer state and stacked layers.
   precompile                  - compile every bucket of every path ahead of serving.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
@@ -26,6 +27,7 @@ from jaxsync._layers import (
     split_layers as split_layers,
     stack_layers as stack_layers,
 )
+from jaxsync._packing import PackedLeaves as PackedLeaves
 from jaxsync._placement import replicated_near as replicated_near
 from jaxsync._precompile import (
     Compiled as Compiled,

@@ -75,6 +75,7 @@ PUBLIC_MODULES = [
     "jaxsync.testing",
     "jaxsync.hfconfig",
     "jaxsync._placement",
+    "jaxsync._packing",
     "jaxsync.kv._slots",
     "jaxsync.kv._storage",
 ]

@@ -23,7 +23,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import jaxsync
@@ -106,31 +105,11 @@ def main() -> None:
 
 
 def _packed_forward(enc):
-    """The encoder's program with its state leaves packed into one flat buffer per dtype (made
-    once) and sliced back inside jit: fewer jit arguments, possibly a device-side slice copy."""
-    groups: dict = {}
-    for i, leaf in enumerate(enc._leaves):
-        groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
-    dtypes = sorted(groups, key=str)
-    bufs = [jnp.concatenate([enc._leaves[i].ravel() for i in groups[d]]) for d in dtypes]
-    where = {}  # leaf index -> (buffer, offset)
-    for b, d in enumerate(dtypes):
-        offset = 0
-        for i in groups[d]:
-            where[i] = (b, offset)
-            offset += enc._leaves[i].size
-    shapes = [leaf.shape for leaf in enc._leaves]
-
-    @jax.jit
-    def packed(bufs, features, positions, meta):
-        leaves = []
-        for i, shape in enumerate(shapes):
-            b, o = where[i]
-            size = int(np.prod(shape))
-            leaves.append(jax.lax.slice_in_dim(bufs[b], o, o + size).reshape(shape))
-        return enc._jitted(leaves, features, positions, meta)
-
-    return packed, bufs
+    """The encoder's program with its state passed as `jaxsync.PackedLeaves` buffers (what
+    `AudioEncoder(pack_weights=True)` does), sharing this encoder's weights."""
+    pack = jaxsync.PackedLeaves(enc._leaves)
+    packed = jax.jit(lambda bufs, *args: enc._jitted(pack.unpack(bufs), *args))
+    return packed, pack.buffers
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ case "$phase" in
     # kv ~170 s, gemma3n ~190 s, voxtral ~130 s, qwen3_omni (two encoders) ~120 s, glm4v and
     # chameleon ~80-100 s each).
     # FAMS="name:seconds ..." overrides the phase's families.
-    if [ "$phase" = bench1 ]; then fams="kv:220 qwen3_omni:130 voxtral:140 chameleon:100"
+    if [ "$phase" = bench1 ]; then fams="kv:220 qwen3_omni:160 voxtral:140 chameleon:100"
     else fams="gemma3n:200 glm4v:150"; fi
     fams="${FAMS:-$fams}"
     for f in $fams; do

@@ -83,6 +83,9 @@ class AudioEncoder:
         9.7 ms. False keeps one array per layer weight (the lowest device time). The encoder
         keeps only the stacked copy: construction briefly holds both until the caller drops
         `tower`.
+      pack_weights: pass the state as one flat buffer per dtype (`jaxsync.PackedLeaves`)
+        instead of ~29 arrays: less host dispatch per call (CPU, tiny config: 0.12 -> 0.05 ms).
+        Off by default until its device time is measured on a GPU. Outputs are bit-identical.
 
     Usage: `AudioEncoder(load_audio_encoder(cfg, ckpt))(features, [310, 0, 99])`.
     """
@@ -95,6 +98,7 @@ class AudioEncoder:
         cache: jaxsync.DeviceCache | None = None,
         window_buckets: Sequence[int] | None = None,
         scan_layers: bool = True,
+        pack_weights: bool = False,
     ):
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
@@ -122,7 +126,13 @@ class AudioEncoder:
             x = jaxsync.scan_layers(layer_graphdef, stacked, x, meta["window_lens"])
             return module.head(x, meta)
 
-        self._jitted = jax.jit(forward)
+        # `_leaves` are the jitted program's state arguments: the leaves, or their packed buffers.
+        if pack_weights:
+            pack = jaxsync.PackedLeaves(self._leaves)
+            self._leaves = pack.buffers
+            self._jitted = jax.jit(lambda bufs, *args: forward(pack.unpack(bufs), *args))
+        else:
+            self._jitted = jax.jit(forward)
         # Servers see the same length mixes again (fixed windows, retried requests): planning and
         # the packed upload cost ~1 ms of host time on an H200 host, a dictionary hit ~2 us.
         self._plans: collections.OrderedDict[tuple, tuple[ChunkPlan, jaxsync.Packed]] = (

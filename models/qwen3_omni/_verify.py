@@ -126,10 +126,12 @@ def _bench(device: str, size: str) -> list[BenchCase]:
         jax.block_until_ready(run())  # compile outside the timed region
         return run
 
-    # Stacked weights run as one scan (the default) and per-layer weights: the GPU A/B of host
-    # dispatch against device time (29 vs 525 state arrays per call at the released size).
+    # Stacked weights run as one scan (the default), per-layer weights, and the default with its
+    # state packed into one buffer per dtype: the GPU A/B of host dispatch against device time
+    # (29, 525 and 1-2 state arguments per call at the released size).
     run_jax = jax_runner(AudioEncoder(tower))
     run_per_layer = jax_runner(AudioEncoder(tower, scan_layers=False))
+    run_packed = jax_runner(AudioEncoder(tower, pack_weights=True))
     del tower
 
     torch_dtype = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
@@ -157,4 +159,5 @@ def _bench(device: str, size: str) -> list[BenchCase]:
             {"transformers_sdpa": run_torch("sdpa"), "transformers_eager": run_torch("eager")},
         ),
         BenchCase(f"{name} [per_layer]", run_per_layer),
+        BenchCase(f"{name} [packed]", run_packed),
     ]

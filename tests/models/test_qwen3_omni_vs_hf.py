@@ -40,10 +40,12 @@ def tiny(tmp_path_factory):
         enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), scan_layers=False),
         # the same weights, layers stacked and run by one lax.scan (the default)
         scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
+        # the default, with the state passed as one flat buffer per dtype
+        packed=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights=True),
     )
 
 
-ENCODERS = ("enc", "scan")
+ENCODERS = ("enc", "scan", "packed")
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -81,6 +83,13 @@ def test_scanned_layers_equal_the_layer_loop_bitwise(tiny):
     for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES + ver.ONE_BUCKET_MIXES):
         want = np.asarray(tiny["enc"](x, lens).embeddings)
         np.testing.assert_array_equal(np.asarray(tiny["scan"](x, lens).embeddings), want)
+
+
+def test_packed_weights_equal_the_default_bitwise(tiny):
+    assert len(tiny["packed"]._leaves) == 1  # every tiny weight is float32: one buffer
+    for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES):
+        want = np.asarray(tiny["scan"](x, lens).embeddings)
+        np.testing.assert_array_equal(np.asarray(tiny["packed"](x, lens).embeddings), want)
 
 
 def test_upstream_batch_dependence_is_reproduced(tiny):
@@ -207,10 +216,12 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    case, per_layer = ver._bench("cpu", "tiny")
+    case, per_layer, packed = ver._bench("cpu", "tiny")
     assert per_layer.name == f"{case.name} [per_layer]" and not per_layer.torch_fns
+    assert packed.name == f"{case.name} [packed]" and not packed.torch_fns
     ours = case.jax_fn()
-    np.testing.assert_array_equal(np.asarray(per_layer.jax_fn()), np.asarray(ours))  # same input
+    for other in (per_layer, packed):  # each runner starts from the same input
+        np.testing.assert_array_equal(np.asarray(other.jax_fn()), np.asarray(ours))
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
         assert tuple(fn().shape) == (tokens, CFG.output_dim)

@@ -1,0 +1,49 @@
+"""`jaxsync.PackedLeaves`: state arrays as one flat buffer per dtype, sliced back inside jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsync
+from jaxsync.testing import device_mesh
+
+
+def test_round_trip_keeps_order_shapes_dtypes_and_bits():
+    key = jax.random.key(0)
+    leaves = [
+        jax.random.normal(key, (3, 5)),
+        jnp.arange(7, dtype=jnp.int32),
+        jax.random.normal(key, (2, 2, 3)).astype(jnp.bfloat16),
+        jnp.float32(2.5),  # a scalar leaf
+        jax.random.normal(key, (11,)),
+    ]
+    pack = jaxsync.PackedLeaves(leaves)
+    assert [b.dtype for b in pack.buffers] == [jnp.bfloat16, jnp.float32, jnp.int32]
+    assert [b.size for b in pack.buffers] == [12, 15 + 1 + 11, 7]
+    out = jax.jit(pack.unpack)(pack.buffers)
+    for a, b in zip(out, leaves, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_one_program_argument_per_dtype():
+    pack = jaxsync.PackedLeaves([jnp.ones((4, 4)) for _ in range(29)])
+    lowered = jax.jit(lambda bufs: sum(x.sum() for x in pack.unpack(bufs))).lower(pack.buffers)
+    assert len(jax.tree.leaves(lowered.args_info)) == 1
+
+
+def test_refuses_what_packing_would_break():
+    with pytest.raises(ValueError, match="nothing to pack"):
+        jaxsync.PackedLeaves([])
+    with pytest.raises(TypeError, match="jax.Arrays"):
+        jaxsync.PackedLeaves([np.ones(3)])
+    mesh = device_mesh("x")
+    split = jax.device_put(
+        jnp.ones((8, 2)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    )
+    with pytest.raises(ValueError, match="one placement, replicated"):
+        jaxsync.PackedLeaves([split])
+    elsewhere = jax.device_put(jnp.ones(2), jax.devices()[1])
+    with pytest.raises(ValueError, match="one placement"):
+        jaxsync.PackedLeaves([jnp.ones(2), elsewhere])
