@@ -99,15 +99,20 @@ def _pallas_fits(leaves: list[jax.Array]) -> bool:
     return isinstance(_pallas.plan(leaves), _pallas.Plan)
 
 
-def _auto_kernel(leaves: list[jax.Array]) -> str:
-    """What "auto" runs for a device->device copy: the Triton kernel where it fits; the Mosaic GPU
-    port on Hopper GPUs once a jax without Triton is installed (as fast on an H200); else XLA."""
-    if not _pallas_fits(leaves):
-        return "xla"
+def _auto_kernel(leaves: list[jax.Array]) -> tuple[str, _pallas.Plan | None]:
+    """What "auto" runs for a device->device copy, with its kernel plan: the Triton kernel where
+    it fits; the Mosaic GPU port on Hopper GPUs once a jax without Triton is installed (as fast
+    on an H200); else XLA (no plan)."""
+    if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
+        return "xla", None
+    kernel_plan = _pallas.plan(leaves)
+    if not isinstance(kernel_plan, _pallas.Plan):
+        return "xla", None
     if _pallas.TRITON:
-        return "pallas"
-    usable = _mosaic.plgpu is not None and _pallas.plan(leaves).mosaic
-    return "mosaic" if usable and _hopper(leaves[0]) else "xla"
+        return "pallas", kernel_plan
+    if kernel_plan.mosaic and _mosaic.plgpu is not None and _hopper(leaves[0]):
+        return "mosaic", kernel_plan
+    return "xla", None
 
 
 def _hopper(leaf: jax.Array) -> bool:
@@ -161,8 +166,8 @@ def copy_blocks(
         ids out of [0, P), repeated destination ids, differing layer sets / block shapes /
         dtypes, an unknown or inconsistent direction, or an unsupported memory-kind pair.
     """
-    s_leaves, _ = cache_leaves(src, "src")
-    d_leaves, _ = cache_leaves(dst, "dst")
+    s_leaves, s_def = cache_leaves(src, "src")
+    d_leaves, d_def = cache_leaves(dst, "dst")
     kinds = (memory_kind(s_leaves, "src"), memory_kind(d_leaves, "dst"))
     if direction is not None and direction not in ("d2d", "d2h", "h2d"):
         raise ValueError(f"unknown direction {direction!r}; expected 'd2d', 'd2h' or 'h2d'")
@@ -173,13 +178,14 @@ def copy_blocks(
         raise ValueError(
             f"direction {direction!r} given, but the caches' memory kinds say {actual!r}"
         )
-    check_same_structure(src, dst, "src", "dst")
+    check_same_structure(src, dst, "src", "dst", flat=(s_leaves, s_def, d_leaves, d_def))
     if impl not in ("auto", "xla", "pallas", "mosaic", "pallas_interpret"):
         raise ValueError(
             f"impl must be 'auto', 'xla', 'pallas', 'mosaic' or 'pallas_interpret', got {impl!r}"
         )
+    kernel_plan = None  # decided once per call: "auto" hands over the plan it made
     if impl == "auto":
-        impl = _auto_kernel(s_leaves + d_leaves) if actual == "d2d" else "xla"
+        impl, kernel_plan = _auto_kernel(s_leaves + d_leaves) if actual == "d2d" else ("xla", None)
     if impl in ("pallas", "mosaic") and not _pallas.ALLOW_COMPILED:
         raise ValueError(
             f"impl={impl!r} is switched off (jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla'"
@@ -197,7 +203,7 @@ def copy_blocks(
     if impl != "xla":
         if actual != "d2d":
             raise ValueError(f"impl={impl!r} copies device->device only, not {actual!r}")
-        kernel_plan = _pallas.plan(s_leaves + d_leaves)
+        kernel_plan = kernel_plan or _pallas.plan(s_leaves + d_leaves)
         if not isinstance(kernel_plan, _pallas.Plan):
             raise ValueError(f"impl={impl!r} cannot copy these caches: {kernel_plan}")
         if impl == "mosaic" and not (kernel_plan.mosaic and _mosaic.plgpu is not None):

@@ -149,10 +149,16 @@ def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
     return leaves, treedef
 
 
-def check_same_structure(src: Cache, dst: Cache, src_name: str, dst_name: str) -> None:
-    """Same layer set, same per-layer structure, same block shape and dtype (P may differ)."""
-    s_leaves, s_def = jax.tree_util.tree_flatten(src)
-    d_leaves, d_def = jax.tree_util.tree_flatten(dst)
+def check_same_structure(
+    src: Cache, dst: Cache, src_name: str, dst_name: str, *, flat: tuple | None = None
+) -> None:
+    """Same layer set, same per-layer structure, same block shape and dtype (P may differ).
+
+    `flat`: `(src_leaves, src_treedef, dst_leaves, dst_treedef)` when the caller has them
+    (`cache_leaves`), so the hot path flattens each cache once."""
+    if flat is None:
+        flat = (*jax.tree_util.tree_flatten(src), *jax.tree_util.tree_flatten(dst))
+    s_leaves, s_def, d_leaves, d_def = flat
     if (
         s_def == d_def
         and all(  # the common case, in one pass; the loop below names the culprit

@@ -22,7 +22,8 @@ import numpy as np
 import jaxsync
 from jaxsync.bench._timing import _Side, blocked_ms
 from jaxsync.kv import _copy, _pallas, copy_blocks
-from jaxsync.kv._layout import KVLayout, index_placement
+from jaxsync.kv._bench import SIZES
+from jaxsync.kv._layout import index_placement
 
 
 def _blocked(side: _Side, fn, n: int = 9) -> float:
@@ -35,11 +36,9 @@ def _touch(src, dst):  # returns the donated buffers unchanged: no kernel, only 
 
 
 def main() -> None:
-    tiny = "--tiny" in sys.argv
+    cfg = SIZES["tiny" if "--tiny" in sys.argv else "released"]  # the `jaxsync bench kv` caches
+    layout, layers = cfg["layout"], cfg["layers"]
     n = int(sys.argv[sys.argv.index("--blocks") + 1]) if "--blocks" in sys.argv else 512
-    layers = 4 if tiny else 32
-    layout = KVLayout(kind="packed", num_blocks=64 if tiny else 4096, block_size=16,
-                      num_kv_heads=2 if tiny else 8, head_dim=8 if tiny else 128)  # fmt: skip
     n = min(n, layout.num_blocks // 2)
     names = [f"layer{i:02d}" for i in range(layers)]
     src = layout.random(names, jax.random.key(0))

@@ -200,22 +200,22 @@ def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
 
     leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
     monkeypatch.setattr(_copy, "_platform", lambda leaf: "gpu")
-    assert _copy._auto_kernel(leaves) == "pallas"
+    assert _copy._auto_kernel(leaves)[0] == "pallas"
     monkeypatch.setattr(_pallas, "TRITON", False)
     monkeypatch.setattr(_copy, "_hopper", lambda leaf: True)
-    assert _copy._auto_kernel(leaves) == "mosaic"
+    assert _copy._auto_kernel(leaves)[0] == "mosaic"
     tiny = KVLayout(kind="separate", num_blocks=8, block_size=1, num_kv_heads=1, head_dim=2)
     tiny_leaves = jax.tree.leaves(tiny.random(LAYERS, jax.random.key(3)))
-    assert _copy._auto_kernel(tiny_leaves) == "xla"  # 8-byte blocks: below Mosaic's minimum
+    assert _copy._auto_kernel(tiny_leaves)[0] == "xla"  # 8-byte blocks: below Mosaic's minimum
     monkeypatch.setattr(_copy, "_hopper", lambda leaf: False)  # pre-Hopper: no TMA
-    assert _copy._auto_kernel(leaves) == "xla"
+    assert _copy._auto_kernel(leaves)[0] == "xla"
     assert not _copy._hopper(leaves[0])  # a CPU device has no compute capability
     src = LAYOUTS["packed"].random(LAYERS, jax.random.key(1))
     dst = LAYOUTS["packed"].random(LAYERS, jax.random.key(2))
     with pytest.raises(ValueError, match="Triton backend, which this jax lacks"):
         copy_blocks(src, dst, [0], [1], impl="pallas")
     monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
-    assert _copy._auto_kernel(leaves) == "xla"
+    assert _copy._auto_kernel(leaves)[0] == "xla"
     with pytest.raises(ValueError, match="switched off"):
         copy_blocks(src, dst, [0], [1], impl="mosaic")
     assert not any(x.is_deleted() for x in jax.tree.leaves(dst))  # untouched on error
