@@ -10,9 +10,17 @@ layer between device caches and pinned host memory, next to the large pinned tra
   one DMA per block moving every layer's slice at once (N DMAs of L x block bytes).
 
   python tools/explore_swap.py [--tiny] [--blocks N] [--unroll K] [--pool-only] [--runs]
+      [--prototypes direct,pipelined8,pipelined32,gather] [--hlo DIR]
 
 --runs adds a prototype host->device swap for pool ids in runs of 4 and 16 consecutive blocks
 (one DMA per run): what coalescing consecutive pool ids in `swap_in` could gain.
+
+--prototypes a,b,... adds other shapes of the host->device program (see PROTOTYPES): "direct"
+(no staging: each block's DMA result goes straight into every layer), "pipelined8/32" (chunks of
+DMAs, each step also scattering the previous chunk, so the scatter can overlap the reads),
+"gather" (one gather of the pool straight to the device, if XLA offloads it).
+
+--hlo DIR writes the optimized HLO of `swap_in` (and of the prototypes) to DIR.
 
 --unroll K unrolls the pool's DMA loops K times (`jaxsync.kv._pool.UNROLL`).
 """
@@ -97,17 +105,132 @@ def main() -> None:
         dest["d"] = swap_in(pool["p"], dest["d"], *ids[next(it) % 4])
         return dest["d"]
 
+    zeros = np.zeros(n, np.int32)  # the library's jitted swap_in, for --hlo
+    pool_in.last = (_pool._swap_in, lambda: (pool["p"].blocks, [dest["d"][k] for k in names],
+                                             jaxsync.upload_packed({"src": zeros, "dst": zeros})))  # fmt: skip
+
     report(f"pool d2h {n} blocks", pool_out)
     report(f"pool h2d {n} blocks", pool_in)
+    hlo = sys.argv[sys.argv.index("--hlo") + 1] if "--hlo" in sys.argv else None
+    if hlo:
+        _dump(hlo, "swap_in", pool_in)
+    protos = sys.argv[sys.argv.index("--prototypes") + 1].split(",") if "--prototypes" in sys.argv else []
+    for name in protos:  # other shapes of the h2d program (prototypes)
+        fn = _prototype(pool, dest, ids, PROTOTYPES[name])
+        try:
+            report(f"pool h2d {n} blocks, {name}", fn)
+        except Exception as e:  # noqa: BLE001 - a prototype XLA refuses is a result too
+            print(f"pool h2d {n} blocks, {name}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if hlo:
+            _dump(hlo, name, fn)
     if "--runs" in sys.argv:  # what coalescing consecutive pool ids could gain (prototype)
         for run in (4, 16):
-            report(f"pool h2d {n} blocks, runs of {run}", _runs_h2d(pool, dest, n, run))
+            fn = _runs_h2d(pool, dest, n, run)
+            report(f"pool h2d {n} blocks, runs of {run}", fn)
+            if hlo:
+                _dump(hlo, f"runs{run}", fn)
     # Parity of the pool round trip against the source blocks (one id set).
     s, d = ids[0]
     pool["p"] = swap_out(dev_cache, pool["p"], s, d)
-    back = swap_in(pool["p"], dest["d"], d, s)
+    back = dest["d"] = swap_in(pool["p"], dest["d"], d, s)
     ok = all(bool(jnp.array_equal(back[nm][s], dev_cache[nm][s])) for nm in names)
     print(f"pool round trip equal: {ok}")
+    for name in protos:  # each prototype lands the same blocks as swap_in
+        dest["d"] = swap_in(pool["p"], dest["d"], d, s)
+        ref = {k: np.asarray(v) for k, v in dest["d"].items()}
+        dest["d"] = {k: v + 1 for k, v in dest["d"].items()}  # a prototype must overwrite
+        try:
+            out = _prototype(pool, dest, [(d, s)], PROTOTYPES[name])()
+        except Exception as e:  # noqa: BLE001
+            print(f"{name}: {type(e).__name__}")
+            continue
+        ok = all(np.array_equal(np.asarray(x[s]), ref[k][s]) for k, x in zip(names, out))
+        print(f"{name} swap equal to swap_in: {ok}")
+
+
+def _dump(folder: str, name: str, fn) -> None:
+    """Writes the optimized HLO of the last jitted program `fn` ran."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    jitted, args = fn.last  # (jitted function, a thunk of live arguments)
+    text = jitted.lower(*args()).compile().as_text()
+    with open(os.path.join(folder, f"{name}.hlo.txt"), "w") as f:
+        f.write(text)
+
+
+def _direct(blocks, leaves, src, dst):
+    """No staging: one DMA per block, then L in-place updates of that block into the layers."""
+
+    def body(k, xs):
+        block = jax.lax.dynamic_slice_in_dim(blocks, src[k], 1, axis=0)  # [1, L, ...]
+        block = jax.device_put(block, DEVICE)
+        return [jax.lax.dynamic_update_slice_in_dim(x, block[:, i], dst[k], axis=0)
+                for i, x in enumerate(xs)]  # fmt: skip
+
+    return jax.lax.fori_loop(0, src.shape[0], body, leaves, unroll=_pool.UNROLL)
+
+
+def _pipelined(blocks, leaves, src, dst, chunk: int):
+    """Chunks of `chunk` DMAs into a small staging buffer; each loop step also scatters the
+    previous chunk into the layers, so the scatter can run beside the DMAs (XLA issues the
+    host reads as async slices) instead of after all of them."""
+    n = src.shape[0]
+    stage = jnp.zeros((chunk, *blocks.shape[1:]), blocks.dtype)
+    num = leaves[0].shape[0]
+    dst_pad = jnp.concatenate([jnp.full((chunk,), num, dst.dtype), dst])  # step 0 drops its scatter
+
+    def scatter(xs, st, ids):
+        return [x.at[ids].set(st[:, i], mode="drop", unique_indices=True) for i, x in enumerate(xs)]
+
+    def body(j, carry):
+        xs, prev = carry
+        xs = scatter(xs, prev, jax.lax.dynamic_slice_in_dim(dst_pad, j * chunk, chunk))
+        st = prev
+        for u in range(chunk):
+            block = jax.lax.dynamic_slice_in_dim(blocks, src[j * chunk + u], 1, axis=0)
+            st = jax.lax.dynamic_update_slice_in_dim(st, jax.device_put(block, DEVICE), u, axis=0)
+        return xs, st
+
+    xs, last = jax.lax.fori_loop(0, n // chunk, body, (leaves, stage))
+    return scatter(xs, last, dst[n - chunk :])
+
+
+def _gather(blocks, leaves, src, dst):
+    """One gather of the pool's blocks straight to device (if XLA offloads it as one read)."""
+    src = jax.device_put(src, HOST)  # jax wants the gather's operands in one memory space
+    staging = jax.device_put(blocks.at[src].get(mode="clip"), DEVICE)  # [N, L, ...]
+    return [x.at[dst].set(staging[:, i], unique_indices=True) for i, x in enumerate(leaves)]
+
+
+PROTOTYPES = {
+    "direct": _direct,
+    "pipelined8": ft.partial(_pipelined, chunk=8),
+    "pipelined32": ft.partial(_pipelined, chunk=32),
+    "gather": _gather,
+}
+
+
+def _prototype(pool, dest, ids, impl):
+    """A jitted h2d prototype `impl(blocks, leaves, src, dst) -> leaves` on the pool, called
+    like `swap_in` (ids packed in one upload, the cache donated)."""
+    names = sorted(dest["d"])
+    it = iter(range(1 << 30))
+
+    @ft.partial(jax.jit, donate_argnums=1)
+    def swap(blocks, leaves, ids):
+        return impl(blocks, leaves, ids["src"], ids["dst"])
+
+    def fn():
+        s, d = ids[next(it) % len(ids)]
+        packed = jaxsync.upload_packed({"src": s.astype(np.int32), "dst": d.astype(np.int32)})
+        fn.last = (swap, lambda: (pool["p"].blocks, [dest["d"][k] for k in names], packed))
+        out = swap(pool["p"].blocks, [dest["d"][k] for k in names], packed)
+        dest["d"] = dict(zip(names, out, strict=True))
+        return out
+
+    return fn
 
 
 def _runs_h2d(pool, dest, n: int, run: int):
@@ -140,7 +263,9 @@ def _runs_h2d(pool, dest, n: int, run: int):
 
     def fn():
         ids = jaxsync.upload_packed(sets[next(it) % 4])
-        out = swap(pool["p"].blocks, [dest["d"][k] for k in names], ids)
+        args = (pool["p"].blocks, [dest["d"][k] for k in names], ids)
+        fn.last = (swap, lambda: (pool["p"].blocks, [dest["d"][k] for k in names], ids))
+        out = swap(*args)
         dest["d"] = dict(zip(names, out, strict=True))
         return out
 

@@ -65,7 +65,8 @@ case "$phase" in
     # (The unroll sweep 8/16/32/64 ran on 2026-11-29: no gain past 8.) What coalescing
     # consecutive pool ids could gain for host->device swaps:
     echo "== pool swaps, and h2d in runs of consecutive pool ids"
-    timeout 90 python3 tools/explore_swap.py --pool-only --runs 2>&1 | grep -E "ceiling|pool"
+    timeout 110 python3 tools/explore_swap.py --pool-only --runs --prototypes pipelined8,pipelined32,gather --hlo "$out/hlo" 2>&1 | grep -E "ceiling|pool|equal"
+    tar czf "$out/hlo.tgz" -C "$out" hlo && rm -rf "$out/hlo"
     echo "== copy kernels: Triton vs Mosaic GPU vs XLA"
     timeout 100 python3 tools/explore_mosaic.py --tiles 8192 32768 2>&1 | grep -v cuda_timer
     ;;
