@@ -7,6 +7,7 @@
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
 #   followup - kv proofs on the GPU, `jaxsync verify --paths kv`, pool swaps with a prototype
 #              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
+#   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
@@ -69,6 +70,15 @@ case "$phase" in
     tar czf "$out/hlo.tgz" -C "$out" hlo && rm -rf "$out/hlo"
     echo "== copy kernels: Triton vs Mosaic GPU vs XLA"
     timeout 100 python3 tools/explore_mosaic.py --tiles 8192 32768 2>&1 | grep -v cuda_timer
+    ;;
+  h2dflags)
+    # Pool swaps under XLA flags that may put more host reads in flight (GPU only).
+    for f in "" --xla_gpu_experimental_parallel_async_compute_limit=8 \
+        --xla_gpu_executable_num_compute_streams=4 --xla_gpu_enable_pipelined_host_offloading=true \
+        --xla_gpu_enable_highest_priority_async_stream=false --xla_gpu_disable_multi_streaming=true; do
+      echo "== XLA_FLAGS=$f"
+      XLA_FLAGS=$f timeout 60 python3 tools/explore_swap.py --pool-only 2>&1 | grep -E "pool|rror"
+    done
     ;;
   host)
     # qwen3_omni host time: the encoder's weights packed into one buffer per dtype (fewer jit
