@@ -6,8 +6,11 @@ reached only 12.6 GB/s on an H200 against a 55.2 GB/s single transfer (tools/exp
 jax 0.11.2, 2026-11-29). A `HostPool` stores host block b of *every* leaf contiguously,
 `[P_host, L, *block]` (L = leaves of the cache in its flattened order: sorted layer names, k
 before v), so one DMA moves a block of all layers: 512 DMAs of 2 MiB, 40.5 GB/s in the same run.
-With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 80-81% (swap_out) and 76-78%
-(swap_in) of a large pinned transfer (H200, 2026-11-29, docs/benchmarks.md).
+With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 80-83% (swap_out) and 75-80%
+(swap_in) of a large pinned transfer (H200, 2026-11-29, docs/benchmarks.md). swap_in's ceiling:
+XLA reads pinned memory at a device-held offset with an SM kernel, not the copy engine, and such
+reads cap near 48-50 of 55 GB/s even at 32 MiB each; the other program shapes tried (no staging,
+pipelined scatter, host gather, a per-block array list) were slower (tools/explore_swap.py).
 
 * `swap_out`: one gather per leaf on the device into a staging buffer `[N, L, *block]`, then one
   DMA per block into the (donated) pool.

@@ -74,7 +74,8 @@ def test_compiled_pallas_equals_xla_on_gpu(kind, impl):
     if jax.default_backend() != "gpu":
         pytest.skip("the compiled (Triton / Mosaic GPU) kernel needs a GPU")
     layout = LOWERING[kind]
-    ids = ([3, 0, 4], [1, 2, 0]) if layout.num_blocks < 13 else (list(range(9)), list(range(12, 3, -1)))
+    small = layout.num_blocks < 13
+    ids = ([3, 0, 4], [1, 2, 0]) if small else (list(range(9)), list(range(12, 3, -1)))
     want = _copy(layout, "xla", *ids)
     got = _copy(layout, impl, *ids)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -105,8 +106,6 @@ def test_mosaic_view_keeps_tma_boxes_legal():
     assert view((16, 512), 2) == (32, 256)  # TMA boxes stop at 256 elements: re-viewed
     assert view((1, 1, 2), 4) is None  # 8-byte rows and block: under TMA's minimums
     assert view((2, 6), 2) is None  # not a power of two
-
-
 
 
 @pytest.mark.parametrize("kind", list(LOWERING))
