@@ -54,6 +54,19 @@ def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float = 0.0, 
         )
 
 
+def assert_same_math(actual: Any, expected: Any, *, rtol: float = 1e-6, err_msg: str = ""):
+    """Two formulations of one float computation (a scanned vs an unrolled layer loop, packed vs
+    separate weights): bit-identical on XLA:CPU, where that is observed, and within `rtol`
+    (max-norm relative) on other backends, whose compilers may fuse the two programs
+    differently and round differently."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(_host(actual), _host(expected), err_msg=err_msg)
+    else:
+        assert_close(actual, expected, rtol=rtol, err_msg=err_msg)
+
+
 def save_torch_state(module_or_state: Any, path: str | Path) -> str:
     """Saves a torch module's state_dict (or a dict of tensors) as one safetensors file.
 
@@ -95,6 +108,20 @@ def device_mesh(axis: str = "x", max_devices: int = 8, *, auto: bool = False):
         pytest.skip("needs at least 2 devices")
     kind = jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit
     return jax.make_mesh((n,), (axis,), devices=jax.devices()[:n], axis_types=(kind,))
+
+
+def two_devices():
+    """Two distinct devices for per-placement tests: the backend's first two, else (a one-GPU
+    machine) two CPU devices, since placement logic does not depend on the backend. Skips the
+    calling test when neither exists."""
+    import jax
+
+    for devices in (jax.devices(), jax.devices("cpu")):
+        if len(devices) >= 2:
+            return devices[0], devices[1]
+    import pytest
+
+    pytest.skip("needs two devices of one backend")
 
 
 def torch_available() -> bool:

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-from jaxsync.testing import device_mesh
+from jaxsync.testing import device_mesh, two_devices
 
 
 def test_builds_once_per_placement():
@@ -19,7 +19,7 @@ def test_builds_once_per_placement():
         calls.append(1)
         return np.arange(6, dtype=np.int32)
 
-    d0, d1 = jax.devices()[:2]
+    d0, d1 = two_devices()
     a = cache.get("t", build, placement=d0)
     b = cache.get("t", build, placement=d0)
     c = cache.get("t", build, placement=d1)

@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors.numpy import save_file
 
 from jaxsync import weights
+from jaxsync.testing import device_mesh
 from jaxsync.weights import Rule, WeightError
 
 
@@ -98,19 +98,19 @@ def test_bf16_checkpoint_and_cast(tmp_path):
 
 def test_sharding_per_parameter(tmp_path):
     save_file(_torch_like_state(np.random.default_rng(0)), tmp_path / "m.safetensors")
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = device_mesh("x")  # 8 CPU devices in CI, every GPU (up to 8) on a multi-GPU machine
 
     def shard(path, shape):
         return NamedSharding(mesh, P("x")) if path == "blocks.0.conv.bias" else None
 
-    with pytest.raises(ValueError):  # 11 does not split over 8 devices: JAX refuses, loudly
+    with pytest.raises(ValueError):  # 11 (prime) splits over no mesh of 2+: JAX refuses, loudly
         _load(tmp_path / "m.safetensors", sharding=shard)
 
     def replicate(path, shape):
         return NamedSharding(mesh, P())
 
     net = _load(tmp_path / "m.safetensors", sharding=replicate)
-    assert len(net.scale[...].devices()) == 8
+    assert len(net.scale[...].devices()) == mesh.size
 
 
 @pytest.mark.parametrize(

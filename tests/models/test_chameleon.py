@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jaxsync.check
+import jaxsync.testing
 from jaxsync.models.chameleon import (
     VQ_RULES,
     ChameleonConfig,
@@ -91,7 +92,7 @@ def test_vocabulary_bad_maps():
 def test_tables_are_cached_per_placement():
     cache = jaxsync.DeviceCache()
     m = ImageVocabularyMapping(ref.synth_vocab_map(97, seed=1), cache=cache)
-    d0, d1 = jax.devices()[:2]
+    d0, d1 = jaxsync.testing.two_devices()
     a = m.img2bpe_on(d0)
     assert m.img2bpe_on(d0) is a and cache.builds == 1
     b = m.img2bpe_on(d1)
