@@ -54,11 +54,11 @@ def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float = 0.0, 
         )
 
 
-def assert_same_math(actual: Any, expected: Any, *, rtol: float = 1e-6, err_msg: str = ""):
+def assert_same_math(actual: Any, expected: Any, *, rtol: float = 1e-5, err_msg: str = ""):
     """Two formulations of one float computation (a scanned vs an unrolled layer loop, packed vs
     separate weights): bit-identical on XLA:CPU, where that is observed, and within `rtol`
     (max-norm relative) on other backends, whose compilers may fuse the two programs
-    differently and round differently."""
+    differently and round differently (1e-5: the fp32 parity standard)."""
     import jax
 
     if jax.default_backend() == "cpu":

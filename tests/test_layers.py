@@ -41,7 +41,7 @@ def _inputs():
 def test_scan_equals_python_loop_bitwise():
     # Bitwise on XLA:CPU, not a tolerance: each step runs the same float32 ops on the same values;
     # the loop only changes where a layer's weights come from (an exact dynamic slice). A GPU
-    # compiler fuses the two programs differently: there, 1e-6 relative (assert_same_math).
+    # compiler fuses the two programs differently: there, 1e-5 relative (assert_same_math).
     model = Stack(5, rngs=nnx.Rngs(0))
     graphdef, stacked = jaxsync.stack_layers(model.layers)
     x, mask = _inputs()

@@ -23,7 +23,7 @@ def test_same_math_takes_a_tight_tolerance_elsewhere():
     with mock.patch.object(jax, "default_backend", lambda: "gpu"):
         assert_same_math(A, A + np.float32(2e-7))
         with pytest.raises(AssertionError, match="rel err"):
-            assert_same_math(A, A * np.float32(1.0001))
+            assert_same_math(A, A * np.float32(1.0001))  # 1e-4 relative
 
 
 def test_assert_close_refuses_nan_and_shape_changes():
