@@ -7,6 +7,7 @@
 #   dispatch - Pallas copy parity; pinned-host swap layouts; qwen3_omni host time, stacked layers
 #   followup - kv proofs on the GPU, `jaxsync verify --paths kv`, pool swaps with a prototype
 #              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
+#   suite1 / suite2 - the CPU test suite (models / core) on the GPU
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
@@ -79,6 +80,14 @@ case "$phase" in
       echo "== XLA_FLAGS=$f"
       XLA_FLAGS=$f timeout 60 python3 tools/explore_swap.py --pool-only 2>&1 | grep -E "pool|rror"
     done
+    ;;
+  suite1 | suite2)
+    # The CPU suite (not gpu-marked) on the GPU: it must hold on any backend. suite1 is the model
+    # tests (~400 s on an H200, 2026-11-29), suite2 the core tests; tests/kv runs in `check`.
+    if [ "$phase" = suite1 ]; then what=tests/models; t=520; else what="tests --ignore=tests/models --ignore=tests/kv"; t=300; fi
+    # shellcheck disable=SC2086
+    timeout "$t" python3 -m pytest -q -p no:cacheprovider --tb=short -m "not gpu" $what 2>&1 \
+      | grep -vi cuda_timer | grep -E "^E |^FAILED|^ERROR|passed|failed|^tests/.*Error" | head -60
     ;;
   host)
     # qwen3_omni host time: the encoder's weights packed into one buffer per dtype (fewer jit
