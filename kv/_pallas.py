@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxsync
 from jaxsync.check._static import quiet_triton_deprecation  # noqa: F401 (re-exported)
@@ -135,6 +135,8 @@ def _leaf_sharding(leaf: jax.Array) -> tuple[Any, tuple] | str | None:
     with Auto axes, None when not expressible."""
     traced = isinstance(leaf, jax.core.Tracer)
     sharding = jax.typeof(leaf).sharding if traced else leaf.sharding
+    if isinstance(sharding, SingleDeviceSharding):  # the common case, without a device set
+        return None, ()
     if traced and sharding.mesh.empty or not traced and len(sharding.device_set) == 1:
         return None, ()
     if not isinstance(sharding, NamedSharding):
@@ -158,14 +160,13 @@ def plan(leaves: list[jax.Array]) -> Plan | str:
     ((mesh, spec),) = placements
     if spec and spec[0] is not None:
         return "the block axis must not be sharded"
-    local = [_local_shape(tuple(x.shape), mesh, spec) if mesh else tuple(x.shape) for x in leaves]
-    bad = [shape for shape in local if shape is None or slab(shape) is None]
+    # Each distinct (shape, itemsize) once: a cache's layers share a few at most.
+    kinds = {(tuple(x.shape), x.dtype.itemsize) for x in leaves}
+    local = {(_local_shape(shape, mesh, spec) if mesh else shape, size) for shape, size in kinds}
+    bad = sorted((shape for shape, _ in local if shape is None or slab(shape) is None), key=repr)
     if bad:
         return f"needs power-of-two (per-device) block dims; got leaf shapes {bad}"
-    mosaic = all(
-        _mosaic.view(shape[1:], x.dtype.itemsize) is not None
-        for shape, x in zip(local, leaves, strict=True)
-    )
+    mosaic = all(_mosaic.view(shape[1:], size) is not None for shape, size in local)
     return Plan(mesh, PartitionSpec(*spec) if mesh else None, mosaic)
 
 
