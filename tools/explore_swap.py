@@ -18,7 +18,9 @@ layer between device caches and pinned host memory, next to the large pinned tra
 --prototypes a,b,... adds other shapes of the host->device program (see PROTOTYPES): "direct"
 (no staging: each block's DMA result goes straight into every layer), "pipelined8/32" (chunks of
 DMAs, each step also scattering the previous chunk, so the scatter can overlap the reads),
-"gather" (one gather of the pool straight to the device, if XLA offloads it).
+"gather" (one gather of the pool straight to the device, if XLA offloads it), "pallas_host" /
+"pallas_host_plain" (GPU: per-layer Triton kernels reading the pinned pool directly, with and
+without asking XLA to keep the pool in host memory).
 
 --hlo DIR writes the optimized HLO of `swap_in` (and of the prototypes) to DIR.
 
@@ -118,6 +120,9 @@ def main() -> None:
     protos = []
     if "--prototypes" in sys.argv:
         protos = sys.argv[sys.argv.index("--prototypes") + 1].split(",")
+    if jax.default_backend() != "gpu" and any(p.startswith("pallas_host") for p in protos):
+        print("pallas_host prototypes compile Triton kernels: GPU only, skipped")
+        protos = [p for p in protos if not p.startswith("pallas_host")]
     for name in protos:  # other shapes of the h2d program (prototypes)
         fn = prototype(pool, dest, ids, PROTOTYPES[name])
         try:
@@ -148,7 +153,7 @@ def main() -> None:
         try:
             out = prototype(pool, dest, [(d, s)], PROTOTYPES[name])()
         except Exception as e:  # noqa: BLE001
-            print(f"{name}: {type(e).__name__}")
+            print(f"{name} swap equal to swap_in: error {type(e).__name__}: {str(e)[:200]}")
             continue
         ok = all(
             np.array_equal(np.asarray(x[s]), ref[k][s]) for k, x in zip(names, out, strict=True)

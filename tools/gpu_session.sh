@@ -8,6 +8,7 @@
 #   followup - kv proofs on the GPU, `jaxsync verify --paths kv`, pool swaps with a prototype
 #              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
 #   suite1 / suite2 - the CPU test suite (models / core) on the GPU
+#   h2dhost - h2d through Triton kernels that read the pinned pool directly (prototype)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
@@ -67,10 +68,19 @@ case "$phase" in
     # (The unroll sweep 8/16/32/64 ran on 2026-11-29: no gain past 8.) What coalescing
     # consecutive pool ids could gain for host->device swaps:
     echo "== pool swaps, and h2d in runs of consecutive pool ids"
-    timeout 110 python3 tools/explore_swap.py --pool-only --runs --prototypes pipelined8,pipelined32,gather --hlo "$out/hlo" 2>&1 | grep -E "ceiling|pool|equal"
+    timeout 110 python3 tools/explore_swap.py --pool-only --runs --prototypes pallas_host,pallas_host_plain,pipelined32 --hlo "$out/hlo" 2>&1 | grep -E "ceiling|pool|equal"
     tar czf "$out/hlo.tgz" -C "$out" hlo && rm -rf "$out/hlo"
     echo "== copy kernels: Triton vs Mosaic GPU vs XLA"
     timeout 100 python3 tools/explore_mosaic.py --tiles 8192 32768 2>&1 | grep -v cuda_timer
+    ;;
+  h2dhost)
+    # h2d with per-layer Triton kernels reading the pinned pool directly (tools/swap_prototypes.py
+    # pallas_host_read), with and without the operand memory-space request; 512 and 64 blocks.
+    for b in 512 64; do
+      timeout 150 python3 tools/explore_swap.py --pool-only --blocks $b \
+        --prototypes pallas_host,pallas_host_plain --hlo "$out/hlo$b" 2>&1 | grep -E "ceiling|pool|equal|GPU"
+    done
+    tar czf "$out/hlo.tgz" -C "$out" hlo512 hlo64 2>/dev/null; rm -rf "$out"/hlo512 "$out"/hlo64
     ;;
   h2dflags)
     # Pool swaps under XLA flags that may put more host reads in flight (GPU only).

@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 import jaxsync
 from jaxsync.kv import _pool
@@ -68,11 +69,54 @@ def _gather(blocks, leaves, src, dst):
     return [x.at[dst].set(staging[:, i], unique_indices=True) for i, x in enumerate(leaves)]
 
 
+def _host_read_kernel(src_ids, dst_ids, pool, dst_in, out, *, leaf: int):
+    del dst_in  # aliased to `out`
+    i, r = pl.program_id(0), pl.program_id(1)
+    tile = out.shape[1] // pl.num_programs(1)
+    rows = pl.ds(r * tile, tile)
+    out[pl.ds(dst_ids[i], 1), rows, :] = pool[pl.ds(src_ids[i], 1), leaf, rows, :]
+
+
+def pallas_host_read(blocks, leaves, src, dst, *, memory_space: int | None = 5, interpret=False):
+    """One Triton kernel per layer reading its blocks straight out of the pinned pool: every
+    block in flight at once, no staging buffer, no scatter. XLA passes the pool's host buffer to
+    the custom call when the call asks for it (frontend attribute `operands_memory_spaces`,
+    openxla/xla#39742; 5 is XLA's host memory space), else it decides itself (it may copy the
+    whole pool to the device). `interpret=True` runs the same kernel in Pallas' interpreter on a
+    device-resident pool (the kernel's logic, on CPU)."""
+    from contextlib import nullcontext
+
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    from jaxsync.kv import _pallas
+
+    rows, cols, tile = _pallas.slab(leaves[0].shape)
+    pool = blocks.reshape(blocks.shape[0], blocks.shape[1], rows, cols)  # [P_host, L, rows, cols]
+    attr = {"operands_memory_spaces": f"{{2:{memory_space}}}"} if memory_space is not None else {}
+    out = []
+    for i, x in enumerate(leaves):
+        x3 = x.reshape(x.shape[0], rows, cols)
+        call = pl.pallas_call(
+            ft.partial(_host_read_kernel, leaf=i),
+            out_shape=jax.ShapeDtypeStruct(x3.shape, x3.dtype),
+            grid=(src.shape[0], rows // tile),
+            input_output_aliases={3: 0},
+            interpret=interpret,
+            compiler_params=None if interpret else _pallas.pltriton.CompilerParams(),
+        )
+        with set_xla_metadata(**attr) if attr else nullcontext():
+            y = call(src, dst, pool, x3)
+        out.append(y.reshape(x.shape))
+    return out
+
+
 PROTOTYPES = {
     "direct": _direct,
     "pipelined8": ft.partial(_pipelined, chunk=8),
     "pipelined32": ft.partial(_pipelined, chunk=32),
     "gather": _gather,
+    "pallas_host": pallas_host_read,  # GPU only
+    "pallas_host_plain": ft.partial(pallas_host_read, memory_space=None),  # GPU only
 }
 
 
