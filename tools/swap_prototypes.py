@@ -79,11 +79,15 @@ def _host_read_kernel(src_ids, dst_ids, pool, dst_in, out, *, leaf: int):
 
 def pallas_host_read(blocks, leaves, src, dst, *, memory_space: int | None = 5, interpret=False):
     """One Triton kernel per layer reading its blocks straight out of the pinned pool: every
-    block in flight at once, no staging buffer, no scatter. XLA passes the pool's host buffer to
-    the custom call when the call asks for it (frontend attribute `operands_memory_spaces`,
-    openxla/xla#39742; 5 is XLA's host memory space), else it decides itself (it may copy the
-    whole pool to the device). `interpret=True` runs the same kernel in Pallas' interpreter on a
-    device-resident pool (the kernel's logic, on CPU)."""
+    block in flight at once, no staging buffer, no scatter. `interpret=True` runs the same kernel
+    in Pallas' interpreter on a device-resident pool (the kernel's logic, on CPU).
+
+    Whether XLA lets a custom call read host memory is what this settles on a GPU, and the odds
+    are poor. The request (frontend attribute `operands_memory_spaces`, openxla/xla#39742; 5 is
+    XLA's host memory space) exists in jax 0.11.2's CUDA plugin, but the plugin's own message says
+    "Valid values are 0 (default), 1 (collective), 2 (temp)". Without the request, the plugin
+    says device compute on a host-memory operand is "converted into host compute", which a
+    Triton kernel cannot be. (Strings read from jax_cuda13_pjrt-0.11.2, 2026-11-29.)"""
     from contextlib import nullcontext
 
     from jax.experimental.xla_metadata import set_xla_metadata
