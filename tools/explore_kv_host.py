@@ -5,9 +5,11 @@ device): the whole call, the packed id upload alone, the jitted copy program alo
 on the device), and a do-nothing jit taking and donating the same 2 x L arrays (the dispatch
 floor for that many arguments). Python validation is the whole call minus the rest.
 
-  python tools/explore_kv_host.py [--tiny] [--blocks N]
+  python tools/explore_kv_host.py [--tiny] [--blocks N] [--uploads]
 
 Run it with and without XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 to compare runtime clients.
+--uploads splits the id upload (packing, raw device_put) and times a pinned-host route (a host
+copy into pinned memory, then the move to the device inside a program).
 """
 
 from __future__ import annotations
@@ -81,9 +83,31 @@ def main() -> None:
     pieces = [("whole copy_blocks", whole), ("packed id upload", upload),
               ("jitted copy program", program),
               (f"no-op jit, {2 * layers} args", touch)]  # fmt: skip
+    if "--uploads" in sys.argv:  # where the upload's host time goes, and a pinned-host route
+        pieces += _upload_pieces(fields, leaf)
     for name, fn in pieces:
         jax.block_until_ready(fn())
         print(f"{name:28s} {_blocked(side, fn):7.3f} ms host", flush=True)
+
+
+def _upload_pieces(fields, leaf):
+    """Host time of the id upload's parts: packing alone, the raw `device_put` of the packed
+    words to the device, the same words to pinned host memory (a host copy), and a jit moving
+    pinned ids to the device inside the program (what a pinned-host upload route would add)."""
+    words = np.concatenate([np.asarray(v).view(np.uint32) for v in fields.values()])
+    device = index_placement(leaf) or jax.devices()[0]
+    on_dev = device if isinstance(device, jax.sharding.Sharding) else (
+        jax.sharding.SingleDeviceSharding(device))  # fmt: skip
+    pinned = on_dev.with_memory_kind("pinned_host")
+    staged = jax.device_put(words, pinned)
+    to_device = jax.jit(lambda w: jax.device_put(w, jax.memory.Space.Device))
+    return [
+        ("  packing only (numpy)", lambda: np.concatenate([np.asarray(v).view(np.uint32)
+                                                          for v in fields.values()])),
+        ("  device_put words -> device", lambda: jax.device_put(words, on_dev)),
+        ("  device_put words -> pinned", lambda: jax.device_put(words, pinned)),
+        ("  jit: pinned words -> device", lambda: to_device(staged)),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
 #   suite1 / suite2 - the CPU test suite (models / core) on the GPU
 #   h2dhost - h2d through Triton kernels that read the pinned pool directly (prototype)
+#   kvhost  - copy_blocks host time, split, with the id upload's parts (both runtime clients)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
@@ -81,6 +82,14 @@ case "$phase" in
         --prototypes pallas_host,pallas_host_plain --hlo "$out/hlo$b" 2>&1 | grep -E "ceiling|pool|equal|GPU"
     done
     tar czf "$out/hlo.tgz" -C "$out" hlo512 hlo64 2>/dev/null; rm -rf "$out"/hlo512 "$out"/hlo64
+    ;;
+  kvhost)
+    # Host time of one copy_blocks call, split, with the id upload's parts and a pinned-host
+    # upload route, under both runtime clients.
+    echo "== default client"; timeout 120 python3 tools/explore_kv_host.py --uploads 2>&1 | tail -10
+    echo "== tfrt client"
+    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 120 python3 tools/explore_kv_host.py --uploads \
+      2>&1 | tail -10
     ;;
   h2dflags)
     # Pool swaps under XLA flags that may put more host reads in flight (GPU only).
