@@ -136,14 +136,16 @@ def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     if not leaves:
         raise ValueError(f"{what} holds no arrays")
-    for leaf in leaves:
+    blocks = set()
+    for leaf in leaves:  # one pass, each property read once: this runs on every hot-path call
         if not isinstance(leaf, jax.Array):
             raise TypeError(f"{what} leaves must be jax.Arrays, got {type(leaf).__name__}")
-        if leaf.ndim < 2:
-            raise ValueError(f"{what} leaves need a block dim and a block, got shape {leaf.shape}")
-        if not _traced(leaf) and leaf.is_deleted():
+        shape = leaf.shape
+        if len(shape) < 2:
+            raise ValueError(f"{what} leaves need a block dim and a block, got shape {shape}")
+        if not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
             raise ValueError(f"{what} holds a deleted (donated) array; use the returned cache")
-    blocks = {leaf.shape[0] for leaf in leaves}
+        blocks.add(shape[0])
     if len(blocks) != 1:
         raise ValueError(f"{what} layers disagree on the number of blocks: {sorted(blocks)}")
     return leaves, treedef
@@ -247,7 +249,10 @@ def _memory_kind(leaf: jax.Array) -> str:
 
 def memory_kind(leaves: Sequence[jax.Array], what: str) -> str:
     """The one memory kind all leaves of a cache live in ("device" or "pinned_host")."""
-    kinds = {_memory_kind(leaf) for leaf in leaves}
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        kinds = {_memory_kind(leaf) for leaf in leaves}
+    else:  # concrete arrays, the hot path: one attribute read per leaf
+        kinds = {leaf.sharding.memory_kind or "device" for leaf in leaves}
     if len(kinds) != 1:
         raise ValueError(f"{what} mixes memory kinds {sorted(kinds)}")
     (kind,) = kinds
