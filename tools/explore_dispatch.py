@@ -4,10 +4,12 @@ Prints, with ~30 ms of device work queued: the whole call, the host planning, th
 and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
-  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed]
+  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--profile]
 
 --packed adds a prototype with the weights packed into one buffer per dtype (fewer jit
 arguments): its host dispatch time and device time next to the default's.
+
+--profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
 --per-layer builds the encoder with `scan_layers=False` (one array per layer weight) instead of
 the default stacked weights run by one lax.scan: run it with and without for the A/B.
@@ -102,6 +104,17 @@ def main() -> None:
             print(f"device time, {name} weights: {m['device_ms']:.3f} ms/fwd")
     for name, fn in rows.items():
         print(f"{name:28s} {_blocked(side, fn):8.3f} ms host")
+    if "--profile" in sys.argv:  # where a whole call's host time goes beyond the jit dispatch
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(200):
+            enc(x, lengths)
+        profile.disable()
+        side.sync()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
 def _packed_forward(enc):

@@ -11,7 +11,8 @@
 #   h2dhost - h2d through Triton kernels that read the pinned pool directly (prototype)
 #   kvhost  - copy_blocks host time, split, with the id upload's parts (both runtime clients)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
-#   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients
+#   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients,
+#             and a profile of the whole call's host time (TFRT)
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,8 +114,8 @@ case "$phase" in
     # arguments) against the default, under the default and the TFRT client.
     echo "== default client"; timeout 120 python3 tools/explore_dispatch.py --packed 2>&1 | tail -13
     echo "== tfrt client"
-    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 120 python3 tools/explore_dispatch.py \
-      --packed 2>&1 | tail -13
+    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 python3 tools/explore_dispatch.py \
+      --packed --profile 2>&1 | tail -36
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
