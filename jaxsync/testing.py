@@ -124,6 +124,21 @@ def two_devices():
     pytest.skip("needs two devices of one backend")
 
 
+def block_id_pairs(num_src: int = 13, num_dst: int = 13, *, unique_src: bool = False):
+    """Hypothesis strategy: equal-length `(src_ids, dst_ids)` host lists of 1..min(num_src,
+    num_dst) block ids, destination ids unique (and source ids too with `unique_src`)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def pairs(draw):
+        n = draw(st.integers(1, min(num_src, num_dst)))
+        src = st.lists(st.integers(0, num_src - 1), min_size=n, max_size=n, unique=unique_src)
+        dst = st.lists(st.integers(0, num_dst - 1), min_size=n, max_size=n, unique=True)
+        return draw(src), draw(dst)
+
+    return pairs()
+
+
 def torch_available() -> bool:
     """True when torch and transformers import."""
     try:

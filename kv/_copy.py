@@ -92,21 +92,26 @@ def _platform(leaf: jax.Array) -> str:
     return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
 
 
-def _pallas_fits(leaves: list[jax.Array]) -> bool:
-    """Whether a compiled kernel may copy these leaves: on, a GPU, a `_pallas.plan` for them."""
+def _compiled_plan(leaves: list[jax.Array]) -> _pallas.Plan | None:
+    """The kernel plan when a compiled kernel may copy these leaves (compiled kernels on, a GPU,
+    a `_pallas.plan` for them), else None."""
     if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
-        return False
-    return isinstance(_pallas.plan(leaves), _pallas.Plan)
+        return None
+    kernel_plan = _pallas.plan(leaves)
+    return kernel_plan if isinstance(kernel_plan, _pallas.Plan) else None
+
+
+def _pallas_fits(leaves: list[jax.Array]) -> bool:
+    """Whether a compiled kernel may copy these leaves."""
+    return _compiled_plan(leaves) is not None
 
 
 def _auto_kernel(leaves: list[jax.Array]) -> tuple[str, _pallas.Plan | None]:
     """What "auto" runs for a device->device copy, with its kernel plan: the Triton kernel where
     it fits; the Mosaic GPU port on Hopper GPUs once a jax without Triton is installed (as fast
     on an H200); else XLA (no plan)."""
-    if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
-        return "xla", None
-    kernel_plan = _pallas.plan(leaves)
-    if not isinstance(kernel_plan, _pallas.Plan):
+    kernel_plan = _compiled_plan(leaves)
+    if kernel_plan is None:
         return "xla", None
     if _pallas.TRITON:
         return "pallas", kernel_plan

@@ -17,6 +17,7 @@ from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
 from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
+from jaxsync.testing import block_id_pairs
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -212,16 +213,12 @@ def test_sharded_over_heads_keeps_sharding_without_collectives(mesh):
 PROPS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@st.composite
-def id_sets(draw, num_src=13, num_dst=13):
-    n = draw(st.integers(1, min(num_src, num_dst)))  # buckets 8 and 16
-    src_ids = draw(st.lists(st.integers(0, num_src - 1), min_size=n, max_size=n))
-    dst_ids = draw(st.lists(st.integers(0, num_dst - 1), min_size=n, max_size=n, unique=True))
-    return src_ids, dst_ids
-
-
 @PROPS
-@given(ids=id_sets(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
+@given(
+    ids=block_id_pairs(),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**16),
+)
 def test_property_untouched_blocks_are_bit_identical(ids, dtype, seed):
     src_ids, dst_ids = ids
     src = make("packed", 13, DTYPES[dtype], seed, DEV)
@@ -235,7 +232,11 @@ def test_property_untouched_blocks_are_bit_identical(ids, dtype, seed):
 
 
 @PROPS
-@given(ids=id_sets(), dtype=st.sampled_from(["bf16", "int8"]), seed=st.integers(0, 2**16))
+@given(
+    ids=block_id_pairs(),
+    dtype=st.sampled_from(["bf16", "int8"]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_swap_out_and_back_restores(ids, dtype, seed):
     # device -> pinned host -> device: the blocks come back bit-identical.
     src_ids, host_ids = ids
@@ -252,7 +253,7 @@ def test_property_swap_out_and_back_restores(ids, dtype, seed):
 
 
 @PROPS
-@given(ids=id_sets(), seed=st.integers(0, 2**16))
+@given(ids=block_id_pairs(), seed=st.integers(0, 2**16))
 def test_property_copy_there_and_back_restores(ids, seed):
     src_ids, dst_ids = ids
     src_ids = list(dict.fromkeys(src_ids))

@@ -16,6 +16,7 @@ from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
 from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._pool import _swap_in, _swap_out
 from jaxsync.kv._reference import as_numpy, host_random_cache
+from jaxsync.testing import block_id_pairs
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -209,16 +210,12 @@ def test_sharded_over_heads_keeps_sharding_without_collectives(auto):
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@st.composite
-def id_sets(draw, num=13):
-    n = draw(st.integers(1, num))
-    cache_ids = draw(st.lists(st.integers(0, num - 1), min_size=n, max_size=n, unique=True))
-    pool_ids = draw(st.lists(st.integers(0, num - 1), min_size=n, max_size=n, unique=True))
-    return cache_ids, pool_ids
-
-
 @PROPS
-@given(ids=id_sets(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
+@given(
+    ids=block_id_pairs(unique_src=True),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**16),
+)
 def test_property_round_trip_and_untouched_blocks(ids, dtype, seed):
     cache_ids, pool_ids = ids
     cache = make("separate", 13, DTYPES[dtype], seed)
