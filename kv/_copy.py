@@ -43,6 +43,7 @@ from jaxsync.kv._layout import (
     checked_ids,
     index_placement,
     memory_kind,
+    padded_ids,
 )
 from jaxsync.kv._pallas import copy_same_memory_pallas
 
@@ -222,13 +223,11 @@ def copy_blocks(
     if n == 0:
         return dst
     size = jaxsync.bucket(n, buckets)
-    padded_src = np.zeros(size, np.int32)
-    padded_src[:n] = s_ids
-    padded_dst = np.arange(num_dst, num_dst + size, dtype=np.int32)  # distinct no-op sentinels
-    padded_dst[:n] = d_ids
-    if actual != "d2d":  # the cross-memory loop has no dropping scatter: repeat the last pair
-        padded_src[n:], padded_dst[n:] = s_ids[-1], d_ids[-1]
-    fields = {"src": padded_src, "dst": padded_dst}
+    if actual == "d2d":  # source 0 (a harmless read), distinct out-of-range (no-op) destinations
+        fill_src, fill_dst = np.zeros(size), np.arange(num_dst, num_dst + size)
+    else:  # the cross-memory loop has no dropping scatter: repeat the last pair
+        fill_src, fill_dst = np.full(size, s_ids[-1]), np.full(size, d_ids[-1])
+    fields = {"src": padded_ids(s_ids, fill_src), "dst": padded_ids(d_ids, fill_dst)}
     device_leaf = s_leaves[0] if kinds[0] == "device" else d_leaves[0]
     ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
     if actual == "d2d" and impl != "xla":

@@ -217,6 +217,13 @@ def check_unique(ids: np.ndarray, name: str) -> None:
         raise ValueError(f"{name} must be unique; repeated: {np.unique(repeated)[:8].tolist()}")
 
 
+def padded_ids(ids: np.ndarray, fill: Any) -> np.ndarray:
+    """`fill` (the bucket's length of padding ids) as int32, its head replaced by `ids`."""
+    out = np.array(fill, np.int32)
+    out[: ids.size] = ids
+    return out
+
+
 def checked_ids(src_ids: Any, dst_ids: Any, num_src: int, num_dst: int) -> tuple[np.ndarray, ...]:
     """Block-id pairs of a copy, validated on the host: same length, in range, dst unique."""
     s, d = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")

@@ -41,6 +41,7 @@ from jaxsync.kv._layout import (
     checked_ids,
     index_placement,
     memory_kind,
+    padded_ids,
 )
 
 
@@ -127,13 +128,6 @@ def _check(pool: HostPool, cache: Cache) -> list[jax.Array]:
     return leaves
 
 
-def _padded(ids: np.ndarray, fill: np.ndarray) -> np.ndarray:
-    """`fill` (the bucket's length) with its head replaced by `ids`, as int32."""
-    out = np.asarray(fill, np.int32).copy()
-    out[: ids.size] = ids
-    return out
-
-
 @ft.partial(jax.jit, donate_argnames="pool")
 def _swap_out(leaves: list[jax.Array], pool: jax.Array, ids: jaxsync.Packed) -> jax.Array:
     src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each
@@ -204,7 +198,8 @@ def swap_out(
     if s.size == 0:
         return pool
     size = jaxsync.bucket(int(s.size), buckets)
-    fields = {"src": _padded(s, np.full(size, s[-1])), "dst": _padded(d, np.full(size, d[-1]))}
+    last = {"src": np.full(size, s[-1]), "dst": np.full(size, d[-1])}  # idempotent rewrites
+    fields = {"src": padded_ids(s, last["src"]), "dst": padded_ids(d, last["dst"])}
     ids = jaxsync.upload_packed(fields, placement=index_placement(leaves[0]))
     return HostPool(_swap_out(leaves, pool.blocks, ids), pool.treedef)
 
@@ -237,6 +232,6 @@ def swap_in(
         return cache
     size = jaxsync.bucket(int(s.size), buckets)
     sentinels = np.arange(num_dst, num_dst + size)  # dropped by the scatter
-    fields = {"src": _padded(s, np.full(size, s[-1])), "dst": _padded(d, sentinels)}
+    fields = {"src": padded_ids(s, np.full(size, s[-1])), "dst": padded_ids(d, sentinels)}
     ids = jaxsync.upload_packed(fields, placement=index_placement(leaves[0]))
     return jax.tree_util.tree_unflatten(pool.treedef, _swap_in(pool.blocks, leaves, ids))

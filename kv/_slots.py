@@ -28,6 +28,7 @@ from jaxsync.kv._layout import (
     host_ids,
     index_placement,
     memory_kind,
+    padded_ids,
 )
 
 
@@ -120,9 +121,8 @@ def _prepare(caches: Cache, slot_mapping: Any, buckets, *, unique: bool):
     size = jaxsync.bucket(n, buckets)
     if num_slots + size > np.iinfo(np.int32).max:
         raise ValueError("cache too large for int32 slot ids")
-    padded = np.arange(num_slots, num_slots + size, dtype=np.int32)  # distinct no-op sentinels
-    padded[:n] = slots
-    return leaves, n, size, {"slots": padded}
+    sentinels = np.arange(num_slots, num_slots + size)  # distinct out-of-range: no-ops
+    return leaves, n, size, {"slots": padded_ids(slots, sentinels)}
 
 
 def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:
