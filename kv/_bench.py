@@ -157,6 +157,10 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                 ]
             if direction != "d2d":
                 cases.append(_pool_case(name, direction, src, state, pool, id_sets, nbytes, device))
+            if direction == "h2d" and device.startswith("cuda"):  # default there: the kernel
+                cases.append(
+                    _pool_case(name, direction, src, state, pool, id_sets, nbytes, device, "xla")
+                )
     return cases
 
 
@@ -172,8 +176,11 @@ def _impl_case(name, impl, s_cache, state, id_sets, nbytes) -> BenchCase:
     return BenchCase(f"{name} [{impl}]", jax_fn, {}, bytes_moved=nbytes)
 
 
-def _pool_case(name, direction, src, state, pool, id_sets, nbytes, device) -> BenchCase:
-    """The same swap through a block-major HostPool, next to a pinned transfer of its bytes."""
+def _pool_case(
+    name, direction, src, state, pool, id_sets, nbytes, device, impl="auto"
+) -> BenchCase:
+    """The same swap through a block-major HostPool, next to a pinned transfer of its bytes
+    (row "[pool]"; "[pool xla]" for swap_in's DMA loop where "auto" takes the kernel)."""
     import torch
 
     rotation = itertools.cycle(id_sets)
@@ -183,7 +190,7 @@ def _pool_case(name, direction, src, state, pool, id_sets, nbytes, device) -> Be
         if direction == "d2h":
             pool["pool"] = swap_out(src, pool["pool"], s, d)
             return pool["pool"].blocks
-        state["h2d"] = swap_in(pool["pool"], state["h2d"], s, d)
+        state["h2d"] = swap_in(pool["pool"], state["h2d"], s, d, impl=impl)
         return state["h2d"]
 
     torch_fns = {}
@@ -192,7 +199,8 @@ def _pool_case(name, direction, src, state, pool, id_sets, nbytes, device) -> Be
         host = torch.empty(nbytes // 2, dtype=torch.uint8).pin_memory()
         a, b = (dev, host) if direction == "d2h" else (host, dev)
         torch_fns["torch_pinned_ceiling"] = lambda a=a, b=b: b.copy_(a, non_blocking=True)
-    return BenchCase(f"{name} [pool]", jax_fn, torch_fns, bytes_moved=nbytes)
+    tag = "pool" if impl == "auto" else f"pool {impl}"
+    return BenchCase(f"{name} [{tag}]", jax_fn, torch_fns, bytes_moved=nbytes)
 
 
 def _torch_like(x: jax.Array, device: str):

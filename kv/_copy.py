@@ -86,17 +86,10 @@ def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: boo
     return jax.lax.fori_loop(0, src_ids.shape[0], body, dst, unroll=_pool.UNROLL)
 
 
-def _platform(leaf: jax.Array) -> str:
-    if isinstance(leaf, jax.core.Tracer):  # static scans trace on the default backend
-        return jax.default_backend()
-    platform = next(iter(leaf.devices())).platform
-    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
-
-
 def _compiled_plan(leaves: list[jax.Array]) -> _pallas.Plan | None:
     """The kernel plan when a compiled kernel may copy these leaves (compiled kernels on, a GPU,
     a `_pallas.plan` for them), else None."""
-    if not _pallas.ALLOW_COMPILED or _platform(leaves[0]) != "gpu":
+    if not _pallas.ALLOW_COMPILED or _pallas.platform(leaves[0]) != "gpu":
         return None
     kernel_plan = _pallas.plan(leaves)
     return kernel_plan if isinstance(kernel_plan, _pallas.Plan) else None
@@ -201,9 +194,9 @@ def copy_blocks(
             "impl='pallas' needs Pallas' Triton backend, which this jax lacks; use impl='mosaic' "
             "(Hopper GPUs) or 'xla'"
         )
-    if impl in ("pallas", "mosaic") and _platform(d_leaves[0]) != "gpu":
+    if impl in ("pallas", "mosaic") and _pallas.platform(d_leaves[0]) != "gpu":
         raise ValueError(
-            f"impl={impl!r} compiles a GPU kernel, not one for {_platform(d_leaves[0])!r}; "
+            f"impl={impl!r} compiles a GPU kernel, not one for {_pallas.platform(d_leaves[0])!r}; "
             "use impl='xla' or 'pallas_interpret'"
         )
     if impl != "xla":

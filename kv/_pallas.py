@@ -58,6 +58,15 @@ if a GPU misbehaves ("auto" then copies through XLA)."""
 _TILE_ELEMENTS = 4096  # per program: 8 KiB of bf16, few registers per thread
 
 
+def platform(leaf: jax.Array) -> str:
+    """ "gpu", "cpu" or "tpu": where a cache leaf lives (the default backend for a traced leaf,
+    as static scans trace there)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return jax.default_backend()
+    name = next(iter(leaf.devices())).platform
+    return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -74,7 +83,7 @@ def slab(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
     return rows, cols, tile
 
 
-def _kernel(src_ids, dst_ids, src, dst_in, out):
+def _kernel(src_ids, dst_ids, src, dst_in, out, *, row0: int = 0):
     del dst_in  # aliased to `out`: blocks not written keep their values
     i, r = pl.program_id(0), pl.program_id(1)
     tile = out.shape[1] // pl.num_programs(1)
@@ -83,19 +92,25 @@ def _kernel(src_ids, dst_ids, src, dst_in, out):
     @pl.when(d < out.shape[0])  # padding entries point past the cache
     def _():
         s = src_ids[i]
-        rows = pl.ds(r * tile, tile)
-        out[pl.ds(d, 1), rows, :] = src[pl.ds(s, 1), rows, :]
+        out[pl.ds(d, 1), pl.ds(r * tile, tile), :] = src[
+            pl.ds(s, 1), pl.ds(row0 + r * tile, tile), :
+        ]
 
 
-def _copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, backend: str) -> jax.Array:
+def _copy_leaf(
+    s: jax.Array, d: jax.Array, src_ids, dst_ids, backend: str, *, leaf: int | None = None
+) -> jax.Array:
+    """d[dst_ids[k]] <- s[src_ids[k]] for one leaf `d: [Pd, *block]`. With `leaf`, `s` is a
+    block-major pool `[Ps, L, *block]` and its leaf-th slot of each block is read (`_pool`'s
+    host->device swap: the Triton kernel then reads pinned host memory directly)."""
     if backend == "mosaic":
         return _mosaic.copy_leaf(s, d, src_ids, dst_ids)
     rows, cols, tile = slab(d.shape)
-    s3 = s.reshape(s.shape[0], rows, cols)
+    s3 = s.reshape(s.shape[0], -1, cols)  # [Ps, rows] or, for a pool, [Ps, L * rows]
     d3 = d.reshape(d.shape[0], rows, cols)
     interpret = backend == "interpret"
     out = pl.pallas_call(
-        _kernel,
+        ft.partial(_kernel, row0=(leaf or 0) * rows),
         out_shape=jax.ShapeDtypeStruct(d3.shape, d3.dtype),
         grid=(src_ids.shape[0], rows // tile),
         input_output_aliases={3: 0},

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.kv import _pallas
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
@@ -172,6 +173,46 @@ def _swap_in(pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed) -> l
     ]
 
 
+@ft.partial(jax.jit, donate_argnames="leaves", static_argnames="backend")
+def _swap_in_kernel(
+    pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed, backend: str
+) -> list[jax.Array]:
+    """`_swap_in` as one Pallas kernel per leaf that reads its blocks straight out of the pool:
+    XLA hands the Triton call the pinned-host buffer itself (the optimized HLO passes the `S(5)`
+    parameter to the custom call), so every block is read over PCIe at once, with no staging
+    buffer and no scatter. Padded entries carry out-of-range destination ids and are skipped."""
+    src_ids, dst_ids = ids["src"], ids["dst"]
+    with _pallas.quiet_triton_deprecation():
+        return [
+            _pallas._copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i)
+            for i, x in enumerate(leaves)
+        ]
+
+
+def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> str:
+    """The program `swap_in` runs: "xla" (DMA loop + scatter), "triton" or "interpret"."""
+    if impl not in ("auto", "xla", "pallas", "pallas_interpret"):
+        raise ValueError(
+            f"impl must be 'auto', 'xla', 'pallas' or 'pallas_interpret', got {impl!r}"
+        )
+    if impl == "xla":
+        return "xla"
+    kernel_plan = _pallas.plan(leaves)
+    fits = isinstance(kernel_plan, _pallas.Plan) and kernel_plan.mesh is None
+    on_gpu = _pallas.ALLOW_COMPILED and _pallas.TRITON and _pallas.platform(leaves[0]) == "gpu"
+    if impl == "auto":
+        return "triton" if fits and on_gpu else "xla"
+    if not fits:
+        why = kernel_plan if isinstance(kernel_plan, str) else "the cache is sharded"
+        raise ValueError(f"impl={impl!r} cannot swap into these caches: {why}; use impl='xla'")
+    if impl == "pallas" and not on_gpu:
+        raise ValueError(
+            "impl='pallas' needs a GPU, Pallas' Triton backend and compiled kernels switched on "
+            "(jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla' or 'pallas_interpret'"
+        )
+    return "triton" if impl == "pallas" else "interpret"
+
+
 @entry_point
 def swap_out(
     cache: Cache,
@@ -212,8 +253,9 @@ def swap_in(
     dst_ids: Any,
     *,
     buckets: tuple[int, ...] | None = None,
+    impl: Literal["auto", "xla", "pallas", "pallas_interpret"] = "auto",
 ) -> Cache:
-    """cache[dst_ids[k]] <- pool[src_ids[k]] for every layer, one DMA per block.
+    """cache[dst_ids[k]] <- pool[src_ids[k]] for every layer.
 
     Args:
       pool: a `HostPool` (not consumed).
@@ -221,11 +263,18 @@ def swap_in(
         returned cache.
       src_ids / dst_ids: host lists of pool and cache block ids, same length, dst unique.
       buckets: block-count buckets (default: powers of two >= 8).
+      impl: "auto" (default): on a GPU, for single-device caches whose block dims are powers of
+        two, "pallas": one Triton kernel per layer reading the blocks straight out of pinned
+        host memory (H200: 92% of a large pinned transfer at 512 blocks, against 80% for the
+        DMA loop); elsewhere "xla": one DMA per block into a staging buffer, then one scatter
+        per layer. "pallas_interpret" runs the kernel in Pallas' interpreter (tests).
 
     Raises:
-      ValueError / TypeError: before anything is dispatched, as `swap_out`.
+      ValueError / TypeError: before anything is dispatched, as `swap_out`, and on an `impl`
+        that cannot run here.
     """
     leaves = _check(pool, cache)
+    backend = _swap_in_impl(impl, leaves)
     num_dst = leaves[0].shape[0]
     s, d = checked_ids(src_ids, dst_ids, pool.num_blocks, num_dst)
     if s.size == 0:
@@ -234,4 +283,8 @@ def swap_in(
     sentinels = np.arange(num_dst, num_dst + size)  # dropped by the scatter
     fields = {"src": padded_ids(s, np.full(size, s[-1])), "dst": padded_ids(d, sentinels)}
     ids = jaxsync.upload_packed(fields, placement=index_placement(leaves[0]))
-    return jax.tree_util.tree_unflatten(pool.treedef, _swap_in(pool.blocks, leaves, ids))
+    if backend == "xla":
+        out = _swap_in(pool.blocks, leaves, ids)
+    else:
+        out = _swap_in_kernel(pool.blocks, leaves, ids, backend=backend)
+    return jax.tree_util.tree_unflatten(pool.treedef, out)

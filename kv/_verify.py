@@ -27,6 +27,10 @@ from jaxsync.registry import Parity, PathCase, register_path
 _LAYERS = ("l0", "l1", "l2")
 _LAYOUT = KVLayout(kind="packed", num_blocks=13, block_size=4, num_kv_heads=2, head_dim=3,
                    dtype=jnp.bfloat16)  # fmt: skip
+# Power-of-two block dims for the HostPool paths: on a GPU swap_in's default there is the
+# Pallas kernel reading the pinned pool, and that is what verify must prove.
+_POOL_LAYOUT = KVLayout(kind="packed", num_blocks=13, block_size=4, num_kv_heads=2, head_dim=4,
+                        dtype=jnp.bfloat16)  # fmt: skip
 _MLA = KVLayout(kind="mla", num_blocks=13, block_size=4, latent_dim=7, dtype=jnp.bfloat16)
 _IDS = [([12, 0, 5], [3, 10, 0]), ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7]), ([9], [9])]
 _SLOTS = [
@@ -112,7 +116,7 @@ def _pool_parity(step, leaf_of, layout_name: str) -> Parity:
 
 @functools.cache
 def _pool_src():
-    return _LAYOUT.random(_LAYERS, jax.random.key(4), placement=_placement("device"))
+    return _POOL_LAYOUT.random(_LAYERS, jax.random.key(4), placement=_placement("device"))
 
 
 @register_path("kv.swap_out_pool", "device cache -> block-major pinned-host HostPool")
@@ -140,10 +144,10 @@ def _build_pool_out(checkpoint: str | None) -> PathCase:
 
 @register_path("kv.swap_in_pool", "block-major pinned-host HostPool -> device cache")
 def _build_pool_in(checkpoint: str | None) -> PathCase:
-    n = _LAYOUT.num_blocks
+    n = _POOL_LAYOUT.num_blocks
     src = _pool_src()
     pool = swap_out(src, host_pool(src, n), list(range(n)), list(range(n)))
-    target = _LAYOUT.random(_LAYERS, jax.random.key(5), placement=_placement("device"))
+    target = _POOL_LAYOUT.random(_LAYERS, jax.random.key(5), placement=_placement("device"))
 
     def step(pool, cache, src_ids, dst_ids):
         return swap_in(pool, fresh_copy(cache), src_ids, dst_ids)

@@ -20,8 +20,9 @@ out="${1:?usage: gpu_session.sh OUT_DIR PHASE}"
 phase="${2:?usage: gpu_session.sh OUT_DIR PHASE}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || {
-  cat "$out/install.log"; exit 1; }
+# SKIP_INSTALL=1: the caller installed already (phases run side by side on a multi-GPU box).
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . \
+  >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 python3 -c "import jax, torch, transformers as t; print(jax.__version__, torch.__version__, \
 t.__version__, jax.devices())" | tee "$out/versions.txt"
 case "$phase" in
@@ -78,7 +79,7 @@ case "$phase" in
   h2dhost)
     # h2d with per-layer Triton kernels reading the pinned pool directly (tools/swap_prototypes.py
     # pallas_host_read), with and without the operand memory-space request; 512 and 64 blocks.
-    for b in 512 64; do
+    for b in ${BLOCKS:-512 64}; do
       timeout 150 python3 tools/explore_swap.py --pool-only --blocks $b \
         --prototypes pallas_host,pallas_host_plain --hlo "$out/hlo$b" 2>&1 | grep -E "ceiling|pool|equal|GPU"
     done

@@ -114,11 +114,13 @@ def check_sync_free(
             with sync_guard("error"):
                 for c in calls:
                     outs.append(fn(*c, **kwargs))
+            # Outside the guard (waiting here is the harness's, not the path's), inside the try:
+            # on a GPU a guard hit in a host callback surfaces only when the result is awaited.
+            jax.block_until_ready(outs)
         except SyncError as e:
             guard_row = Row("runtime: sync_guard", False, str(e).split(". ")[0])
         except Exception as e:  # JAX's own transfer guard (GPU/TPU), or a guard hit in a callback
             guard_row = Row("runtime: sync_guard", False, f"{type(e).__name__}: {str(e)[:200]}")
-    jax.block_until_ready(outs)
     report.rows.append(guard_row)
     report.compiles = log.count
     detail = f"{len(calls)} input(s) in one bucket; {log}"

@@ -158,7 +158,7 @@ def test_auto_picks_pallas_for_power_of_two_blocks_on_gpu_per_shard(monkeypatch)
 
     leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
     assert not _copy._pallas_fits(leaves) or jax.default_backend() == "gpu"  # CPU: XLA
-    monkeypatch.setattr(_copy, "_platform", lambda leaf: "gpu")
+    monkeypatch.setattr(_pallas, "platform", lambda leaf: "gpu")
     assert _copy._pallas_fits(leaves)
     odd = KVLayout(kind="packed", num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3)
     assert not _copy._pallas_fits(jax.tree.leaves(odd.random(LAYERS, jax.random.key(0))))
@@ -200,7 +200,7 @@ def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
     from jaxsync.kv import _copy
 
     leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
-    monkeypatch.setattr(_copy, "_platform", lambda leaf: "gpu")
+    monkeypatch.setattr(_pallas, "platform", lambda leaf: "gpu")
     assert _copy._auto_kernel(leaves)[0] == "pallas"
     monkeypatch.setattr(_pallas, "TRITON", False)
     monkeypatch.setattr(_copy, "_hopper", lambda leaf: True)
