@@ -182,11 +182,9 @@ def _swap_in_kernel(
     parameter to the custom call), so every block is read over PCIe at once, with no staging
     buffer and no scatter. Padded entries carry out-of-range destination ids and are skipped."""
     src_ids, dst_ids = ids["src"], ids["dst"]
-    with _pallas.quiet_triton_deprecation():
-        return [
-            _pallas._copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i)
-            for i, x in enumerate(leaves)
-        ]
+    return [
+        _pallas._copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i) for i, x in enumerate(leaves)
+    ]
 
 
 def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> str:
@@ -286,5 +284,6 @@ def swap_in(
     if backend == "xla":
         out = _swap_in(pool.blocks, leaves, ids)
     else:
-        out = _swap_in_kernel(pool.blocks, leaves, ids, backend=backend)
+        with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns when the kernel is lowered
+            out = _swap_in_kernel(pool.blocks, leaves, ids, backend=backend)
     return jax.tree_util.tree_unflatten(pool.treedef, out)

@@ -232,6 +232,20 @@ def test_jax_dispatch_count_from_profiler_trace():
     assert jax_executions_per_call(lambda: g(f(x))) == 2
 
 
+def test_execution_count_takes_one_nesting_level():
+    from jaxsync.bench._timing import count_executions
+
+    def ev(name):
+        return {"ph": "X", "name": name}
+
+    nested = ["PjRtStreamExecutorLoadedExecutable::Execute" + lv
+              for lv in ("", "Helper", "HelperOnSingleDevice")]  # fmt: skip
+    assert count_executions([ev(n) for n in nested * 2]) == 2  # two programs, three levels each
+    inner = "CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"  # XLA:CPU's one level
+    assert count_executions([ev(inner), ev(inner), ev("ThunkExecutor::Execute")]) == 2
+    assert count_executions([ev("something else"), {"ph": "i", "name": nested[0]}]) is None
+
+
 def test_precompile_a_servers_own_instance():
     # Compiled programs belong to the instance: precompile the PathCase of the object you serve.
     import jaxsync

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import collections
 import re
 import statistics
 import time
@@ -183,8 +184,11 @@ def torch_kernels_per_call(fn: Callable[[], Any]) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-# Profiler event names of one XLA program execution (PjRt clients name them differently).
-_EXECUTE_EVENT = re.compile(r"LoadedExecutable::Execute(HelperOnSingleDevice|Sharded|Helper)?$")
+# Profiler event names of one XLA program execution, outermost level first. PjRt clients name
+# them differently, and some nest several levels per execution (jax 0.11.2 on an H200 emitted
+# three matching events per program; XLA:CPU emits only the innermost): count one level.
+_EXECUTE_EVENT = re.compile(r"LoadedExecutable::Execute(Sharded|Helper|HelperOnSingleDevice)?$")
+_LEVELS = ("", "Sharded", "Helper", "HelperOnSingleDevice")
 
 
 def jax_executions_per_call(fn: Callable[[], Any]) -> int | None:
@@ -209,5 +213,15 @@ def jax_executions_per_call(fn: Callable[[], Any]) -> int | None:
             return None
         trace = json.loads(gzip.open(files[0]).read())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    n = sum(1 for e in events if e.get("ph") == "X" and _EXECUTE_EVENT.search(e.get("name", "")))
-    return n or None
+    return count_executions(events)
+
+
+def count_executions(events: list[dict]) -> int | None:
+    """Program executions in profiler trace events: the events of the outermost execute level
+    present (None when there are none)."""
+    levels = collections.Counter(
+        m.group(1) or ""
+        for e in events
+        if e.get("ph") == "X" and (m := _EXECUTE_EVENT.search(e.get("name", "")))
+    )
+    return next((levels[lv] for lv in _LEVELS if levels[lv]), None)
