@@ -238,9 +238,9 @@ def test_execution_count_takes_one_nesting_level():
     def ev(name):
         return {"ph": "X", "name": name}
 
-    nested = ["PjRtStreamExecutorLoadedExecutable::Execute" + lv
-              for lv in ("", "Helper", "HelperOnSingleDevice")]  # fmt: skip
-    assert count_executions([ev(n) for n in nested * 2]) == 2  # two programs, three levels each
+    nested = ["PjRtCApiLoadedExecutable::Execute", "PjRtStreamExecutorLoadedExecutable::Execute",
+              "PjRtStreamExecutorLoadedExecutable::ExecuteHelper"]  # fmt: skip
+    assert count_executions([ev(n) for n in nested * 2]) == 2  # two programs, three events each
     inner = "CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"  # XLA:CPU's one level
     assert count_executions([ev(inner), ev(inner), ev("ThunkExecutor::Execute")]) == 2
     assert count_executions([ev("something else"), {"ph": "i", "name": nested[0]}]) is None

@@ -184,11 +184,10 @@ def torch_kernels_per_call(fn: Callable[[], Any]) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-# Profiler event names of one XLA program execution, outermost level first. PjRt clients name
-# them differently, and some nest several levels per execution (jax 0.11.2 on an H200 emitted
-# three matching events per program; XLA:CPU emits only the innermost): count one level.
+# Profiler event names of one XLA program execution. PjRt clients name them differently, and
+# some nest several per execution: XLA:CPU (jax 0.10.2) emits one, jax 0.11.2's CUDA plugin on an
+# H200 emitted three, two of them at the same "Execute" level (the C API wrapper and the client).
 _EXECUTE_EVENT = re.compile(r"LoadedExecutable::Execute(Sharded|Helper|HelperOnSingleDevice)?$")
-_LEVELS = ("", "Sharded", "Helper", "HelperOnSingleDevice")
 
 
 def jax_executions_per_call(fn: Callable[[], Any]) -> int | None:
@@ -217,11 +216,11 @@ def jax_executions_per_call(fn: Callable[[], Any]) -> int | None:
 
 
 def count_executions(events: list[dict]) -> int | None:
-    """Program executions in profiler trace events: the events of the outermost execute level
-    present (None when there are none)."""
-    levels = collections.Counter(
-        m.group(1) or ""
-        for e in events
-        if e.get("ph") == "X" and (m := _EXECUTE_EVENT.search(e.get("name", "")))
+    """Program executions in profiler trace events: every execution emits each of its client's
+    execute events once, so the count is the fewest events of any one execute-event name (None
+    when there are none). Assumes the call's programs share one client path (all single-device
+    or all sharded); a mix would be undercounted."""
+    names = collections.Counter(
+        e["name"] for e in events if e.get("ph") == "X" and _EXECUTE_EVENT.search(e.get("name", ""))
     )
-    return next((levels[lv] for lv in _LEVELS if levels[lv]), None)
+    return min(names.values(), default=None)
