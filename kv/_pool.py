@@ -173,42 +173,67 @@ def _swap_in(pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed) -> l
     ]
 
 
-@ft.partial(jax.jit, donate_argnames="leaves", static_argnames="backend")
+_ONE_DEVICE = _pallas.Plan()
+
+
+@ft.partial(jax.jit, donate_argnames="leaves", static_argnames=("backend", "plan"))
 def _swap_in_kernel(
-    pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed, backend: str
+    pool: jax.Array,
+    leaves: list[jax.Array],
+    ids: jaxsync.Packed,
+    backend: str,
+    plan: _pallas.Plan = _ONE_DEVICE,
 ) -> list[jax.Array]:
     """`_swap_in` as one Pallas kernel per leaf that reads its blocks straight out of the pool:
     XLA hands the Triton call the pinned-host buffer itself (the optimized HLO passes the `S(5)`
     parameter to the custom call), so every block is read over PCIe at once, with no staging
-    buffer and no scatter. Padded entries carry out-of-range destination ids and are skipped."""
-    src_ids, dst_ids = ids["src"], ids["dst"]
-    return [
-        _pallas._copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i) for i, x in enumerate(leaves)
-    ]
+    buffer and no scatter. Padded entries carry out-of-range destination ids and are skipped.
+    Caches split over kv heads run it per shard (`plan.mesh`): each device reads its own slice
+    of each pool block, with the replicated ids; nothing crosses devices."""
+
+    def local(pool, leaves, src_ids, dst_ids):
+        return [
+            _pallas._copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i)
+            for i, x in enumerate(leaves)
+        ]
+
+    if plan.mesh is not None:  # pallas_call has no sharding rule: per shard
+        spec, replicated = plan.spec, PartitionSpec()
+        pool_spec = PartitionSpec(spec[0], None, *spec[1:])  # see _pool_sharding
+        local = jax.shard_map(
+            local,
+            mesh=plan.mesh,
+            in_specs=(pool_spec, spec, replicated, replicated),
+            out_specs=spec,
+            check_vma=False,
+        )
+    return local(pool, leaves, ids["src"], ids["dst"])
 
 
-def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> str:
-    """The program `swap_in` runs: "xla" (DMA loop + scatter), "triton" or "interpret"."""
+def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> tuple[str, _pallas.Plan | None]:
+    """The program `swap_in` runs, with its kernel plan: "xla" (DMA loop + scatter, no plan),
+    "triton" or "interpret"."""
     if impl not in ("auto", "xla", "pallas", "pallas_interpret"):
         raise ValueError(
             f"impl must be 'auto', 'xla', 'pallas' or 'pallas_interpret', got {impl!r}"
         )
     if impl == "xla":
-        return "xla"
+        return "xla", None
     kernel_plan = _pallas.plan(leaves)
-    fits = isinstance(kernel_plan, _pallas.Plan) and kernel_plan.mesh is None
+    fits = isinstance(kernel_plan, _pallas.Plan)
     on_gpu = _pallas.ALLOW_COMPILED and _pallas.TRITON and _pallas.platform(leaves[0]) == "gpu"
     if impl == "auto":
-        return "triton" if fits and on_gpu else "xla"
+        return ("triton", kernel_plan) if fits and on_gpu else ("xla", None)
     if not fits:
-        why = kernel_plan if isinstance(kernel_plan, str) else "the cache is sharded"
-        raise ValueError(f"impl={impl!r} cannot swap into these caches: {why}; use impl='xla'")
+        raise ValueError(
+            f"impl={impl!r} cannot swap into these caches: {kernel_plan}; use impl='xla'"
+        )
     if impl == "pallas" and not on_gpu:
         raise ValueError(
             "impl='pallas' needs a GPU, Pallas' Triton backend and compiled kernels switched on "
             "(jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla' or 'pallas_interpret'"
         )
-    return "triton" if impl == "pallas" else "interpret"
+    return ("triton" if impl == "pallas" else "interpret"), kernel_plan
 
 
 @entry_point
@@ -261,18 +286,19 @@ def swap_in(
         returned cache.
       src_ids / dst_ids: host lists of pool and cache block ids, same length, dst unique.
       buckets: block-count buckets (default: powers of two >= 8).
-      impl: "auto" (default): on a GPU, for single-device caches whose block dims are powers of
-        two, "pallas": one Triton kernel per layer reading the blocks straight out of pinned
-        host memory (H200: 92% of a large pinned transfer at 512 blocks, against 80% for the
-        DMA loop); elsewhere "xla": one DMA per block into a staging buffer, then one scatter
-        per layer. "pallas_interpret" runs the kernel in Pallas' interpreter (tests).
+      impl: "auto" (default): on a GPU, for caches whose (per-device) block dims are powers of
+        two, on one device or split over kv heads, "pallas": one Triton kernel per layer reading
+        the blocks straight out of pinned host memory (H200, 512 blocks: 86-92% of a large
+        pinned transfer, against 78-80% for the DMA loop); elsewhere "xla": one DMA per block
+        into a staging buffer, then one scatter per layer. "pallas_interpret" runs the kernel in
+        Pallas' interpreter (tests).
 
     Raises:
       ValueError / TypeError: before anything is dispatched, as `swap_out`, and on an `impl`
         that cannot run here.
     """
     leaves = _check(pool, cache)
-    backend = _swap_in_impl(impl, leaves)
+    backend, kernel_plan = _swap_in_impl(impl, leaves)
     num_dst = leaves[0].shape[0]
     s, d = checked_ids(src_ids, dst_ids, pool.num_blocks, num_dst)
     if s.size == 0:
@@ -285,5 +311,5 @@ def swap_in(
         out = _swap_in(pool.blocks, leaves, ids)
     else:
         with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns when the kernel is lowered
-            out = _swap_in_kernel(pool.blocks, leaves, ids, backend=backend)
+            out = _swap_in_kernel(pool.blocks, leaves, ids, backend=backend, plan=kernel_plan)
     return jax.tree_util.tree_unflatten(pool.treedef, out)

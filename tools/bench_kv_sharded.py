@@ -71,10 +71,13 @@ def _closures(src, state, ids, host_ids):
         state["pool"] = swap_out(src, state["pool"], s, d)
         return state["pool"].blocks
 
-    def back():
-        d, s = host_ids[next(it) % 4]
-        state["dst"] = swap_in(state["pool"], state["dst"], s, d)
-        return state["dst"]
+    def back(impl):
+        def fn():
+            d, s = host_ids[next(it) % 4]
+            state["dst"] = swap_in(state["pool"], state["dst"], s, d, impl=impl)
+            return state["dst"]
+
+        return fn
 
     return d2d, out, back
 
@@ -115,10 +118,12 @@ def main() -> None:
         if _hopper(src["layer00"]):  # the Mosaic GPU port, per shard too
             cases.append(("d2d", "mosaic", d2d("mosaic"), ceiling, 2))
         if count <= args.host_blocks // 2:
-            for name, fn, to_host in (("d2h pool", out, True), ("h2d pool", back, False)):
+            swaps = (("d2h pool", "pool", out, True), ("h2d pool", "auto", back("auto"), False),
+                     ("h2d pool", "xla", back("xla"), False))  # fmt: skip
+            for name, impl, fn, to_host in swaps:
                 if to_host not in pinned:
                     pinned[to_host] = _pinned_ceiling(mesh, 1 << 30, to_host)
-                cases.append((name, "pool", fn, pinned[to_host], 1))
+                cases.append((name, impl, fn, pinned[to_host], 1))
         for what, impl, fn, ref, passes in cases:
             m = measure(fn, side, repeat=3)
             gbps = passes * count * per_gpu_block / max(m["device_ms"] * 1e-3, 1e-9) / 1e9

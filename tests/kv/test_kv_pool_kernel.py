@@ -74,27 +74,65 @@ def test_kernel_equals_dma_loop_on_many_random_id_sets():
 
 def test_auto_takes_the_kernel_on_one_gpu_only(monkeypatch):
     leaves = jax.tree.leaves(host_random_cache(layout("packed"), LAYERS, 0, DEV))
-    assert _pool._swap_in_impl("auto", leaves) == ("triton" if jax.default_backend() == "gpu"
-                                                   else "xla")  # fmt: skip
+
+    def choice(leaves, impl="auto"):
+        return _pool._swap_in_impl(impl, leaves)[0]
+
+    assert choice(leaves) == ("triton" if jax.default_backend() == "gpu" else "xla")
     monkeypatch.setattr(_pallas, "platform", lambda leaf: "gpu")
     monkeypatch.setattr(_pallas, "TRITON", True)
-    assert _pool._swap_in_impl("auto", leaves) == "triton"
+    assert choice(leaves) == "triton"
     odd = KVLayout(kind="packed", num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3)
-    assert _pool._swap_in_impl("auto", jax.tree.leaves(odd.random(LAYERS, jax.random.key(0)))) \
-        == "xla"  # fmt: skip
+    assert choice(jax.tree.leaves(odd.random(LAYERS, jax.random.key(0)))) == "xla"
     mesh = jaxsync.testing.device_mesh("h")
-    heads = KVLayout(kind="packed", num_blocks=8, block_size=4, num_kv_heads=8, head_dim=8)
-    sharded = jax.tree.leaves(
-        heads.random(LAYERS, jax.random.key(0), placement=NamedSharding(mesh, P(None, "h")))
-    )
-    assert _pool._swap_in_impl("auto", sharded) == "xla"  # per-shard reads of the pool: not yet
-    with pytest.raises(ValueError, match="sharded"):
-        _pool._swap_in_impl("pallas_interpret", sharded)
+    sharded = jax.tree.leaves(HEADS.random(LAYERS, jax.random.key(0), placement=SHARD(mesh)))
+    assert choice(sharded) == "triton"  # per shard
+    assert _pool._swap_in_impl("auto", sharded)[1].mesh is not None
+    by_block = jax.device_put(jnp.zeros((8, 2, 4, 16)), NamedSharding(mesh, P("h")))
+    assert choice([by_block]) == "xla"  # blocks split over devices: a shard cannot read a pool
+    with pytest.raises(ValueError, match="block axis"):
+        choice([by_block], "pallas_interpret")
     monkeypatch.setattr(_pallas, "TRITON", False)  # a jax without Pallas' Triton backend
-    assert _pool._swap_in_impl("auto", leaves) == "xla"
+    assert choice(leaves) == "xla"
     monkeypatch.setattr(_pallas, "TRITON", True)
     monkeypatch.setattr(_pallas, "ALLOW_COMPILED", False)
-    assert _pool._swap_in_impl("auto", leaves) == "xla"
+    assert choice(leaves) == "xla"
+
+
+HEADS = KVLayout(kind="packed", num_blocks=12, block_size=4, num_kv_heads=8, head_dim=4,
+                 dtype=jnp.float32)  # fmt: skip  # 8 kv heads: one per simulated device
+
+
+def SHARD(mesh):  # noqa: N802 - reads like the constant it stands for
+    return NamedSharding(mesh, P(None, "h"))
+
+
+@pytest.mark.parametrize(
+    "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+)
+def test_sharded_kernel_runs_per_shard_without_collectives(impl):
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        pytest.skip("the compiled (Triton) kernel needs GPUs")
+    mesh = jaxsync.testing.device_mesh("h")
+    cache = HEADS.random(LAYERS, jax.random.key(0), placement=SHARD(mesh))
+    pool = swap_out(cache, host_pool(cache, 10), list(range(10)), list(range(10)))
+    src, dst = [3, 1, 4, 9, 0], [0, 5, 7, 11, 2]
+    want = swap_in(pool, HEADS.random(LAYERS, jax.random.key(1), placement=SHARD(mesh)), src,
+                   dst, impl="xla")  # fmt: skip
+    got = swap_in(pool, HEADS.random(LAYERS, jax.random.key(1), placement=SHARD(mesh)), src, dst,
+                  impl=impl)  # fmt: skip
+    for name in LAYERS:
+        assert got[name].sharding.is_equivalent_to(SHARD(mesh), 4)
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+    leaves = jax.tree.leaves(cache)
+    backend, plan = _pool._swap_in_impl(impl, leaves)
+    ids = jaxsync.upload_packed(
+        {"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)},
+        placement=NamedSharding(mesh, P()),
+    )
+    with _pallas.quiet_triton_deprecation():
+        hlo = _pool._swap_in_kernel.lower(pool.blocks, leaves, ids, backend, plan).as_text()
+    assert not [c for c in ("all-gather", "all-to-all", "collective-permute") if c in hlo]
 
 
 def test_refusals_raise_before_dispatch_and_donate_nothing():
