@@ -19,9 +19,10 @@ slice. XLA's host offloader turns these into DMAs of single blocks; a gather/sca
 host-memory operand is either rejected by JAX (gather) or run as slow host compute (scatter).
 Measured on an H200 (jax 0.11.2, 2026-11-29, 32 layers x 64 KiB blocks): d2h 85-86% of a large
 pinned transfer; h2d only 22-23% (one small host->device DMA per block and layer), which is why
-`jaxsync.kv.HostPool` exists (76-78%). Device->device copies use the one-pass Pallas kernel on
-GPUs (82-96% of a same-size contiguous copy at 512-2048 blocks; per shard under `shard_map` for
-caches split over kv heads, 89-100% of the per-GPU ceiling on two H200s), XLA elsewhere (67-73%:
+`jaxsync.kv.HostPool` exists (86-91% on GPUs, through a kernel reading the pinned pool).
+Device->device copies use the one-pass Pallas kernel on GPUs (82-96% of a same-size contiguous
+copy at 512-2048 blocks; per shard under `shard_map` for caches split over kv heads, 89-100% of
+the per-GPU ceiling on two H200s), XLA elsewhere (67-73%:
 a gather and a scatter, two passes).
 """
 

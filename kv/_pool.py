@@ -7,15 +7,17 @@ jax 0.11.2, 2026-11-29). A `HostPool` stores host block b of *every* leaf contig
 `[P_host, L, *block]` (L = leaves of the cache in its flattened order: sorted layer names, k
 before v), so one DMA moves a block of all layers: 512 DMAs of 2 MiB, 40.5 GB/s in the same run.
 With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 80-83% (swap_out) and 75-80%
-(swap_in) of a large pinned transfer (H200, 2026-11-29, docs/benchmarks.md). swap_in's ceiling:
-XLA reads pinned memory at a device-held offset with an SM kernel, not the copy engine, and such
-reads cap near 48-50 of 55 GB/s even at 32 MiB each; the other program shapes tried (no staging,
-pipelined scatter, host gather, a per-block array list) were slower (tools/explore_swap.py).
+(swap_in) of a large pinned transfer (H200, 2026-11-29, docs/benchmarks.md). swap_in's ceiling
+there: XLA reads pinned memory at a device-held offset with an SM kernel, not the copy engine, at
+most two at a time, and such reads cap near 48-50 of 55 GB/s even at 32 MiB each. So on GPUs
+swap_in reads the pool from a Triton kernel instead, every block in flight at once: 86-91% of
+torch's pinned transfer (jaxsync bench, H200, 16:22 UTC).
 
 * `swap_out`: one gather per leaf on the device into a staging buffer `[N, L, *block]`, then one
   DMA per block into the (donated) pool.
-* `swap_in`: one DMA per block into a device staging buffer, then one scatter per leaf into the
-  (donated) cache.
+* `swap_in`: on GPUs, one Pallas (Triton) kernel per leaf reading the pinned pool directly
+  (`_swap_in_kernel`); elsewhere one DMA per block into a device staging buffer, then one
+  scatter per leaf into the (donated) cache.
 
 The loops have a static trip count (the bucket) for the reason given in `_copy`; padded entries
 repeat the last real pair (an idempotent rewrite), and swap_in's scatter drops them through

@@ -8,7 +8,8 @@
 #   followup - kv proofs on the GPU, `jaxsync verify --paths kv`, pool swaps with a prototype
 #              h2d in runs of consecutive pool ids, the Mosaic GPU copy against Triton and XLA
 #   suite1 / suite2 - the CPU test suite (models / core) on the GPU
-#   h2dhost - h2d through Triton kernels that read the pinned pool directly (prototype)
+#   h2dhost - h2d through Triton kernels that read the pinned pool directly (the prototype of
+#             swap_in's GPU kernel; BLOCKS="512 64" by default)
 #   kvhost  - copy_blocks host time, split, with the id upload's parts (both runtime clients)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients,

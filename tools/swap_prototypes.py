@@ -14,7 +14,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
 import jaxsync
 from jaxsync.kv import _pool
@@ -69,49 +68,30 @@ def _gather(blocks, leaves, src, dst):
     return [x.at[dst].set(staging[:, i], unique_indices=True) for i, x in enumerate(leaves)]
 
 
-def _host_read_kernel(src_ids, dst_ids, pool, dst_in, out, *, leaf: int):
-    del dst_in  # aliased to `out`
-    i, r = pl.program_id(0), pl.program_id(1)
-    tile = out.shape[1] // pl.num_programs(1)
-    rows = pl.ds(r * tile, tile)
-    out[pl.ds(dst_ids[i], 1), rows, :] = pool[pl.ds(src_ids[i], 1), leaf, rows, :]
-
-
 def pallas_host_read(blocks, leaves, src, dst, *, memory_space: int | None = 5, interpret=False):
     """One Triton kernel per layer reading its blocks straight out of the pinned pool: every
     block in flight at once, no staging buffer, no scatter. `interpret=True` runs the same kernel
     in Pallas' interpreter on a device-resident pool (the kernel's logic, on CPU).
 
-    Whether XLA lets a custom call read host memory is what this settles on a GPU, and the odds
-    are poor. The request (frontend attribute `operands_memory_spaces`, openxla/xla#39742; 5 is
-    XLA's host memory space) exists in jax 0.11.2's CUDA plugin, but the plugin's own message says
-    "Valid values are 0 (default), 1 (collective), 2 (temp)". Without the request, the plugin
-    says device compute on a host-memory operand is "converted into host compute", which a
-    Triton kernel cannot be. (Strings read from jax_cuda13_pjrt-0.11.2, 2026-11-29.)"""
+    Settled on an H200 (jax 0.11.2, 2026-11-29, `gpu_session.sh h2dhost`): the operand
+    memory-space request (frontend attribute `operands_memory_spaces`, openxla/xla#39742; 5 is
+    XLA's host memory space) is refused ("Invalid memory space 5. Valid values are 0 (default),
+    1 (collective), 2 (temp)"). Without it ("pallas_host_plain"), XLA passes the pinned pool
+    (`S(5)`) to the Triton call unchanged and the kernel reads it over PCIe: 21.08 ms for 512
+    blocks against 19.39 ms for one 1 GiB transfer (92%), bit-identical to swap_in. That is now
+    `swap_in`'s GPU default (`kv._pool._swap_in_kernel`)."""
     from contextlib import nullcontext
 
     from jax.experimental.xla_metadata import set_xla_metadata
 
     from jaxsync.kv import _pallas
 
-    rows, cols, tile = _pallas.slab(leaves[0].shape)
-    pool = blocks.reshape(blocks.shape[0], blocks.shape[1], rows, cols)  # [P_host, L, rows, cols]
+    backend = "interpret" if interpret else "triton"
     attr = {"operands_memory_spaces": f"{{2:{memory_space}}}"} if memory_space is not None else {}
-    out = []
-    for i, x in enumerate(leaves):
-        x3 = x.reshape(x.shape[0], rows, cols)
-        call = pl.pallas_call(
-            ft.partial(_host_read_kernel, leaf=i),
-            out_shape=jax.ShapeDtypeStruct(x3.shape, x3.dtype),
-            grid=(src.shape[0], rows // tile),
-            input_output_aliases={3: 0},
-            interpret=interpret,
-            compiler_params=None if interpret else _pallas.pltriton.CompilerParams(),
-        )
-        with set_xla_metadata(**attr) if attr else nullcontext():
-            y = call(src, dst, pool, x3)
-        out.append(y.reshape(x.shape))
-    return out
+    with set_xla_metadata(**attr) if attr else nullcontext():
+        return [
+            _pallas._copy_leaf(blocks, x, src, dst, backend, leaf=i) for i, x in enumerate(leaves)
+        ]
 
 
 PROTOTYPES = {

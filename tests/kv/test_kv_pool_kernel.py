@@ -182,7 +182,7 @@ def test_compiled_kernel_equals_dma_loop_and_passes_every_proof_on_gpu():
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), n
     small = filled_pool("packed", num_blocks=13)
     master = host_random_cache(layout("packed"), LAYERS, 2, DEV)
-    assert _pool._swap_in_impl("auto", jax.tree.leaves(master)) == "triton"
+    assert _pool._swap_in_impl("auto", jax.tree.leaves(master))[0] == "triton"
 
     def step(pool, cache, src_ids, dst_ids):  # swap_in donates the cache: a fresh copy per call
         return swap_in(pool, fresh_copy(cache), src_ids, dst_ids)
