@@ -42,9 +42,9 @@ from jaxsync.kv._layout import (
     cache_leaves,
     check_same_structure,
     checked_ids,
-    index_placement,
     memory_kind,
     padded_ids,
+    upload_ids,
 )
 from jaxsync.kv._pallas import copy_same_memory_pallas
 
@@ -223,7 +223,7 @@ def copy_blocks(
         fill_src, fill_dst = np.full(size, s_ids[-1]), np.full(size, d_ids[-1])
     fields = {"src": padded_ids(s_ids, fill_src), "dst": padded_ids(d_ids, fill_dst)}
     device_leaf = s_leaves[0] if kinds[0] == "device" else d_leaves[0]
-    ids = jaxsync.upload_packed(fields, placement=index_placement(device_leaf))
+    ids = upload_ids(fields, device_leaf)
     if actual == "d2d" and impl != "xla":
         with _pallas.quiet_triton_deprecation():
             backend = {"pallas": "triton", "pallas_interpret": "interpret"}.get(impl, impl)

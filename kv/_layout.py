@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxsync
 from jaxsync import replicated_near
 
 
@@ -245,6 +246,16 @@ def _traced(leaf: jax.Array) -> bool:
 def index_placement(leaf: jax.Array) -> jax.sharding.Sharding | None:
     """Where per-call ids go: device memory, replicated over the cache's devices."""
     return replicated_near(leaf)
+
+
+ID_STAGING = "device"
+"""How kv entry points upload their ids (`jaxsync.upload_packed`'s `staging`): "device", or
+"pinned_host" (a cheaper host copy; the program moves the ids itself). Read on every call."""
+
+
+def upload_ids(fields: dict[str, np.ndarray], leaf: jax.Array) -> jaxsync.Packed:
+    """One packed upload of a call's host ids, placed for the cache `leaf` belongs to."""
+    return jaxsync.upload_packed(fields, placement=index_placement(leaf), staging=ID_STAGING)
 
 
 def _memory_kind(leaf: jax.Array) -> str:

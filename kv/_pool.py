@@ -42,9 +42,9 @@ from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
     checked_ids,
-    index_placement,
     memory_kind,
     padded_ids,
+    upload_ids,
 )
 
 
@@ -266,7 +266,7 @@ def swap_out(
     size = jaxsync.bucket(int(s.size), buckets)
     last = {"src": np.full(size, s[-1]), "dst": np.full(size, d[-1])}  # idempotent rewrites
     fields = {"src": padded_ids(s, last["src"]), "dst": padded_ids(d, last["dst"])}
-    ids = jaxsync.upload_packed(fields, placement=index_placement(leaves[0]))
+    ids = upload_ids(fields, leaves[0])
     return HostPool(_swap_out(leaves, pool.blocks, ids), pool.treedef)
 
 
@@ -308,7 +308,7 @@ def swap_in(
     size = jaxsync.bucket(int(s.size), buckets)
     sentinels = np.arange(num_dst, num_dst + size)  # dropped by the scatter
     fields = {"src": padded_ids(s, np.full(size, s[-1])), "dst": padded_ids(d, sentinels)}
-    ids = jaxsync.upload_packed(fields, placement=index_placement(leaves[0]))
+    ids = upload_ids(fields, leaves[0])
     if backend == "xla":
         out = _swap_in(pool.blocks, leaves, ids)
     else:

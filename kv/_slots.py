@@ -26,9 +26,9 @@ from jaxsync.kv._layout import (
     check_range,
     check_unique,
     host_ids,
-    index_placement,
     memory_kind,
     padded_ids,
+    upload_ids,
 )
 
 
@@ -153,7 +153,7 @@ def extract_kv(
       padded length keeps one program per bucket; slice `[:T]` on the host after reading back).
     """
     leaves, _, _, fields = _prepare(caches, slot_mapping, buckets, unique=False)
-    return _extract(caches, jaxsync.upload_packed(fields, placement=index_placement(leaves[0])))
+    return _extract(caches, upload_ids(fields, leaves[0]))
 
 
 @entry_point
@@ -192,4 +192,4 @@ def inject_kv(
             )
     if n == 0:
         return caches
-    return _inject(caches, kv, jaxsync.upload_packed(fields, placement=index_placement(leaves[0])))
+    return _inject(caches, kv, upload_ids(fields, leaves[0]))
