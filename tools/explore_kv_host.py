@@ -23,7 +23,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync.bench._timing import _Side, blocked_ms
-from jaxsync.kv import _copy, _layout, _pallas, copy_blocks
+from jaxsync.kv import _copy, _pallas, copy_blocks
 from jaxsync.kv._bench import SIZES
 from jaxsync.kv._layout import index_placement
 
@@ -62,16 +62,6 @@ def main() -> None:
         state["dst"] = copy_blocks(src, state["dst"], s, d)
         return state["dst"]
 
-    def whole_pinned_ids():  # the same call with its ids staged in pinned host memory
-        _layout.ID_STAGING = "pinned_host"
-        try:
-            return whole()
-        finally:
-            _layout.ID_STAGING = "device"
-
-    def upload_pinned():
-        return jaxsync.upload_packed(fields, placement=index_placement(leaf), staging="pinned_host")
-
     def upload():
         return jaxsync.upload_packed(fields, placement=index_placement(leaf))
 
@@ -90,8 +80,7 @@ def main() -> None:
         state["dst"] = _touch(src, state["dst"])
         return state["dst"]
 
-    pieces = [("whole copy_blocks", whole), ("  ids staged pinned", whole_pinned_ids),
-              ("packed id upload", upload), ("  staged pinned", upload_pinned),
+    pieces = [("whole copy_blocks", whole), ("packed id upload", upload),
               ("jitted copy program", program),
               (f"no-op jit, {2 * layers} args", touch)]  # fmt: skip
     if "--uploads" in sys.argv:  # where the upload's host time goes, and a pinned-host route
