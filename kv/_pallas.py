@@ -197,13 +197,22 @@ def copy_same_memory_pallas(
     def local(src, dst, src_ids, dst_ids):
         return jax.tree.map(lambda s, d: _copy_leaf(s, d, src_ids, dst_ids, backend), src, dst)
 
-    if plan.mesh is not None:  # per shard; pallas_call itself has no sharding rule
-        spec, replicated = plan.spec, PartitionSpec()
+    return per_shard(local, plan, src, dst, ids)
+
+
+def per_shard(
+    local, plan: Plan, src, dst, ids: jaxsync.Packed, src_spec: PartitionSpec | None = None
+):
+    """`local(src, dst, src_ids, dst_ids)` on one device, or per shard under `shard_map` when
+    `plan.mesh` is set (pallas_call itself has no sharding rule): dst in `plan.spec`, src in
+    `src_spec` (default the same), the ids replicated."""
+    if plan.mesh is not None:
+        replicated = PartitionSpec()
         local = jax.shard_map(
             local,
             mesh=plan.mesh,
-            in_specs=(spec, spec, replicated, replicated),
-            out_specs=spec,
+            in_specs=(src_spec or plan.spec, plan.spec, replicated, replicated),
+            out_specs=plan.spec,
             check_vma=False,
         )
     return local(src, dst, ids["src"], ids["dst"])

@@ -199,17 +199,9 @@ def _swap_in_kernel(
             for i, x in enumerate(leaves)
         ]
 
-    if plan.mesh is not None:  # pallas_call has no sharding rule: per shard
-        spec, replicated = plan.spec, PartitionSpec()
-        pool_spec = PartitionSpec(spec[0], None, *spec[1:])  # see _pool_sharding
-        local = jax.shard_map(
-            local,
-            mesh=plan.mesh,
-            in_specs=(pool_spec, spec, replicated, replicated),
-            out_specs=spec,
-            check_vma=False,
-        )
-    return local(pool, leaves, ids["src"], ids["dst"])
+    spec = plan.spec
+    pool_spec = None if spec is None else PartitionSpec(spec[0], None, *spec[1:])  # _pool_sharding
+    return _pallas.per_shard(local, plan, pool, leaves, ids, src_spec=pool_spec)
 
 
 def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> tuple[str, _pallas.Plan | None]:
