@@ -97,7 +97,7 @@ def _kernel(src_ids, dst_ids, src, dst_in, out, *, row0: int = 0):
         ]
 
 
-def _copy_leaf(
+def copy_leaf(
     s: jax.Array, d: jax.Array, src_ids, dst_ids, backend: str, *, leaf: int | None = None
 ) -> jax.Array:
     """d[dst_ids[k]] <- s[src_ids[k]] for one leaf `d: [Pd, *block]`. With `leaf`, `s` is a
@@ -195,7 +195,7 @@ def copy_same_memory_pallas(
     (Pallas' interpreter, any backend; tests)."""
 
     def local(src, dst, src_ids, dst_ids):
-        return jax.tree.map(lambda s, d: _copy_leaf(s, d, src_ids, dst_ids, backend), src, dst)
+        return jax.tree.map(lambda s, d: copy_leaf(s, d, src_ids, dst_ids, backend), src, dst)
 
     return per_shard(local, plan, src, dst, ids)
 

@@ -195,7 +195,7 @@ def _swap_in_kernel(
 
     def local(pool, leaves, src_ids, dst_ids):
         return [
-            _pallas._copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i)
+            _pallas.copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i)
             for i, x in enumerate(leaves)
         ]
 

@@ -90,7 +90,7 @@ def pallas_host_read(blocks, leaves, src, dst, *, memory_space: int | None = 5, 
     attr = {"operands_memory_spaces": f"{{2:{memory_space}}}"} if memory_space is not None else {}
     with set_xla_metadata(**attr) if attr else nullcontext():
         return [
-            _pallas._copy_leaf(blocks, x, src, dst, backend, leaf=i) for i, x in enumerate(leaves)
+            _pallas.copy_leaf(blocks, x, src, dst, backend, leaf=i) for i, x in enumerate(leaves)
         ]
 
 

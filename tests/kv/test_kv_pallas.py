@@ -140,13 +140,13 @@ def test_compiled_pallas_refusals_donate_nothing(monkeypatch):
 def test_kernel_lowers_to_triton_for_cuda():
     # Cross-lowered on the CPU: the kernel must reach XLA as a Triton call (Pallas' default GPU
     # backend, Mosaic GPU, gives un-blocked refs other semantics).
-    from jaxsync.kv._pallas import _copy_leaf
+    from jaxsync.kv._pallas import copy_leaf
 
     s = jnp.zeros((8, 16, 256), jnp.bfloat16)
     ids = jnp.zeros((4,), jnp.int32)
 
     def f(s, d, a, b):
-        return _copy_leaf(s, d, a, b, backend="triton")
+        return copy_leaf(s, d, a, b, backend="triton")
 
     with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns on every Triton lowering
         text = jax.jit(f).trace(s, s, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
