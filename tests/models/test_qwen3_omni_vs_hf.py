@@ -42,10 +42,12 @@ def tiny(tmp_path_factory):
         scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
         # the default, with the state passed as one flat buffer per dtype
         packed=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights=True),
+        # the default, with only its vectors (biases, norms) packed
+        small=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="small"),
     )
 
 
-ENCODERS = ("enc", "scan", "packed")
+ENCODERS = ("enc", "scan", "packed", "small")
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -87,9 +89,18 @@ def test_scanned_layers_equal_the_layer_loop_bitwise(tiny):
 
 def test_packed_weights_equal_the_default_bitwise(tiny):
     assert len(tiny["packed"]._leaves) == 1  # every tiny weight is float32: one buffer
+    # "small": the 16 vectors (3 conv + ln_post + proj biases, 2 LayerNorms and 6 Linear biases
+    # per stacked layer) in one buffer; 12 matrices (conv kernels, weights) as they are
+    assert len(tiny["small"]._leaves) == 1 + 12
+    assert [x.ndim for x in tiny["small"]._leaves[1:]] == [
+        x.ndim for x in tiny["scan"]._leaves if x.ndim > 1 + (x.shape[0] == CFG.encoder_layers)
+    ]
     for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES):
         want = tiny["scan"](x, lens).embeddings
         assert_same_math(tiny["packed"](x, lens).embeddings, want)
+        assert_same_math(tiny["small"](x, lens).embeddings, want)
+    with pytest.raises(ValueError, match="pack_weights"):
+        q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), pack_weights="big")
 
 
 def test_upstream_batch_dependence_is_reproduced(tiny):
@@ -216,11 +227,12 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    case, per_layer, packed = ver._bench("cpu", "tiny")
+    case, per_layer, packed, small = ver._bench("cpu", "tiny")
     assert per_layer.name == f"{case.name} [per_layer]" and not per_layer.torch_fns
     assert packed.name == f"{case.name} [packed]" and not packed.torch_fns
+    assert small.name == f"{case.name} [small_packed]" and not small.torch_fns
     ours = case.jax_fn()
-    for other in (per_layer, packed):  # each runner starts from the same input
+    for other in (per_layer, packed, small):  # each runner starts from the same input
         assert_same_math(other.jax_fn(), ours)
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
