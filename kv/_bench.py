@@ -155,6 +155,9 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                 cases += [
                     _impl_case(name, impl, s_cache, state, id_sets, nbytes) for impl in others
                 ]
+            if direction == "h2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
+                # opt-in: the kernel reading the per-layer pinned caches directly
+                cases.append(_impl_case(name, "pallas", s_cache, state, id_sets, nbytes, "h2d"))
             if direction != "d2d":
                 cases.append(_pool_case(name, direction, src, state, pool, id_sets, nbytes, device))
             if direction == "h2d" and device.startswith("cuda"):  # default there: the kernel
@@ -164,14 +167,14 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
     return cases
 
 
-def _impl_case(name, impl, s_cache, state, id_sets, nbytes) -> BenchCase:
-    """The d2d copy of `name` with an explicit `impl`, on the same ids (row "[impl]")."""
+def _impl_case(name, impl, s_cache, state, id_sets, nbytes, direction="d2d") -> BenchCase:
+    """The copy of `name` with an explicit `impl`, on the same ids (row "[impl]")."""
     rotation = itertools.cycle(id_sets)
 
     def jax_fn():
         s, d = next(rotation)
-        state["d2d"] = copy_blocks(s_cache, state["d2d"], s, d, impl=impl)
-        return state["d2d"]
+        state[direction] = copy_blocks(s_cache, state[direction], s, d, impl=impl)
+        return state[direction]
 
     return BenchCase(f"{name} [{impl}]", jax_fn, {}, bytes_moved=nbytes)
 

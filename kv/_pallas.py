@@ -186,10 +186,12 @@ def plan(leaves: list[jax.Array]) -> Plan | str:
 
 
 @ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "backend"))
-def copy_same_memory_pallas(
+def copy_pallas(
     src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), backend: str = "triton"
 ) -> Cache:
-    """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids).
+    """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids), for
+    device caches; `src` may also be in pinned host memory (h2d: the Triton kernel reads it
+    directly, as `_pool._swap_in_kernel` does).
 
     backend: "triton" (the GPU default), "mosaic" (`kv._mosaic`, Hopper, opt-in) or "interpret"
     (Pallas' interpreter, any backend; tests)."""

@@ -71,7 +71,7 @@ def main() -> None:
         if impl == "pallas":
             plan = _pallas.plan(jax.tree.leaves(src) * 2)
             with _pallas.quiet_triton_deprecation():
-                state["dst"] = _pallas.copy_same_memory_pallas(src, state["dst"], packed, plan=plan)
+                state["dst"] = _pallas.copy_pallas(src, state["dst"], packed, plan=plan)
         else:
             state["dst"] = _copy._copy_same_memory(src, state["dst"], packed)
         return state["dst"]
