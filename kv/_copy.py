@@ -22,8 +22,7 @@ pinned transfer; h2d only 22-23% (one small host->device DMA per block and layer
 `jaxsync.kv.HostPool` exists (86-91% on GPUs, through a kernel reading the pinned pool).
 Device->device copies use the one-pass Pallas kernel on GPUs (82-96% of a same-size contiguous
 copy at 512-2048 blocks; per shard under `shard_map` for caches split over kv heads, 89-100% of
-the per-GPU ceiling on two H200s), XLA elsewhere (67-73%:
-a gather and a scatter, two passes).
+the per-GPU ceiling on two H200s), XLA elsewhere (67-73%: a gather and a scatter, two passes).
 """
 
 from __future__ import annotations
@@ -87,25 +86,16 @@ def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: boo
     return jax.lax.fori_loop(0, src_ids.shape[0], body, dst, unroll=_pool.UNROLL)
 
 
-def _compiled_plan(leaves: list[jax.Array]) -> _pallas.Plan | None:
-    """The kernel plan when a compiled kernel may copy these leaves (compiled kernels on, a GPU,
-    a `_pallas.plan` for them), else None."""
-    if not _pallas.ALLOW_COMPILED or _pallas.platform(leaves[0]) != "gpu":
-        return None
-    kernel_plan = _pallas.plan(leaves)
-    return kernel_plan if isinstance(kernel_plan, _pallas.Plan) else None
-
-
 def _pallas_fits(leaves: list[jax.Array]) -> bool:
     """Whether a compiled kernel may copy these leaves."""
-    return _compiled_plan(leaves) is not None
+    return _pallas.compiled_plan(leaves) is not None
 
 
 def _auto_kernel(leaves: list[jax.Array]) -> tuple[str, _pallas.Plan | None]:
     """What "auto" runs for a device->device copy, with its kernel plan: the Triton kernel where
     it fits; the Mosaic GPU port on Hopper GPUs once a jax without Triton is installed (as fast
     on an H200); else XLA (no plan)."""
-    kernel_plan = _compiled_plan(leaves)
+    kernel_plan = _pallas.compiled_plan(leaves)
     if kernel_plan is None:
         return "xla", None
     if _pallas.TRITON:

@@ -185,6 +185,15 @@ def plan(leaves: list[jax.Array]) -> Plan | str:
     return Plan(mesh, PartitionSpec(*spec) if mesh else None, mosaic)
 
 
+def compiled_plan(leaves: list[jax.Array]) -> Plan | None:
+    """The kernel plan when a compiled kernel may run on these leaves (compiled kernels on, a
+    GPU, a `plan` for them), else None."""
+    if not ALLOW_COMPILED or platform(leaves[0]) != "gpu":
+        return None
+    kernel_plan = plan(leaves)
+    return kernel_plan if isinstance(kernel_plan, Plan) else None
+
+
 @ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "backend"))
 def copy_pallas(
     src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), backend: str = "triton"

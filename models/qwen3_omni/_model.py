@@ -105,6 +105,8 @@ class AudioEncoder:
         scan_layers: bool = True,
         pack_weights: bool | Literal["small"] = False,
     ):
+        if pack_weights not in (False, True, "small"):  # before any work on the weights
+            raise ValueError(f"pack_weights must be False, True or 'small', got {pack_weights!r}")
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
         self.cache = jaxsync.default_cache if cache is None else cache
@@ -132,8 +134,6 @@ class AudioEncoder:
             return module.head(x, meta)
 
         # `_leaves` are the jitted program's state arguments: the leaves, or their packed buffers.
-        if pack_weights not in (False, True, "small"):
-            raise ValueError(f"pack_weights must be False, True or 'small', got {pack_weights!r}")
         if pack_weights:
             only = vector_leaves(self._leaves, num_own) if pack_weights == "small" else None
             pack = jaxsync.PackedLeaves(self._leaves, only=only)
