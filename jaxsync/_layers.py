@@ -12,7 +12,7 @@ stacks such as MaxText).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -56,20 +56,29 @@ def stack_layers(layers: Sequence[nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]
     return graphdef, stacked
 
 
-def scan_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: Any, *args: Any) -> Any:
+def scan_layers(
+    graphdef: nnx.GraphDef,
+    stacked_state: Any,
+    x: Any,
+    *args: Any,
+    unpack: Callable[[Any], nnx.State] | None = None,
+) -> Any:
     """Runs `x = layer_i(x, *args)` for i = 0..L-1 as one `jax.lax.scan`.
 
     Args:
       graphdef: the layer graphdef from `stack_layers`.
-      stacked_state: the stacked state, leaves [L, ...] (traced inside jit).
+      stacked_state: the stacked state, leaves [L, ...] (traced inside jit); or, with `unpack`,
+        any pytree of [L, ...] arrays, e.g. `jaxsync.PackedLeaves(..., rows=True).buffers`.
       x: the carry, e.g. [B, T, D]; each layer must return the same shape and dtype.
       *args: passed unchanged to every layer (closed over, not scanned), e.g. a mask.
+      unpack: maps one layer's slice of `stacked_state` to that layer's state.
 
     Returns:
       x after the L layers, same shape and dtype as the input.
     """
 
-    def step(carry, layer_state):
+    def step(carry, layer_slice):
+        layer_state = layer_slice if unpack is None else unpack(layer_slice)
         return nnx.merge(graphdef, layer_state)(carry, *args), None
 
     out, _ = jax.lax.scan(step, x, stacked_state)

@@ -156,8 +156,9 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                     _impl_case(name, impl, s_cache, state, id_sets, nbytes) for impl in others
                 ]
             if direction == "h2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
-                # opt-in: the kernel reading the per-layer pinned caches directly
-                cases.append(_impl_case(name, "pallas", s_cache, state, id_sets, nbytes, "h2d"))
+                # The default there is the kernel reading the per-layer pinned caches directly:
+                # the DMA loop on the same ids
+                cases.append(_impl_case(name, "xla", s_cache, state, id_sets, nbytes, "h2d"))
             if direction != "d2d":
                 cases.append(_pool_case(name, direction, src, state, pool, id_sets, nbytes, device))
             if direction == "h2d" and device.startswith("cuda"):  # default there: the kernel

@@ -47,3 +47,30 @@ def test_refuses_what_packing_would_break():
     elsewhere = jax.device_put(jnp.ones(2), jax.devices()[1])
     with pytest.raises(ValueError, match="one placement"):
         jaxsync.PackedLeaves([jnp.ones(2), elsewhere])
+
+
+def test_rows_pack_each_layer_into_one_row_sliced_by_a_scan():
+    key = jax.random.key(1)
+    layers = 5  # stacked layer leaves [L, ...], two dtypes and a passed-through leaf
+    leaves = [
+        jax.random.normal(key, (layers, 3, 7)),
+        jax.random.normal(key, (layers, 11)).astype(jnp.bfloat16),
+        jnp.arange(layers * 2, dtype=jnp.float32).reshape(layers, 2),
+        jax.random.normal(key, (layers, 4, 4)),
+    ]
+    pack = jaxsync.PackedLeaves(leaves, rows=True, only=[True, True, True, False])
+    assert [b.shape for b in pack.buffers] == [(layers, 11), (layers, 21 + 2), (layers, 4, 4)]
+    for a, b in zip(jax.jit(pack.unpack)(pack.buffers), leaves, strict=True):  # all layers
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def step(carry, row):  # one layer's row of each buffer -> that layer's leaves
+        return carry, [x.astype(jnp.float32).sum() for x in pack.unpack(row)]
+
+    _, sums = jax.jit(lambda bufs: jax.lax.scan(step, 0, bufs))(pack.buffers)
+    for got, x in zip(sums, leaves, strict=True):
+        want = np.asarray(x, np.float32).reshape(layers, -1).sum(1)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="one leading"):
+        jaxsync.PackedLeaves([jnp.ones((2, 3)), jnp.ones((3, 3))], rows=True)
+    with pytest.raises(ValueError, match="one leading"):
+        jaxsync.PackedLeaves([jnp.float32(1.0)], rows=True)

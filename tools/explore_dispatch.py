@@ -6,8 +6,9 @@ XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
   python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--profile]
 
---packed adds a prototype with the weights packed into one buffer per dtype (fewer jit
-arguments): its host dispatch time and device time next to the default's.
+--packed adds the encoders with packed weights (`AudioEncoder(pack_weights="rows" / "small" /
+True)`, fewer jit arguments): their host dispatch, whole-call and device times next to the
+default's.
 
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
@@ -31,7 +32,7 @@ from flax import nnx
 import jaxsync
 from jaxsync.bench._timing import _Side, blocked_ms, measure
 from jaxsync.models.qwen3_omni import _reference as ref
-from jaxsync.models.qwen3_omni._model import TOKENS_PER_FULL_CHUNK, AudioEncoder, vector_leaves
+from jaxsync.models.qwen3_omni._model import TOKENS_PER_FULL_CHUNK, AudioEncoder
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, sinusoid_table
 from jaxsync.models.qwen3_omni._verify import BENCH_SECONDS, padded_inputs
 
@@ -47,7 +48,9 @@ def main() -> None:
     scan = "--per-layer" not in sys.argv
     tower = Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     enc = AudioEncoder(tower, scan_layers=scan)
-    del tower  # with stacked layers the encoder holds the stacked copy only
+    packs = ("rows", "small", True) if "--packed" in sys.argv and scan else ()
+    packed_encs = {how: AudioEncoder(tower, pack_weights=how) for how in packs}
+    del tower  # with stacked layers the encoders hold their stacked copies only
     rotation = padded_inputs(cfg, [lens] * 3)
     side = _Side("jax")
     x, lengths = rotation[0]
@@ -93,16 +96,13 @@ def main() -> None:
     one = enc._leaves[0]
     rows["trivial jit, 1 arg"] = lambda: many([one])
     side.sync(many([one]))
-    if "--packed" in sys.argv:  # the weights packed into few buffers: all, or the vectors only
+    if packed_encs:  # the weights packed: all, the vectors only, or layer by layer in rows
         device = {"default": lambda: enc._forward(x, positions, meta)}
-        for how, only in (
-            ("packed", None),
-            ("small packed", vector_leaves(enc._leaves, enc._num_own)),
-        ):
-            packed, bufs = _packed_forward(enc, only)
-            side.sync(packed(bufs, x, positions, meta))
-            fn = device[how] = ft.partial(packed, bufs, x, positions, meta)
-            rows[f"jit dispatch, {how}: {len(bufs)} args"] = fn
+        for how, penc in packed_encs.items():
+            fn = device[how] = ft.partial(penc._forward, x, positions, meta)
+            side.sync(fn())
+            rows[f"jit dispatch, pack {how}: {len(penc._leaves)} args"] = fn
+            rows[f"whole call, pack {how}"] = lambda penc=penc: penc(x, lengths).embeddings
         for name, fn in device.items():
             m = measure(fn, side, repeat=3)
             print(f"device time, {name} weights: {m['device_ms']:.3f} ms/fwd")
@@ -119,14 +119,6 @@ def main() -> None:
         profile.disable()
         side.sync()
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
-
-
-def _packed_forward(enc, only=None):
-    """The encoder's program with its state passed as `jaxsync.PackedLeaves` buffers (what
-    `AudioEncoder(pack_weights=True / "small")` does), sharing this encoder's weights."""
-    pack = jaxsync.PackedLeaves(enc._leaves, only=only)
-    packed = jax.jit(lambda bufs, *args: enc._jitted(pack.unpack(bufs), *args))
-    return packed, pack.buffers
 
 
 if __name__ == "__main__":

@@ -103,10 +103,14 @@ class AudioEncoder:
         cache: jaxsync.DeviceCache | None = None,
         window_buckets: Sequence[int] | None = None,
         scan_layers: bool = True,
-        pack_weights: bool | Literal["small"] = False,
+        pack_weights: bool | Literal["small", "rows"] = False,
     ):
-        if pack_weights not in (False, True, "small"):  # before any work on the weights
-            raise ValueError(f"pack_weights must be False, True or 'small', got {pack_weights!r}")
+        if pack_weights not in (False, True, "small", "rows"):  # before any work on the weights
+            raise ValueError(
+                f"pack_weights must be False, True, 'small' or 'rows', got {pack_weights!r}"
+            )
+        if pack_weights == "rows" and not scan_layers:
+            raise ValueError("pack_weights='rows' packs stacked layers: it needs scan_layers=True")
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
         self.cache = jaxsync.default_cache if cache is None else cache
@@ -124,23 +128,43 @@ class AudioEncoder:
         num_own = self._num_own = len(self._leaves)
         self._leaves += layer_leaves
 
-        def forward(leaves, features, positions, meta):
-            module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves[:num_own]))
+        def run(own, layer_xs, unpack, features, positions, meta):
+            module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, own))
             if not scan_layers:
                 return module(features, positions, meta)
-            stacked = jax.tree_util.tree_unflatten(layer_treedef, leaves[num_own:])
             x = module.embed(features, positions, meta)
-            x = jaxsync.scan_layers(layer_graphdef, stacked, x, meta["window_lens"])
+            x = jaxsync.scan_layers(layer_graphdef, layer_xs, x, meta["window_lens"], unpack=unpack)
             return module.head(x, meta)
 
+        def layer_tree(layer_leaves):
+            return jax.tree_util.tree_unflatten(layer_treedef, layer_leaves)
+
         # `_leaves` are the jitted program's state arguments: the leaves, or their packed buffers.
-        if pack_weights:
+        if pack_weights == "rows":  # own leaves flat, layer leaves one [L, S] row buffer per dtype
+            own = jaxsync.PackedLeaves(self._leaves[:num_own])
+            rows = jaxsync.PackedLeaves(self._leaves[num_own:], rows=True)
+            n = len(own.buffers)
+            self._leaves = own.buffers + rows.buffers
+
+            def forward(bufs, *args):
+                unpack = lambda row: layer_tree(rows.unpack(row))  # noqa: E731
+                return run(own.unpack(bufs[:n]), bufs[n:], unpack, *args)
+
+        elif pack_weights:
             only = vector_leaves(self._leaves, num_own) if pack_weights == "small" else None
             pack = jaxsync.PackedLeaves(self._leaves, only=only)
             self._leaves = pack.buffers
-            self._jitted = jax.jit(lambda bufs, *args: forward(pack.unpack(bufs), *args))
+
+            def forward(bufs, *args):
+                leaves = pack.unpack(bufs)
+                return run(leaves[:num_own], leaves[num_own:], layer_tree, *args)
+
         else:
-            self._jitted = jax.jit(forward)
+
+            def forward(leaves, *args):
+                return run(leaves[:num_own], leaves[num_own:], layer_tree, *args)
+
+        self._jitted = jax.jit(forward)
         # Servers see the same length mixes again (fixed windows, retried requests): planning and
         # the packed upload cost ~1 ms of host time on an H200 host, a dictionary hit ~2 us.
         self._plans: collections.OrderedDict[tuple, tuple[ChunkPlan, jaxsync.Packed]] = (

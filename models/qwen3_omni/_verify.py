@@ -127,13 +127,15 @@ def _bench(device: str, size: str) -> list[BenchCase]:
         return run
 
     # Stacked weights run as one scan (the default), per-layer weights, and the default with its
-    # state packed into one buffer per dtype, or only its vectors packed: the GPU A/B of host
-    # dispatch against device time (29, 525, 1-2 and 13 state arguments per call at the
+    # state packed into one buffer per dtype, only its vectors packed, or its layers packed in
+    # rows (one [L, S] buffer per dtype, sliced per layer by the scan): the GPU A/B of host
+    # dispatch against device time (29, 525, 1-2, 13 and 2 state arguments per call at the
     # released size).
     run_jax = jax_runner(AudioEncoder(tower))
     run_per_layer = jax_runner(AudioEncoder(tower, scan_layers=False))
     run_packed = jax_runner(AudioEncoder(tower, pack_weights=True))
     run_small = jax_runner(AudioEncoder(tower, pack_weights="small"))
+    run_rows = jax_runner(AudioEncoder(tower, pack_weights="rows"))
     del tower
 
     torch_dtype = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
@@ -163,4 +165,5 @@ def _bench(device: str, size: str) -> list[BenchCase]:
         BenchCase(f"{name} [per_layer]", run_per_layer),
         BenchCase(f"{name} [packed]", run_packed),
         BenchCase(f"{name} [small_packed]", run_small),
+        BenchCase(f"{name} [rows_packed]", run_rows),
     ]

@@ -202,9 +202,12 @@ def test_auto_takes_mosaic_on_hopper_when_jax_has_no_triton(monkeypatch):
     leaves = jax.tree.leaves(LAYOUTS["packed"].random(LAYERS, jax.random.key(0)))
     monkeypatch.setattr(_pallas, "platform", lambda leaf: "gpu")
     assert _copy._auto_kernel(leaves)[0] == "pallas"
+    assert _copy._auto_kernel(leaves, "h2d")[0] == "pallas"  # reads the pinned source directly
+    assert _copy._auto_kernel(leaves, "d2h") == ("xla", None)  # the DMA loop, always
     monkeypatch.setattr(_pallas, "TRITON", False)
     monkeypatch.setattr(_copy, "_hopper", lambda leaf: True)
     assert _copy._auto_kernel(leaves)[0] == "mosaic"
+    assert _copy._auto_kernel(leaves, "h2d")[0] == "xla"  # the Mosaic port copies d2d only
     tiny = KVLayout(kind="separate", num_blocks=8, block_size=1, num_kv_heads=1, head_dim=2)
     tiny_leaves = jax.tree.leaves(tiny.random(LAYERS, jax.random.key(3)))
     assert _copy._auto_kernel(tiny_leaves)[0] == "xla"  # 8-byte blocks: below Mosaic's minimum
@@ -294,7 +297,7 @@ def test_default_gpu_copy_is_the_pallas_kernel_and_passes_every_proof():
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 @pytest.mark.parametrize("ids", [([3, 0, 12], [7, 2, 0]), (list(range(9)), list(range(12, 3, -1)))])
 def test_pallas_h2d_reads_the_pinned_source_like_the_dma_loop(kind, ids):
-    # Pinned host -> device through the kernel (opt-in impl="pallas" on a GPU): per-layer pinned
+    # Pinned host -> device through the kernel ("auto" / "pallas" on a GPU): per-layer pinned
     # caches read directly, padded entries skipped. Equal to the DMA loop bit for bit.
     from jaxsync.kv._layout import fresh_copy
 
@@ -346,7 +349,9 @@ def test_compiled_pallas_h2d_equals_the_dma_loop_on_gpu():
     for n in (1, 37, 200):
         src, dst = rng.integers(0, 256, n), rng.permutation(256)[:n]
         want = copy_blocks(host, released.random(LAYERS, jax.random.key(1)), src, dst, impl="xla")
-        got = copy_blocks(host, released.random(LAYERS, jax.random.key(1)), src, dst,
-                          impl="pallas")  # fmt: skip
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), n
+        for impl in ("pallas", "auto"):  # "auto" takes the kernel on a GPU
+            got = copy_blocks(host, released.random(LAYERS, jax.random.key(1)), src, dst,
+                              impl=impl)  # fmt: skip
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                same = np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+                assert same, (n, impl)

@@ -44,10 +44,12 @@ def tiny(tmp_path_factory):
         packed=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights=True),
         # the default, with only its vectors (biases, norms) packed
         small=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="small"),
+        # the default, own leaves flat and layer leaves in one [L, S] row buffer per dtype
+        rows=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="rows"),
     )
 
 
-ENCODERS = ("enc", "scan", "packed", "small")
+ENCODERS = ("enc", "scan", "packed", "small", "rows")
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -99,8 +101,16 @@ def test_packed_weights_equal_the_default_bitwise(tiny):
         want = tiny["scan"](x, lens).embeddings
         assert_same_math(tiny["packed"](x, lens).embeddings, want)
         assert_same_math(tiny["small"](x, lens).embeddings, want)
+        assert_same_math(tiny["rows"](x, lens).embeddings, want)
+    # "rows": the own leaves in one flat buffer, the layer leaves in one [L, S] buffer
+    own, rows = tiny["rows"]._leaves
+    per_layer = sum(x.size for x in tiny["scan"]._leaves[13:]) // CFG.encoder_layers
+    assert own.ndim == 1 and rows.shape == (CFG.encoder_layers, per_layer)
     with pytest.raises(ValueError, match="pack_weights"):
         q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), pack_weights="big")
+    with pytest.raises(ValueError, match="needs scan_layers=True"):
+        q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), pack_weights="rows",
+                        scan_layers=False)  # fmt: skip
 
 
 def test_upstream_batch_dependence_is_reproduced(tiny):
@@ -227,12 +237,13 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    case, per_layer, packed, small = ver._bench("cpu", "tiny")
+    case, per_layer, packed, small, rows = ver._bench("cpu", "tiny")
     assert per_layer.name == f"{case.name} [per_layer]" and not per_layer.torch_fns
     assert packed.name == f"{case.name} [packed]" and not packed.torch_fns
     assert small.name == f"{case.name} [small_packed]" and not small.torch_fns
+    assert rows.name == f"{case.name} [rows_packed]" and not rows.torch_fns
     ours = case.jax_fn()
-    for other in (per_layer, packed, small):  # each runner starts from the same input
+    for other in (per_layer, packed, small, rows):  # each runner starts from the same input
         assert_same_math(other.jax_fn(), ours)
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
