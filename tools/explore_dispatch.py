@@ -4,11 +4,15 @@ Prints, with ~30 ms of device work queued: the whole call, the host planning, th
 and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
-  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--profile]
+  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--stages]
+                                   [--profile]
 
---packed adds the encoders with packed weights (`AudioEncoder(pack_weights="rows" / "small" /
-True)`, fewer jit arguments): their host dispatch, whole-call and device times next to the
-default's.
+The encoder measured passes one argument per state leaf (`pack_weights=None`); --packed adds
+the encoders with packed weights (`AudioEncoder(pack_weights="rows"` (the default) / `"flat")`,
+fewer jit arguments): their host dispatch, whole-call and device times next to it.
+
+--stages times a whole call's steps one by one (plan lookup, dispatch, output wrapper), with
+device work queued and with an idle device.
 
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
@@ -32,7 +36,11 @@ from flax import nnx
 import jaxsync
 from jaxsync.bench._timing import _Side, blocked_ms, measure
 from jaxsync.models.qwen3_omni import _reference as ref
-from jaxsync.models.qwen3_omni._model import TOKENS_PER_FULL_CHUNK, AudioEncoder
+from jaxsync.models.qwen3_omni._model import (
+    TOKENS_PER_FULL_CHUNK,
+    AudioEmbeddings,
+    AudioEncoder,
+)
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, sinusoid_table
 from jaxsync.models.qwen3_omni._verify import BENCH_SECONDS, padded_inputs
 
@@ -47,8 +55,8 @@ def main() -> None:
     lens = [s * 100 for s in BENCH_SECONDS] if cfg is ref.RELEASED else [130, 57, 410, 260]
     scan = "--per-layer" not in sys.argv
     tower = Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
-    enc = AudioEncoder(tower, scan_layers=scan)
-    packs = ("rows", "small", True) if "--packed" in sys.argv and scan else ()
+    enc = AudioEncoder(tower, scan_layers=scan, pack_weights=None)  # one argument per leaf
+    packs = ("rows", "flat") if "--packed" in sys.argv and scan else ()
     packed_encs = {how: AudioEncoder(tower, pack_weights=how) for how in packs}
     del tower  # with stacked layers the encoders hold their stacked copies only
     rotation = padded_inputs(cfg, [lens] * 3)
@@ -108,6 +116,9 @@ def main() -> None:
             print(f"device time, {name} weights: {m['device_ms']:.3f} ms/fwd")
     for name, fn in rows.items():
         print(f"{name:28s} {_blocked(side, fn):8.3f} ms host")
+    if "--stages" in sys.argv:  # a whole call's host time split into its steps
+        for how, e in {"default": enc, **packed_encs}.items():
+            _stages(e, x, lengths, side, how)
     if "--profile" in sys.argv:  # where a whole call's host time goes beyond the jit dispatch
         import cProfile
         import pstats
@@ -119,6 +130,37 @@ def main() -> None:
         profile.disable()
         side.sync()
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
+    """`AudioEncoder.__call__`'s steps timed one by one, with device work queued and without."""
+    shape = tuple(x.shape)
+
+    def call():
+        t = [time.perf_counter()]
+        planned = enc._planned(shape, lengths)
+        t.append(time.perf_counter())
+        out = enc._forward(x, planned.positions, planned.meta)
+        t.append(time.perf_counter())
+        emb = AudioEmbeddings(out, planned.tokens, planned.offsets)
+        t.append(time.perf_counter())
+        return emb.embeddings, [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)]
+
+    for queued in (True, False):
+        samples = []
+        for _ in range(9):
+            side.sync()
+            if queued:
+                side.spin()
+            t0 = time.perf_counter()
+            out, parts = call()
+            samples.append([(time.perf_counter() - t0) * 1e3, *parts])
+            side.sync(out)
+        med = [statistics.median(col) for col in zip(*samples, strict=True)]
+        print(
+            f"stages, pack {how}, {'queued' if queued else 'idle  '}: total {med[0]:.3f} | plan "
+            f"lookup {med[1]:.3f} | dispatch {med[2]:.3f} | wrap {med[3]:.3f} ms"
+        )
 
 
 if __name__ == "__main__":

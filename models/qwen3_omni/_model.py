@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -66,6 +66,16 @@ PLAN_CACHE_SIZE = 64
 """Length mixes whose plan and uploaded metadata an `AudioEncoder` keeps (least recently used)."""
 
 
+class _Planned(NamedTuple):
+    """What `AudioEncoder` keeps per length mix: all a repeated call needs besides dispatch."""
+
+    plan: ChunkPlan
+    meta: jaxsync.Packed  # the plan's device fields, uploaded
+    positions: jax.Array  # the sinusoid table, [TOKENS_PER_FULL_CHUNK, d_model]
+    tokens: tuple[int, ...]  # output tokens per audio
+    offsets: tuple[int, ...]  # each audio's first row in the embeddings
+
+
 class AudioEncoder:
     """Sync-free Qwen3-Omni audio encoder: host lengths in, device embeddings out.
 
@@ -83,13 +93,16 @@ class AudioEncoder:
         9.7 ms. False keeps one array per layer weight (the lowest device time). The encoder
         keeps only the stacked copy: construction briefly holds both until the caller drops
         `tower`.
-      pack_weights: pass the state as one flat buffer per dtype (`jaxsync.PackedLeaves`)
-        instead of ~29 arrays: less host dispatch per call. H200, released size, TFRT client
-        (2026-11-29): jit dispatch 0.146 -> 0.061 ms, but device time 10.6 -> 11.4 ms, because
-        XLA copies the slices out of the flat buffer; so off by default. "small" packs only the
-        vectors (biases and norms: rank 1 per layer) and passes the matmul and conv weights as
-        they are: most of the argument cut (29 -> 13 state arguments) with only small slices to
-        copy; not yet measured on a GPU. Bit-identical outputs. Construction briefly holds the
+      pack_weights: pass the state as a few buffers instead of ~29 arrays (jit dispatch costs
+        ~3 us per argument under the TFRT GPU client). "rows" (what "auto", the default, picks
+        with `scan_layers`): the non-layer leaves in one flat buffer per dtype and the stacked
+        layer leaves in one [L, S] buffer per dtype, row l holding layer l's weights
+        (`jaxsync.PackedLeaves(rows=True)`); the scan slices each layer's row as it slices
+        stacked leaves, so device time does not move. "flat": every leaf in one flat buffer
+        per dtype (XLA copies the weights out of it first: +7% device time). None: one
+        argument per leaf. H200, released size, TFRT client (2026-11-29): jit dispatch 0.167
+        ms with 29 state arguments, 0.091 ms with "rows" (2), 0.086 ms "flat" (1); device
+        time 10.74 / 10.58 / 11.56 ms. Bit-identical outputs. Construction briefly holds the
         packed weights twice.
 
     Usage: `AudioEncoder(load_audio_encoder(cfg, ckpt))(features, [310, 0, 99])`.
@@ -103,14 +116,17 @@ class AudioEncoder:
         cache: jaxsync.DeviceCache | None = None,
         window_buckets: Sequence[int] | None = None,
         scan_layers: bool = True,
-        pack_weights: bool | Literal["small", "rows"] = False,
+        pack_weights: Literal["auto", "rows", "flat"] | None = "auto",
     ):
-        if pack_weights not in (False, True, "small", "rows"):  # before any work on the weights
+        if pack_weights not in ("auto", "rows", "flat", None):  # before any work on the weights
             raise ValueError(
-                f"pack_weights must be False, True, 'small' or 'rows', got {pack_weights!r}"
+                f"pack_weights must be 'auto', 'rows', 'flat' or None, got {pack_weights!r}"
             )
         if pack_weights == "rows" and not scan_layers:
             raise ValueError("pack_weights='rows' packs stacked layers: it needs scan_layers=True")
+        if pack_weights == "auto":
+            pack_weights = "rows" if scan_layers else None
+        self.pack_weights = pack_weights
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
         self.cache = jaxsync.default_cache if cache is None else cache
@@ -150,9 +166,8 @@ class AudioEncoder:
                 unpack = lambda row: layer_tree(rows.unpack(row))  # noqa: E731
                 return run(own.unpack(bufs[:n]), bufs[n:], unpack, *args)
 
-        elif pack_weights:
-            only = vector_leaves(self._leaves, num_own) if pack_weights == "small" else None
-            pack = jaxsync.PackedLeaves(self._leaves, only=only)
+        elif pack_weights == "flat":
+            pack = jaxsync.PackedLeaves(self._leaves)
             self._leaves = pack.buffers
 
             def forward(bufs, *args):
@@ -167,9 +182,7 @@ class AudioEncoder:
         self._jitted = jax.jit(forward)
         # Servers see the same length mixes again (fixed windows, retried requests): planning and
         # the packed upload cost ~1 ms of host time on an H200 host, a dictionary hit ~2 us.
-        self._plans: collections.OrderedDict[tuple, tuple[ChunkPlan, jaxsync.Packed]] = (
-            collections.OrderedDict()
-        )
+        self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._plans_lock = threading.Lock()
 
     def _forward(self, features: jax.Array, positions: jax.Array, meta: jaxsync.Packed):
@@ -193,14 +206,21 @@ class AudioEncoder:
             feature_lens, self.cfg, num_frames=features_shape[1], window_buckets=self.window_buckets
         )
 
-    def _planned(self, shape: tuple[int, ...], feature_lens: Any) -> tuple[ChunkPlan, Any]:
-        """`plan()` and its packed device upload, memoised per exact (shape, lengths) input.
+    def _planned(self, shape: tuple[int, ...], feature_lens: Any) -> _Planned:
+        """`plan()`, its packed device upload and the position table, memoised per exact
+        (shape, lengths) input.
 
-        The lengths pass the cheap type checks first (device data, floats, wrong rank raise
-        before any lookup); failed plans are not cached, so a cached key is a valid input.
+        The key holds the lengths as a tuple of Python ints. A list or tuple of ints (what a
+        server passes) becomes it without numpy: one call's host time is mostly cold Python,
+        and numpy's checks made a cached lookup 4x slower (0.09 against 0.025 ms, CPU CI
+        machine). Other lengths pass the type checks first (device data, floats, wrong rank
+        raise before any lookup). Failed plans are not cached, so a cached key is a valid
+        input; `type(n) is int` keeps floats and bools (equal to ints, same hash) off it.
         """
-        lens = check_feature_lens(feature_lens)  # int64 [A]
-        key = (shape, lens.tobytes())
+        if type(feature_lens) in (list, tuple) and all(type(n) is int for n in feature_lens):
+            key = (shape, tuple(feature_lens))
+        else:
+            key = (shape, tuple(check_feature_lens(feature_lens).tolist()))  # the same key
         with self._plans_lock:
             hit = self._plans.get(key)
             if hit is not None:
@@ -208,13 +228,21 @@ class AudioEncoder:
                 return hit
         plan = self.plan(shape, feature_lens)
         meta = jaxsync.upload_packed(plan.device_fields(), placement=self.placement)
+        positions = self.cache.get(
+            f"qwen3_omni.audio.positions.{self.cfg.d_model}",
+            lambda: sinusoid_table(TOKENS_PER_FULL_CHUNK, self.cfg.d_model),
+            placement=self.placement,
+        )
+        tokens = tuple(int(n) for n in plan.audio_tokens)
+        offsets = tuple(int(o) for o in plan.audio_offsets)
+        planned = _Planned(plan, meta, positions, tokens, offsets)
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(meta))
         if not traced:  # a static scan traces through here: keep nothing from a trace
             with self._plans_lock:
-                self._plans[key] = (plan, meta)
+                self._plans[key] = planned
                 while len(self._plans) > PLAN_CACHE_SIZE:
                     self._plans.popitem(last=False)
-        return plan, meta
+        return planned
 
     @entry_point
     def __call__(
@@ -232,24 +260,11 @@ class AudioEncoder:
         Returns:
           `AudioEmbeddings` with `W * window_tokens` rows (W = window bucket).
         """
-        plan, meta = self._planned(tuple(features.shape), feature_lens)
+        planned = self._planned(tuple(features.shape), feature_lens)
         if not isinstance(features, jax.Array):
             features = jaxsync.async_h2d(np.asarray(features, np.float32), placement=self.placement)
-        positions = self.cache.get(
-            f"qwen3_omni.audio.positions.{self.cfg.d_model}",
-            lambda: sinusoid_table(TOKENS_PER_FULL_CHUNK, self.cfg.d_model),
-            placement=self.placement,
-        )
-        out = self._forward(features, positions, meta)
-        return AudioEmbeddings(
-            out, tuple(int(n) for n in plan.audio_tokens), tuple(int(o) for o in plan.audio_offsets)
-        )
-
-
-def vector_leaves(leaves: Sequence[jax.Array], num_own: int) -> list[bool]:
-    """Which state leaves are vectors per layer (biases, norms): rank 1, or rank 2 for the
-    stacked layer leaves after the first `num_own` (what `pack_weights="small"` packs)."""
-    return [x.ndim <= 1 + (i >= num_own) for i, x in enumerate(leaves)]
+        out = self._forward(features, planned.positions, planned.meta)
+        return AudioEmbeddings(out, planned.tokens, planned.offsets)
 
 
 def pad_features(features: np.ndarray, feature_lens: Any) -> np.ndarray:

@@ -71,6 +71,10 @@ def check_feature_lens(feature_lens: Any) -> np.ndarray:
             "feature_lens must be host data (list / numpy); reading a jax.Array would be a "
             "device->host sync"
         )
+    if isinstance(feature_lens, list | tuple) and any(
+        isinstance(n, bool | np.bool_) for n in feature_lens
+    ):  # numpy would read a mixed list [True, 5] as the ints [1, 5]
+        raise TypeError(f"feature_lens must be integers, got {feature_lens!r}")
     lens = np.asarray(feature_lens)
     if lens.size == 0:
         lens = lens.astype(np.int64)

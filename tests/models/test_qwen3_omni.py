@@ -278,6 +278,11 @@ def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
     assert uploads == [1]
     with pytest.raises(TypeError, match="integers"):  # cached ints do not admit floats
         enc(f, [120.0, 30.0])
+    g = ref.random_features(ref.TINY, [1, 1])
+    enc(g, [1, 1])
+    with pytest.raises(TypeError, match="integers"):  # ... nor bools (True == 1, same hash)
+        enc(g, [True, 1])
+    assert (f.shape, (120, 30)) in enc._plans and (f.shape, (30, 120)) in enc._plans
 
 
 def test_plan_cache_is_bounded(monkeypatch):

@@ -38,18 +38,16 @@ def tiny(tmp_path_factory):
         model=model,
         ckpt=ckpt,
         enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), scan_layers=False),
-        # the same weights, layers stacked and run by one lax.scan (the default)
-        scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
-        # the default, with the state passed as one flat buffer per dtype
-        packed=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights=True),
-        # the default, with only its vectors (biases, norms) packed
-        small=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="small"),
-        # the default, own leaves flat and layer leaves in one [L, S] row buffer per dtype
-        rows=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="rows"),
+        # the same weights, layers stacked and run by one lax.scan, one argument per leaf
+        scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights=None),
+        # the default: the same, own leaves flat and layer leaves in one [L, S] buffer per dtype
+        rows=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
+        # the state as one flat buffer per dtype
+        flat=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="flat"),
     )
 
 
-ENCODERS = ("enc", "scan", "packed", "small", "rows")
+ENCODERS = ("enc", "scan", "rows", "flat")
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -89,23 +87,18 @@ def test_scanned_layers_equal_the_layer_loop_bitwise(tiny):
         assert_same_math(tiny["scan"](x, lens).embeddings, want)
 
 
-def test_packed_weights_equal_the_default_bitwise(tiny):
-    assert len(tiny["packed"]._leaves) == 1  # every tiny weight is float32: one buffer
-    # "small": the 16 vectors (3 conv + ln_post + proj biases, 2 LayerNorms and 6 Linear biases
-    # per stacked layer) in one buffer; 12 matrices (conv kernels, weights) as they are
-    assert len(tiny["small"]._leaves) == 1 + 12
-    assert [x.ndim for x in tiny["small"]._leaves[1:]] == [
-        x.ndim for x in tiny["scan"]._leaves if x.ndim > 1 + (x.shape[0] == CFG.encoder_layers)
-    ]
-    for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES):
-        want = tiny["scan"](x, lens).embeddings
-        assert_same_math(tiny["packed"](x, lens).embeddings, want)
-        assert_same_math(tiny["small"](x, lens).embeddings, want)
-        assert_same_math(tiny["rows"](x, lens).embeddings, want)
-    # "rows": the own leaves in one flat buffer, the layer leaves in one [L, S] buffer
+def test_packed_weights_equal_the_unpacked_bitwise(tiny):
+    assert tiny["rows"].pack_weights == "rows" and tiny["enc"].pack_weights is None  # "auto"
+    assert len(tiny["flat"]._leaves) == 1  # every tiny weight is float32: one buffer
+    # "rows": the 13 own leaves in one flat buffer, the 16 layer leaves in one [L, S] buffer
     own, rows = tiny["rows"]._leaves
     per_layer = sum(x.size for x in tiny["scan"]._leaves[13:]) // CFG.encoder_layers
+    assert own.size == sum(x.size for x in tiny["scan"]._leaves[:13])
     assert own.ndim == 1 and rows.shape == (CFG.encoder_layers, per_layer)
+    for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES):
+        want = tiny["scan"](x, lens).embeddings
+        assert_same_math(tiny["flat"](x, lens).embeddings, want)
+        assert_same_math(tiny["rows"](x, lens).embeddings, want)
     with pytest.raises(ValueError, match="pack_weights"):
         q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), pack_weights="big")
     with pytest.raises(ValueError, match="needs scan_layers=True"):
@@ -237,13 +230,12 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    case, per_layer, packed, small, rows = ver._bench("cpu", "tiny")
-    assert per_layer.name == f"{case.name} [per_layer]" and not per_layer.torch_fns
-    assert packed.name == f"{case.name} [packed]" and not packed.torch_fns
-    assert small.name == f"{case.name} [small_packed]" and not small.torch_fns
-    assert rows.name == f"{case.name} [rows_packed]" and not rows.torch_fns
+    case, *others = ver._bench("cpu", "tiny")
+    tags = ("[unpacked]", "[per_layer]", "[flat_packed]")
+    assert [o.name for o in others] == [f"{case.name} {t}" for t in tags]
+    assert not any(o.torch_fns for o in others)
     ours = case.jax_fn()
-    for other in (per_layer, packed, small, rows):  # each runner starts from the same input
+    for other in others:  # each runner starts from the same input
         assert_same_math(other.jax_fn(), ours)
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
