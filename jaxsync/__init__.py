@@ -8,7 +8,8 @@ Core API:
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
   stack_layers, scan_layers   - identical layers as one stacked state, run with lax.scan.
-  PackedLeaves                - state arrays as one flat buffer per dtype (fewer jit arguments).
+  PackedLeaves                - state arrays as one buffer per dtype, flat or per layer in rows
+                                (fewer jit arguments).
   split_layers, SplitLayers   - a module split into its non-layer state and stacked layers.
   precompile                  - compile every bucket of every path ahead of serving.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
