@@ -6,7 +6,8 @@ back-to-back calls, host-blocked time with ~30 ms of work queued):
 * d2d `copy_blocks`, default impl ("auto": the Pallas kernel per shard under shard_map on GPUs),
   impl="mosaic" on Hopper and impl="xla", against a per-GPU device copy ceiling (every GPU
   copying 1 GiB at once);
-* `swap_out` / `swap_in` through a `HostPool` sharded like the cache, against a per-GPU pinned
+* `swap_out` / `swap_in` through a `HostPool` sharded like the cache, and `copy_blocks` from
+  per-layer pinned caches sharded the same way (h2d layers), against a per-GPU pinned
   transfer ceiling (one sharded device_put of 1 GiB per GPU, every GPU on its own link, timed
   by wall clock).
 
@@ -17,6 +18,7 @@ GPU. Usage: python tools/bench_kv_sharded.py [--layers 32] [--blocks 4096] [--co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure  # noqa: E402
 from jaxsync.kv import KVLayout, copy_blocks, host_pool, swap_in, swap_out  # noqa: E402
 from jaxsync.kv._copy import _hopper  # noqa: E402
+from jaxsync.kv._layout import fresh_copy  # noqa: E402
 
 
 def _pinned_ceiling(mesh, nbytes_per_gpu: int, to_host: bool) -> float:
@@ -79,7 +82,15 @@ def _closures(src, state, ids, host_ids):
 
         return fn
 
-    return d2d, out, back
+    def h2d(impl):  # per-layer pinned caches -> device caches
+        def fn():
+            d, s = host_ids[next(it) % 4]
+            state["dst"] = copy_blocks(state["host"], state["dst"], s, d, impl=impl)
+            return state["dst"]
+
+        return fn
+
+    return d2d, out, back, h2d
 
 
 def main() -> None:
@@ -103,6 +114,9 @@ def main() -> None:
     src = layout.random(names, jax.random.key(0), placement=shard)
     state = {"dst": layout.random(names, jax.random.key(1), placement=shard)}
     state["pool"] = host_pool(src, args.host_blocks)
+    host_layout = dataclasses.replace(layout, num_blocks=args.host_blocks)
+    state["host"] = fresh_copy(host_layout.random(names, jax.random.key(2), placement=shard),
+                               "pinned_host")  # fmt: skip
     side = _Side("jax")
     ceiling = copy_ceiling_gbps("jax", 1 << 30, mesh=mesh)
     per_gpu_block = layout.block_nbytes * args.layers / mesh.size
@@ -113,13 +127,14 @@ def main() -> None:
         ids = [(rng.choice(args.blocks, count, replace=False),
                 rng.choice(args.blocks, count, replace=False)) for _ in range(4)]  # fmt: skip
         host_ids = [(s, rng.choice(args.host_blocks, count, replace=False)) for s, _ in ids]
-        d2d, out, back = _closures(src, state, ids, host_ids)
+        d2d, out, back, h2d = _closures(src, state, ids, host_ids)
         cases = [("d2d", "auto", d2d("auto"), ceiling, 2), ("d2d", "xla", d2d("xla"), ceiling, 2)]
         if _hopper(src["layer00"]):  # the Mosaic GPU port, per shard too
             cases.append(("d2d", "mosaic", d2d("mosaic"), ceiling, 2))
         if count <= args.host_blocks // 2:
             swaps = (("d2h pool", "pool", out, True), ("h2d pool", "auto", back("auto"), False),
-                     ("h2d pool", "xla", back("xla"), False))  # fmt: skip
+                     ("h2d pool", "xla", back("xla"), False), ("h2d layers", "auto", h2d("auto"),
+                     False), ("h2d layers", "xla", h2d("xla"), False))  # fmt: skip
             for name, impl, fn, to_host in swaps:
                 if to_host not in pinned:
                     pinned[to_host] = _pinned_ceiling(mesh, 1 << 30, to_host)
