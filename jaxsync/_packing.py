@@ -67,7 +67,7 @@ class PackedLeaves:
         if len(packed) != len(leaves) or not any(packed):
             raise ValueError(f"`only` needs one bool per leaf ({len(leaves)}), at least one True")
         lead = 1 if rows else 0  # leading axes kept: [L] per row-packed leaf
-        if rows and len({x.shape[:1] for x in leaves}) != 1 or rows and not leaves[0].ndim:
+        if rows and (not leaves[0].ndim or len({x.shape[:1] for x in leaves}) != 1):
             raise ValueError("rows=True needs leaves that share one leading (layer) axis")
         small = [x for x, p in zip(leaves, packed, strict=True) if p]
         dtypes = sorted({jnp.dtype(x.dtype) for x in small}, key=str)

@@ -18,8 +18,10 @@ moves one block per layer with a dynamic slice, a memory-space transfer and a dy
 slice. XLA's host offloader turns these into DMAs of single blocks; a gather/scatter on a
 host-memory operand is either rejected by JAX (gather) or run as slow host compute (scatter).
 Measured on an H200 (jax 0.11.2, 2026-11-29, 32 layers x 64 KiB blocks): d2h 85-86% of a large
-pinned transfer; h2d only 22-23% (one small host->device DMA per block and layer), which is why
-`jaxsync.kv.HostPool` exists (86-91% on GPUs, through a kernel reading the pinned pool).
+pinned transfer; h2d only 22-23% (one small host->device DMA per block and layer). So on GPUs
+h2d runs the Triton copy kernel instead, reading the pinned source caches directly (88-92%; XLA
+hands the host-memory operand to the custom call unchanged), as `swap_in` reads a `HostPool`;
+the loop stays for other backends, odd block shapes and `impl="xla"`.
 Device->device copies use the one-pass Pallas kernel on GPUs (82-96% of a same-size contiguous
 copy at 512-2048 blocks; per shard under `shard_map` for caches split over kv heads, 89-100% of
 the per-GPU ceiling on two H200s), XLA elsewhere (67-73%: a gather and a scatter, two passes).

@@ -1,4 +1,5 @@
-"""Experimental Pallas kernel for device->device block copies (`copy_blocks(..., impl="pallas")`).
+"""The Pallas block-copy kernel: `copy_blocks` device->device and pinned host->device on GPUs, and
+`swap_in` from a `HostPool` (`copy_leaf`; "auto" takes it where `compiled_plan` allows).
 
 Why: XLA runs the block copy as a gather and a scatter, two passes over the copied bytes, and on
 an H200 reached about half of a contiguous copy (see docs/benchmarks.md). This kernel copies each
