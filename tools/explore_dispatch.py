@@ -5,7 +5,7 @@ and the jitted program's dispatch alone (same inputs, then rotated inputs). Run 
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
   python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--stages]
-                                   [--profile]
+                                   [--variants] [--profile]
 
 The encoder measured passes one argument per state leaf (`pack_weights=None`); --packed adds
 the encoders with packed weights (`AudioEncoder(pack_weights="rows"` (the default) / `"flat")`,
@@ -13,6 +13,9 @@ fewer jit arguments): their host dispatch, whole-call and device times next to i
 
 --stages times a whole call's steps one by one (plan lookup, dispatch, output wrapper), with
 device work queued and with an idle device.
+
+--variants (with --packed) times other ways to dispatch the rows-packed program: AOT compiled,
+the position table as a compile-time constant, a trivial program with the same arguments.
 
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
@@ -119,6 +122,8 @@ def main() -> None:
     if "--stages" in sys.argv:  # a whole call's host time split into its steps
         for how, e in {"default": enc, **packed_encs}.items():
             _stages(e, x, lengths, side, how)
+    if "--variants" in sys.argv and "rows" in packed_encs:
+        _variants(packed_encs["rows"], x, lengths, side)
     if "--profile" in sys.argv:  # where a whole call's host time goes beyond the jit dispatch
         import cProfile
         import pstats
@@ -161,6 +166,29 @@ def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
             f"stages, pack {how}, {'queued' if queued else 'idle  '}: total {med[0]:.3f} | plan "
             f"lookup {med[1]:.3f} | dispatch {med[2]:.3f} | wrap {med[3]:.3f} ms"
         )
+
+
+def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 21) -> None:
+    """Ways to dispatch the rows-packed program, host ms (median of n, device work queued)."""
+    import numpy as np
+
+    planned = enc._planned(tuple(x.shape), lengths)
+    args = (enc._leaves, x, planned.positions, planned.meta)
+    compiled = enc._jitted.lower(*args).compile()
+    table = np.asarray(planned.positions)  # read once, outside any timing
+    const = jax.jit(lambda bufs, f, m: enc._jitted(bufs, f, table, m))  # table as a constant
+    trivial = jax.jit(lambda bufs, f, p, m: f[0, 0] + 1)  # the same 5 arguments, no work
+    fns = {
+        "whole call": lambda: enc(x, lengths).embeddings,
+        "jit": lambda: enc._jitted(*args),
+        "AOT compiled": lambda: compiled(*args),
+        "positions as a constant (4 args)": lambda: const(enc._leaves, x, planned.meta),
+        "trivial program, same 5 args": lambda: trivial(*args),
+        "plan lookup only": lambda: enc._planned(tuple(x.shape), lengths),
+    }
+    for name, fn in fns.items():
+        side.sync(fn())
+        print(f"variant {name:34s} {_blocked(side, fn, n):8.3f} ms host")
 
 
 if __name__ == "__main__":

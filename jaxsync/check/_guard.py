@@ -182,14 +182,44 @@ def guard_active() -> bool:
     return _tls.mode is not None and _tls.allow_depth == 0
 
 
+def _raw_env() -> Any:
+    """JAXSYNC_SYNC_CHECK's raw value, or None when unset.
+
+    Every entry point reads it per call, so this is on the hot path. `os.environ.get` runs
+    Python-level key encoding and value decoding: about 25 us for one cold call on the CPU CI
+    machine, most of a cold entry point's overhead. CPython's `os.environ` keeps its data in a
+    plain dict (`_data`, keyed by `encodekey(name)`), where one lookup is a C call; anything
+    else falls back to `os.environ.get`.
+    """
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        return data.get(_ENV_KEY)
+    return os.environ.get(ENV_VAR)
+
+
+try:
+    _ENV_KEY: Any = os.environ.encodekey(ENV_VAR)  # type: ignore[attr-defined]
+except AttributeError:  # not CPython's os._Environ: `_raw_env` uses os.environ.get
+    _ENV_KEY = ENV_VAR
+_MODES: dict[Any, Mode | None] = {}  # raw value -> parsed mode (a handful of distinct values)
+
+
 def env_mode() -> Mode | None:
     """The mode set by JAXSYNC_SYNC_CHECK (off/unset -> None, warn, error)."""
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw in ("", "off", "0", "none"):
+    raw = _raw_env()
+    if raw is None:
         return None
-    if raw in ("warn", "error"):
-        return cast(Mode, raw)
-    raise ValueError(f"{ENV_VAR} must be off, warn or error; got {raw!r}")
+    if raw in _MODES:
+        return _MODES[raw]
+    text = (os.fsdecode(raw) if isinstance(raw, bytes) else raw).strip().lower()
+    if text in ("", "off", "0", "none"):
+        mode = None
+    elif text in ("warn", "error"):
+        mode = cast(Mode, text)
+    else:
+        raise ValueError(f"{ENV_VAR} must be off, warn or error; got {text!r}")
+    _MODES[raw] = mode
+    return mode
 
 
 def entry_point(fn: Callable[..., Any]) -> Callable[..., Any]:

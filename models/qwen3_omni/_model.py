@@ -221,11 +221,13 @@ class AudioEncoder:
             key = (shape, tuple(feature_lens))
         else:
             key = (shape, tuple(check_feature_lens(feature_lens).tolist()))  # the same key
-        with self._plans_lock:
-            hit = self._plans.get(key)
-            if hit is not None:
+        hit = self._plans.get(key)  # one C call each, atomic: the hit path takes no lock
+        if hit is not None:
+            try:
                 self._plans.move_to_end(key)
-                return hit
+            except KeyError:  # evicted by another thread meanwhile: still a valid plan
+                pass
+            return hit
         plan = self.plan(shape, feature_lens)
         meta = jaxsync.upload_packed(plan.device_fields(), placement=self.placement)
         positions = self.cache.get(
