@@ -291,3 +291,24 @@ def test_plan_cache_is_bounded(monkeypatch):
     for n in (10, 20, 30):
         enc(ref.random_features(ref.TINY, [n]), [n])
     assert len(enc._plans) == 2
+
+
+def test_plan_cache_under_threads(monkeypatch):
+    # Hits take no lock; evictions (cache of 2, 4 mixes) race with them. Every call must still
+    # get its own mix's plan: outputs equal the single-threaded ones, the cache stays bounded.
+    import concurrent.futures
+
+    monkeypatch.setattr(q3._model, "PLAN_CACHE_SIZE", 2)
+    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    mixes = [[120, 30], [30, 120], [7], [99, 0, 1]]
+    feats = [jaxsync.async_h2d(q3.pad_features(ref.random_features(ref.TINY, m), m)) for m in mixes]
+    want = [np.asarray(enc(f, m).embeddings) for f, m in zip(feats, mixes, strict=True)]
+
+    def run(i):
+        k = i % len(mixes)
+        return k, np.asarray(enc(feats[k], list(mixes[k])).embeddings)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for k, got in pool.map(run, range(48)):
+            np.testing.assert_array_equal(got, want[k])
+    assert len(enc._plans) <= 2
