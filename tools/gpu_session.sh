@@ -12,8 +12,8 @@
 #             swap_in's GPU kernel; BLOCKS="512 64" by default)
 #   kvhost  - copy_blocks host time, split, with the id upload's parts (both runtime clients)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
-#   host    - qwen3_omni host time with the weights packed into few buffers, both runtime clients,
-#             and a profile of the whole call's host time (TFRT)
+#   host    - qwen3_omni host time: unpacked vs packed weights (rows, the default, and flat), both
+#             runtime clients; under TFRT also a call split into steps and dispatch variants
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,12 +112,12 @@ case "$phase" in
       | grep -vi cuda_timer | grep -E "^E |^FAILED|^ERROR|passed|failed|^tests/.*Error" | head -60
     ;;
   host)
-    # qwen3_omni host time: the encoder's weights packed into one buffer per dtype (fewer jit
-    # arguments) against the default, under the default and the TFRT client.
-    echo "== default client"; timeout 120 python3 tools/explore_dispatch.py --packed 2>&1 | tail -13
+    # qwen3_omni host time: one argument per weight against the packed encoders, under the
+    # default and the TFRT client; under TFRT a call's steps and other ways to dispatch it.
+    echo "== default client"; timeout 120 python3 tools/explore_dispatch.py --packed 2>&1 | tail -16
     echo "== tfrt client"
     XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 python3 tools/explore_dispatch.py \
-      --packed --profile 2>&1 | tail -36
+      --packed --stages --variants 2>&1 | grep -vi cuda_timer | tail -28
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
