@@ -189,24 +189,8 @@ def copy_blocks(
     if impl != "xla" and (actual == "d2h" or actual == "h2d" and impl == "mosaic"):
         also = "" if impl == "mosaic" else " and pinned host->device"
         raise ValueError(f"impl={impl!r} copies device->device{also} only, not {actual!r}")
-    if impl in ("pallas", "mosaic") and not _pallas.ALLOW_COMPILED:
-        raise ValueError(
-            f"impl={impl!r} is switched off (jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla'"
-        )
-    if impl == "pallas" and not _pallas.TRITON:
-        raise ValueError(
-            "impl='pallas' needs Pallas' Triton backend, which this jax lacks; use impl='mosaic' "
-            "(Hopper GPUs) or 'xla'"
-        )
-    if impl in ("pallas", "mosaic") and _pallas.platform(d_leaves[0]) != "gpu":
-        raise ValueError(
-            f"impl={impl!r} compiles a GPU kernel, not one for {_pallas.platform(d_leaves[0])!r}; "
-            "use impl='xla' or 'pallas_interpret'"
-        )
     if impl != "xla":
-        kernel_plan = kernel_plan or _pallas.plan(s_leaves + d_leaves)
-        if not isinstance(kernel_plan, _pallas.Plan):
-            raise ValueError(f"impl={impl!r} cannot copy these caches: {kernel_plan}")
+        kernel_plan = kernel_plan or _pallas.checked_plan(impl, s_leaves + d_leaves, "copy")
         if impl == "mosaic" and not (kernel_plan.mosaic and _mosaic.plgpu is not None):
             raise ValueError(
                 "impl='mosaic' needs Pallas' Mosaic GPU backend and blocks of at least 128 bytes "
@@ -227,8 +211,7 @@ def copy_blocks(
     ids = upload_ids(fields, device_leaf)
     if impl != "xla":  # d2d, or h2d with the kernel reading the pinned source directly
         with _pallas.quiet_triton_deprecation():
-            backend = {"pallas": "triton", "pallas_interpret": "interpret"}.get(impl, impl)
-            return copy_pallas(src, dst, ids, plan=kernel_plan, backend=backend)
+            return copy_pallas(src, dst, ids, plan=kernel_plan, backend=_pallas.BACKENDS[impl])
     if actual == "d2d":
         return _copy_same_memory(src, dst, ids)
     return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")

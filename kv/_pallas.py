@@ -195,6 +195,35 @@ def compiled_plan(leaves: list[jax.Array]) -> Plan | None:
     return kernel_plan if isinstance(kernel_plan, Plan) else None
 
 
+def checked_plan(impl: str, leaves: list[jax.Array], what: str) -> Plan:
+    """The kernel plan for an explicit `impl` ("pallas", "mosaic" or "pallas_interpret") on
+    these leaves (all of src and dst), or a ValueError saying why it cannot run (`what`: "copy",
+    "swap into"), raised before anything is dispatched. Shared by `copy_blocks` and `swap_in`."""
+    if impl in ("pallas", "mosaic"):  # compiled kernels
+        if not ALLOW_COMPILED:
+            raise ValueError(
+                f"impl={impl!r} is switched off (jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla'"
+            )
+        if impl == "pallas" and not TRITON:
+            raise ValueError(
+                "impl='pallas' needs Pallas' Triton backend, which this jax lacks; use "
+                "impl='xla' (or 'mosaic' for device->device copies on Hopper GPUs)"
+            )
+        if platform(leaves[0]) != "gpu":
+            raise ValueError(
+                f"impl={impl!r} compiles a GPU kernel, not one for {platform(leaves[0])!r}; "
+                "use impl='xla' or 'pallas_interpret'"
+            )
+    kernel_plan = plan(leaves)
+    if not isinstance(kernel_plan, Plan):
+        raise ValueError(f"impl={impl!r} cannot {what} these caches: {kernel_plan}")
+    return kernel_plan
+
+
+BACKENDS = {"pallas": "triton", "pallas_interpret": "interpret", "mosaic": "mosaic"}
+"""`impl` name -> the `backend` of `copy_leaf` / `copy_pallas`."""
+
+
 @ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "backend"))
 def copy_pallas(
     src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), backend: str = "triton"

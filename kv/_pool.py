@@ -216,18 +216,7 @@ def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> tuple[str, _pallas.Plan
     if impl == "auto":
         kernel_plan = _pallas.compiled_plan(leaves) if _pallas.TRITON else None
         return ("xla", None) if kernel_plan is None else ("triton", kernel_plan)
-    kernel_plan = _pallas.plan(leaves)
-    if not isinstance(kernel_plan, _pallas.Plan):
-        raise ValueError(
-            f"impl={impl!r} cannot swap into these caches: {kernel_plan}; use impl='xla'"
-        )
-    on_gpu = _pallas.ALLOW_COMPILED and _pallas.TRITON and _pallas.platform(leaves[0]) == "gpu"
-    if impl == "pallas" and not on_gpu:
-        raise ValueError(
-            "impl='pallas' needs a GPU, Pallas' Triton backend and compiled kernels switched on "
-            "(jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla' or 'pallas_interpret'"
-        )
-    return ("triton" if impl == "pallas" else "interpret"), kernel_plan
+    return _pallas.BACKENDS[impl], _pallas.checked_plan(impl, leaves, "swap into")
 
 
 @entry_point

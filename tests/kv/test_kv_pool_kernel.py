@@ -141,7 +141,7 @@ def test_refusals_raise_before_dispatch_and_donate_nothing():
     with pytest.raises(ValueError, match="impl must be"):
         swap_in(pool, cache, [0], [1], impl="mosaic")
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="needs a GPU"):
+        with pytest.raises(ValueError, match="compiles a GPU kernel|Triton backend"):
             swap_in(pool, cache, [0], [1], impl="pallas")
     odd_layout = KVLayout(kind="packed", num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3)
     odd = host_random_cache(odd_layout, LAYERS, 0, DEV)
