@@ -20,38 +20,32 @@ import jax.numpy as jnp
 
 
 class PackedLeaves:
-    """Arrays packed into one flat buffer per dtype.
+    """Arrays packed into one buffer per dtype.
 
     Args:
       leaves: jax.Arrays that share one placement (a device, or one sharding that replicates
         them all): packing concatenates them, which would reshard anything split.
-      only: which leaves to pack (one bool per leaf; default all); the others are passed
-        through as they are. Small leaves (biases, norms) cost as much dispatch as big ones but
-        almost nothing to slice back; big matmul weights sliced out of a flat buffer may be
-        copied by XLA before use (+7% device time for qwen3_omni on an H200).
-
       rows: the leaves are stacked layers sharing a leading axis [L, ...]: pack them layer by
         layer into one [L, S] buffer per dtype, row l holding layer l's leaves. `unpack` of
         one row (inside a `jax.lax.scan` over the buffers, see `jaxsync.scan_layers`) gives
         that layer's leaves, so the loop slices each weight out of the buffer once per layer,
-        as it slices stacked leaves, with no copy of the whole buffer first.
+        as it slices stacked leaves, with no copy of the whole buffer first. Without it, one
+        flat buffer per dtype: big matmul weights sliced out of it may be copied by XLA before
+        use (+7% device time for qwen3_omni on an H200).
 
     Attributes:
-      buffers: the jit arguments: one flat array per packed dtype (sorted by dtype name), then
-        the leaves passed through, in their order.
+      buffers: the jit arguments: one buffer per dtype, sorted by dtype name.
 
     >>> import jax.numpy as jnp
     >>> p = PackedLeaves([jnp.ones((2, 3)), jnp.zeros(4, jnp.int32), jnp.arange(2.0)])
     >>> [b.shape for b in p.buffers], [x.shape for x in p.unpack(p.buffers)]
     ([(8,), (4,)], [(2, 3), (4,), (2,)])
-    >>> q = PackedLeaves([jnp.ones((64, 64)), jnp.ones(3), jnp.ones(5)], only=[False, True, True])
-    >>> [b.shape for b in q.buffers], [x.shape for x in q.unpack(q.buffers)]
-    ([(8,), (64, 64)], [(64, 64), (3,), (5,)])
+    >>> q = PackedLeaves([jnp.ones((5, 2, 3)), jnp.ones((5, 4))], rows=True)
+    >>> [b.shape for b in q.buffers], [x.shape for x in q.unpack([q.buffers[0][0]])]
+    ([(5, 10)], [(2, 3), (4,)])
     """
 
-    def __init__(
-        self, leaves: Sequence[jax.Array], *, only: Sequence[bool] | None = None, rows: bool = False
-    ):
+    def __init__(self, leaves: Sequence[jax.Array], *, rows: bool = False):
         if not leaves:
             raise ValueError("nothing to pack")
         for x in leaves:
@@ -63,29 +57,21 @@ class PackedLeaves:
                 "PackedLeaves needs all leaves on one placement, replicated (got "
                 f"{len(shardings)} shardings); packing would reshard split arrays"
             )
-        packed = [True] * len(leaves) if only is None else [bool(p) for p in only]
-        if len(packed) != len(leaves) or not any(packed):
-            raise ValueError(f"`only` needs one bool per leaf ({len(leaves)}), at least one True")
         lead = 1 if rows else 0  # leading axes kept: [L] per row-packed leaf
         if rows and (not leaves[0].ndim or len({x.shape[:1] for x in leaves}) != 1):
             raise ValueError("rows=True needs leaves that share one leading (layer) axis")
-        small = [x for x, p in zip(leaves, packed, strict=True) if p]
-        dtypes = sorted({jnp.dtype(x.dtype) for x in small}, key=str)
-        # Per leaf: (buffer, offset, shape of one row); offset None for a leaf passed through.
-        layout, offsets, passed = [], dict.fromkeys(range(len(dtypes)), 0), 0
-        for x, p in zip(leaves, packed, strict=True):
-            if p:
-                b = dtypes.index(jnp.dtype(x.dtype))
-                layout.append((b, offsets[b], tuple(x.shape[lead:])))
-                offsets[b] += math.prod(x.shape[lead:])
-            else:
-                layout.append((len(dtypes) + passed, None, tuple(x.shape)))
-                passed += 1
+        dtypes = sorted({jnp.dtype(x.dtype) for x in leaves}, key=str)
+        # Per leaf: (buffer, offset, shape of one row).
+        layout, offsets = [], dict.fromkeys(range(len(dtypes)), 0)
+        for x in leaves:
+            b = dtypes.index(jnp.dtype(x.dtype))
+            layout.append((b, offsets[b], tuple(x.shape[lead:])))
+            offsets[b] += math.prod(x.shape[lead:])
         self._layout = tuple(layout)
-        flat = [x.reshape(x.shape[:lead] + (-1,)) for x in small]
+        flat = [x.reshape(x.shape[:lead] + (-1,)) for x in leaves]
         self.buffers = [
             jnp.concatenate([f for f in flat if f.dtype == d], axis=lead) for d in dtypes
-        ] + [x for x, p in zip(leaves, packed, strict=True) if not p]
+        ]
 
     def unpack(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
         """The leaves again, in their order (static slices; call inside jit). Buffers with
@@ -97,7 +83,4 @@ class PackedLeaves:
             piece = jax.lax.slice_in_dim(buf, offset, offset + size, axis=buf.ndim - 1)
             return piece.reshape(buf.shape[:-1] + shape)
 
-        return [
-            buffers[b] if offset is None else leaf(buffers[b], offset, shape)
-            for b, offset, shape in self._layout
-        ]
+        return [leaf(buffers[b], offset, shape) for b, offset, shape in self._layout]

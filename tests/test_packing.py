@@ -51,15 +51,15 @@ def test_refuses_what_packing_would_break():
 
 def test_rows_pack_each_layer_into_one_row_sliced_by_a_scan():
     key = jax.random.key(1)
-    layers = 5  # stacked layer leaves [L, ...], two dtypes and a passed-through leaf
+    layers = 5  # stacked layer leaves [L, ...], two dtypes
     leaves = [
         jax.random.normal(key, (layers, 3, 7)),
         jax.random.normal(key, (layers, 11)).astype(jnp.bfloat16),
         jnp.arange(layers * 2, dtype=jnp.float32).reshape(layers, 2),
         jax.random.normal(key, (layers, 4, 4)),
     ]
-    pack = jaxsync.PackedLeaves(leaves, rows=True, only=[True, True, True, False])
-    assert [b.shape for b in pack.buffers] == [(layers, 11), (layers, 21 + 2), (layers, 4, 4)]
+    pack = jaxsync.PackedLeaves(leaves, rows=True)
+    assert [b.shape for b in pack.buffers] == [(layers, 11), (layers, 21 + 2 + 16)]
     for a, b in zip(jax.jit(pack.unpack)(pack.buffers), leaves, strict=True):  # all layers
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
