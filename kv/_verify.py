@@ -27,9 +27,10 @@ from jaxsync.registry import Parity, PathCase, register_path
 _LAYERS = ("l0", "l1", "l2")
 _LAYOUT = KVLayout(kind="packed", num_blocks=13, block_size=4, num_kv_heads=2, head_dim=3,
                    dtype=jnp.bfloat16)  # fmt: skip
-# Power-of-two block dims for the HostPool paths: on a GPU swap_in's default there is the
-# Pallas kernel reading the pinned pool, and that is what verify must prove.
-_POOL_LAYOUT = KVLayout(kind="packed", num_blocks=13, block_size=4, num_kv_heads=2, head_dim=4,
+# Power-of-two block dims for the copy and HostPool paths: on a GPU their defaults are Pallas
+# kernels (d2d copy; h2d reading the pinned caches or pool directly), and verify must prove
+# what runs. The odd shapes (head_dim 3) stay for the slot paths and in the tests.
+_KERNEL_LAYOUT = KVLayout(kind="packed", num_blocks=13, block_size=4, num_kv_heads=2, head_dim=4,
                         dtype=jnp.bfloat16)  # fmt: skip
 _MLA = KVLayout(kind="mla", num_blocks=13, block_size=4, latent_dim=7, dtype=jnp.bfloat16)
 _IDS = [([12, 0, 5], [3, 10, 0]), ([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7]), ([9], [9])]
@@ -55,10 +56,10 @@ def _mismatches(actual, expected) -> int:
 
 
 def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
-    src = _LAYOUT.random(_LAYERS, jax.random.key(0), placement=_placement(src_kind))
+    src = _KERNEL_LAYOUT.random(_LAYERS, jax.random.key(0), placement=_placement(src_kind))
     # Each call gets a fresh destination copied from a device-resident master (see
     # `fresh_copy` for why not from the pinned-host array).
-    master = _LAYOUT.random(_LAYERS, jax.random.key(1), placement=_placement("device"))
+    master = _KERNEL_LAYOUT.random(_LAYERS, jax.random.key(1), placement=_placement("device"))
     dst = fresh_copy(master, dst_kind)
 
     def step(src, dst, src_ids, dst_ids):
@@ -74,7 +75,7 @@ def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
         return Parity(bad, 0, "mismatches", "torch index_select + index_copy_, 3 id sets")
 
     def make_inputs(bucket: int):  # `bucket` ids (capped at the cache size, still in the bucket)
-        n = min(bucket, _LAYOUT.num_blocks)
+        n = min(bucket, _KERNEL_LAYOUT.num_blocks)
         return (src, dst, list(range(n)), list(range(n))[::-1])
 
     return PathCase(
@@ -116,7 +117,7 @@ def _pool_parity(step, leaf_of, layout_name: str) -> Parity:
 
 @functools.cache
 def _pool_src():
-    return _POOL_LAYOUT.random(_LAYERS, jax.random.key(4), placement=_placement("device"))
+    return _KERNEL_LAYOUT.random(_LAYERS, jax.random.key(4), placement=_placement("device"))
 
 
 @register_path("kv.swap_out_pool", "device cache -> block-major pinned-host HostPool")
@@ -144,10 +145,10 @@ def _build_pool_out(checkpoint: str | None) -> PathCase:
 
 @register_path("kv.swap_in_pool", "block-major pinned-host HostPool -> device cache")
 def _build_pool_in(checkpoint: str | None) -> PathCase:
-    n = _POOL_LAYOUT.num_blocks
+    n = _KERNEL_LAYOUT.num_blocks
     src = _pool_src()
     pool = swap_out(src, host_pool(src, n), list(range(n)), list(range(n)))
-    target = _POOL_LAYOUT.random(_LAYERS, jax.random.key(5), placement=_placement("device"))
+    target = _KERNEL_LAYOUT.random(_LAYERS, jax.random.key(5), placement=_placement("device"))
 
     def step(pool, cache, src_ids, dst_ids):
         return swap_in(pool, fresh_copy(cache), src_ids, dst_ids)
