@@ -10,6 +10,7 @@ Core API:
   stack_layers, scan_layers   - identical layers as one stacked state, run with lax.scan.
   PackedLeaves                - state arrays as one buffer per dtype, flat or per layer in rows
                                 (fewer jit arguments).
+  PackedTower                 - a module's layer rows and other leaves in one buffer per dtype.
   split_layers, SplitLayers   - a module split into its non-layer state and stacked layers.
   precompile                  - compile every bucket of every path ahead of serving.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
@@ -28,7 +29,7 @@ from jaxsync._layers import (
     split_layers as split_layers,
     stack_layers as stack_layers,
 )
-from jaxsync._packing import PackedLeaves as PackedLeaves
+from jaxsync._packing import PackedLeaves as PackedLeaves, PackedTower as PackedTower
 from jaxsync._placement import replicated_near as replicated_near
 from jaxsync._precompile import (
     Compiled as Compiled,

@@ -9,6 +9,8 @@ staging arrays immediately. The copy costs one small host allocation; it never w
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,24 +59,47 @@ class _Field:
     size: int  # in 32-bit words
 
 
-@jax.tree_util.register_pytree_node_class
+class _Layout:
+    """One packed layout, interned: equal field tuples give the same object.
+
+    It is a `Packed`'s pytree metadata, which jit hashes and compares on every call. Identity
+    hashing and equality (object's C defaults) make that free; a tuple of dataclass fields
+    costs Python-level hashing of every field per call (about 10 us cold on the CPU CI host).
+    """
+
+    __slots__ = ("fields", "__weakref__")
+    _interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    _lock = threading.Lock()
+
+    def __new__(cls, fields: tuple[_Field, ...]) -> _Layout:
+        with cls._lock:
+            layout = cls._interned.get(fields)
+            if layout is None:
+                layout = super().__new__(cls)
+                layout.fields = fields
+                cls._interned[fields] = layout
+            return layout
+
+    def __reduce__(self):  # pickling re-interns on load
+        return (_Layout, (self.fields,))
+
+
 class Packed:
     """Several small host arrays moved in one transfer, split on device.
 
-    The layout (names, shapes, dtypes, offsets) is static pytree aux data, so a jitted function that
-    takes a `Packed` is compiled once per layout and `packed["name"]` is a static slice there.
+    The layout (names, shapes, dtypes, offsets) is static pytree metadata, so a jitted function
+    that takes a `Packed` is compiled once per layout and `packed["name"]` is a static slice there.
+    Flattening runs in jax's C++ pytree code and the metadata compares by identity (`_Layout`).
     """
 
-    def __init__(self, buffer: jax.Array, layout: tuple[_Field, ...]):
+    def __init__(self, buffer: jax.Array, _layout: _Layout | tuple[_Field, ...]):
         self.buffer = buffer  # [W] uint32
-        self.layout = layout
+        self._layout = _layout if isinstance(_layout, _Layout) else _Layout(tuple(_layout))
 
-    def tree_flatten(self):
-        return (self.buffer,), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        return cls(children[0], layout)
+    @property
+    def layout(self) -> tuple[_Field, ...]:
+        """The fields: name, shape, dtype, offset and size (in 32-bit words) of each."""
+        return self._layout.fields
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -98,6 +123,10 @@ class Packed:
     def __repr__(self) -> str:
         fields = ", ".join(f"{f.name}{list(f.shape)}:{f.dtype}" for f in self.layout)
         return f"Packed({fields})"
+
+
+# Flattened by jax's C++ pytree code (no Python call per jit dispatch).
+jax.tree_util.register_dataclass(Packed, data_fields=["buffer"], meta_fields=["_layout"])
 
 
 def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> Packed:
@@ -134,7 +163,7 @@ def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> 
         offset += words.size
     # One fresh buffer per upload: never reused, so device_put's aliasing cannot leak mutations.
     host = np.concatenate(chunks) if chunks else np.zeros((0,), _WORD)
-    return Packed(jax.device_put(host, resolve(placement)), tuple(layout))
+    return Packed(jax.device_put(host, resolve(placement)), _Layout(tuple(layout)))
 
 
 def bucket(n: int, buckets: tuple[int, ...] | list[int] | None = None, *, minimum: int = 8) -> int:

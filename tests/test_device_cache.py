@@ -1,5 +1,6 @@
 """DeviceCache and the alias-safe uploads."""
 
+import copy
 import threading
 
 import jax
@@ -171,6 +172,12 @@ def test_upload_packed_same_layout_same_program():
     up = jaxsync.upload_packed({"a": np.ones(4, np.int32), "b": np.ones(2, np.float32)})
     with no_recompile():
         f(up)
+    # The layout, jit's pytree metadata, is interned: equal layouts are one object, compared by
+    # identity per call (and a copy of a Packed keeps it); another layout is another object.
+    again = jaxsync.upload_packed({"a": np.ones(4, np.int32), "b": np.ones(2, np.float32)})
+    assert again._layout is up._layout and copy.deepcopy(again)._layout is up._layout
+    other = jaxsync.upload_packed({"a": np.ones(4, np.int32), "b": np.ones(3, np.float32)})
+    assert other._layout is not up._layout and other.layout != up.layout
 
 
 def test_upload_packed_rejects_bad_fields():

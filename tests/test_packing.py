@@ -74,3 +74,44 @@ def test_rows_pack_each_layer_into_one_row_sliced_by_a_scan():
         jaxsync.PackedLeaves([jnp.ones((2, 3)), jnp.ones((3, 3))], rows=True)
     with pytest.raises(ValueError, match="one leading"):
         jaxsync.PackedLeaves([jnp.float32(1.0)], rows=True)
+
+
+def test_tower_puts_layers_and_the_other_leaves_in_one_buffer_per_dtype():
+    key = jax.random.key(2)
+    layers = 3  # a row is 7 + 5 = 12 float32 words; the float32 own leaves need 2 tail rows
+    stacked = [
+        jax.random.normal(key, (layers, 7)),
+        jax.random.normal(key, (layers, 5)),
+        jax.random.normal(key, (layers, 2, 3)).astype(jnp.bfloat16),
+    ]
+    own = [
+        jax.random.normal(key, (13,)),
+        jnp.arange(4, dtype=jnp.int32),  # a dtype the layers do not have: its own flat buffer
+        jax.random.normal(key, (2, 2)).astype(jnp.bfloat16),
+        jnp.float32(-1.5),
+    ]
+    tower = jaxsync.PackedTower(own, stacked)
+    assert [(b.dtype, b.shape) for b in tower.buffers] == [
+        (jnp.bfloat16, (layers + 1, 6)),
+        (jnp.float32, (layers + 2, 12)),
+        (jnp.int32, (4,)),
+    ]
+    for a, b in zip(jax.jit(tower.own)(tower.buffers), own, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def run(bufs):  # what a scan over layer indices sees: each layer's leaves from its row
+        def step(carry, i):
+            return carry, tower.layer(bufs, i)
+
+        return jax.lax.scan(step, 0, jnp.arange(tower.num_layers))[1]
+
+    per_layer = jax.jit(run)(tower.buffers)
+    for got, x in zip(per_layer, stacked, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x, np.float32))
+    lowered = jax.jit(run).lower(tower.buffers)
+    assert len(jax.tree.leaves(lowered.args_info)) == 3  # one argument per dtype
+
+    only_layers = jaxsync.PackedTower([], stacked)  # no other leaves: the rows alone
+    assert [b.shape for b in only_layers.buffers] == [(layers, 6), (layers, 12)]
+    assert only_layers.own(only_layers.buffers) == []

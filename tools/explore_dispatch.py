@@ -14,8 +14,8 @@ fewer jit arguments): their host dispatch, whole-call and device times next to i
 --stages times a whole call's steps one by one (plan lookup, dispatch, output wrapper), with
 device work queued and with an idle device.
 
---variants (with --packed) times other ways to dispatch the rows-packed program: AOT compiled,
-the position table as a compile-time constant, a trivial program with the same arguments.
+--variants (with --packed) times other ways to dispatch the rows-packed program (AOT compiled, a
+trivial program with the same arguments) and trivial programs of 1..6 arguments.
 
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
@@ -39,12 +39,8 @@ from flax import nnx
 import jaxsync
 from jaxsync.bench._timing import _Side, blocked_ms, measure
 from jaxsync.models.qwen3_omni import _reference as ref
-from jaxsync.models.qwen3_omni._model import (
-    TOKENS_PER_FULL_CHUNK,
-    AudioEmbeddings,
-    AudioEncoder,
-)
-from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, sinusoid_table
+from jaxsync.models.qwen3_omni._model import AudioEmbeddings, AudioEncoder
+from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower
 from jaxsync.models.qwen3_omni._verify import BENCH_SECONDS, padded_inputs
 
 
@@ -67,12 +63,8 @@ def main() -> None:
     x, lengths = rotation[0]
     plan = enc.plan(tuple(x.shape), lengths)
     meta = jaxsync.upload_packed(plan.device_fields())
-    positions = enc.cache.get(
-        f"qwen3_omni.audio.positions.{cfg.d_model}",
-        lambda: sinusoid_table(TOKENS_PER_FULL_CHUNK, cfg.d_model),
-    )
     t0 = time.perf_counter()
-    lowered = enc._jitted.lower(enc._leaves, x, positions, meta)
+    lowered = enc._jitted.lower(enc._leaves, x, meta)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -96,10 +88,8 @@ def main() -> None:
         "plan + upload": lambda: jaxsync.upload_packed(
             enc.plan(tuple(x.shape), lengths).device_fields()
         ),
-        "jit dispatch (same args)": lambda: enc._forward(x, positions, meta),
-        "jit dispatch (rotated x)": lambda: enc._forward(
-            rotation[next(it) % 3][0], positions, meta
-        ),
+        "jit dispatch (same args)": lambda: enc._forward(x, meta),
+        "jit dispatch (rotated x)": lambda: enc._forward(rotation[next(it) % 3][0], meta),
     }
     many = jax.jit(lambda leaves: leaves[0] + 1)  # a trivial program with as many arguments
     side.sync(many(enc._leaves))
@@ -108,9 +98,9 @@ def main() -> None:
     rows["trivial jit, 1 arg"] = lambda: many([one])
     side.sync(many([one]))
     if packed_encs:  # the weights packed: all, the vectors only, or layer by layer in rows
-        device = {"default": lambda: enc._forward(x, positions, meta)}
+        device = {"default": lambda: enc._forward(x, meta)}
         for how, penc in packed_encs.items():
-            fn = device[how] = ft.partial(penc._forward, x, positions, meta)
+            fn = device[how] = ft.partial(penc._forward, x, meta)
             side.sync(fn())
             rows[f"jit dispatch, pack {how}: {len(penc._leaves)} args"] = fn
             rows[f"whole call, pack {how}"] = lambda penc=penc: penc(x, lengths).embeddings
@@ -145,7 +135,7 @@ def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
         t = [time.perf_counter()]
         planned = enc._planned(shape, lengths)
         t.append(time.perf_counter())
-        out = enc._forward(x, planned.positions, planned.meta)
+        out = enc._forward(x, planned.meta)
         t.append(time.perf_counter())
         emb = AudioEmbeddings(out, planned.tokens, planned.offsets)
         t.append(time.perf_counter())
@@ -169,26 +159,28 @@ def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
 
 
 def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 21) -> None:
-    """Ways to dispatch the rows-packed program, host ms (median of n, device work queued)."""
-    import numpy as np
-
+    """Ways to dispatch the rows-packed program, host ms (median of n, device work queued), and
+    trivial programs taking 1..6 arguments: the dispatch floor per argument count."""
     planned = enc._planned(tuple(x.shape), lengths)
-    args = (enc._leaves, x, planned.positions, planned.meta)
+    args = (enc._leaves, x, planned.meta)
     compiled = enc._jitted.lower(*args).compile()
-    table = np.asarray(planned.positions)  # read once, outside any timing
-    const = jax.jit(lambda bufs, f, m: enc._jitted(bufs, f, table, m))  # table as a constant
-    trivial = jax.jit(lambda bufs, f, p, m: f[0, 0] + 1)  # the same 5 arguments, no work
+    raw = planned.meta.buffer  # the metadata as a plain array, not a `Packed` pytree node
+    trivial = jax.jit(lambda bufs, f, m: f[0, 0] + 1)  # the same arguments, no work
     fns = {
         "whole call": lambda: enc(x, lengths).embeddings,
         "jit": lambda: enc._jitted(*args),
         "AOT compiled": lambda: compiled(*args),
-        "positions as a constant (4 args)": lambda: const(enc._leaves, x, planned.meta),
-        "trivial program, same 5 args": lambda: trivial(*args),
+        f"trivial program, same {len(jax.tree.leaves(args))} args": lambda: trivial(*args),
+        "trivial program, meta as a raw array": lambda: trivial(enc._leaves, x, raw),
         "plan lookup only": lambda: enc._planned(tuple(x.shape), lengths),
     }
+    pool = [*enc._leaves, x, raw, *(jnp.full(8, float(i)) for i in range(6))]
+    first = jax.jit(lambda arrays: arrays[0].reshape(-1)[0] + 1)
+    for k in range(1, 7):
+        fns[f"trivial program, {k} args"] = ft.partial(first, pool[:k])
     for name, fn in fns.items():
         side.sync(fn())
-        print(f"variant {name:34s} {_blocked(side, fn, n):8.3f} ms host")
+        print(f"variant {name:40s} {_blocked(side, fn, n):8.3f} ms host")
 
 
 if __name__ == "__main__":

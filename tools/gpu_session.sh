@@ -12,8 +12,8 @@
 #             swap_in's GPU kernel; BLOCKS="512 64" by default)
 #   kvhost  - copy_blocks host time, split, with the id upload's parts (both runtime clients)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
-#   host    - qwen3_omni host time: unpacked vs packed weights (rows, the default, and flat), both
-#             runtime clients; under TFRT also a call split into steps and dispatch variants
+#   host    - qwen3_omni host time under the TFRT client: the bench (median of 11), unpacked vs
+#             packed weights, a call split into steps, dispatch variants (OUT_DIR/bench-host.tgz)
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,12 +112,15 @@ case "$phase" in
       | grep -vi cuda_timer | grep -E "^E |^FAILED|^ERROR|passed|failed|^tests/.*Error" | head -60
     ;;
   host)
-    # qwen3_omni host time: one argument per weight against the packed encoders, under the
-    # default and the TFRT client; under TFRT a call's steps and other ways to dispatch it.
-    echo "== default client"; timeout 120 python3 tools/explore_dispatch.py --packed 2>&1 | tail -16
-    echo "== tfrt client"
-    XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 timeout 150 python3 tools/explore_dispatch.py \
-      --packed --stages --variants 2>&1 | grep -vi cuda_timer | tail -28
+    # qwen3_omni host time under the TFRT client: the bench (packed rows, the default, against
+    # unpacked, per-layer and flat weights and transformers; median of 11), then a call split
+    # into steps and other ways to dispatch it, with trivial programs of 1..6 arguments.
+    export XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
+    timeout 220 jaxsync bench --paths qwen3_omni --sizes released --repeat 11 \
+      --out "$out/bench/qwen3_omni" 2>&1 | grep -vi cuda_timer | tail -8
+    tar czf "$out/bench-host.tgz" -C "$out" bench && rm -rf "$out/bench"
+    timeout 200 python3 tools/explore_dispatch.py --packed --stages --variants 2>&1 \
+      | grep -vi cuda_timer | tail -34
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh

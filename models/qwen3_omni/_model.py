@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
@@ -71,7 +72,6 @@ class _Planned(NamedTuple):
 
     plan: ChunkPlan
     meta: jaxsync.Packed  # the plan's device fields, uploaded
-    positions: jax.Array  # the sinusoid table, [TOKENS_PER_FULL_CHUNK, d_model]
     tokens: tuple[int, ...]  # output tokens per audio
     offsets: tuple[int, ...]  # each audio's first row in the embeddings
 
@@ -81,8 +81,7 @@ class AudioEncoder:
 
     Args:
       tower: the NNX module (e.g. from `load_audio_encoder`).
-      placement: device or sharding for the per-call upload and the position table.
-      cache: where the constant position table lives.
+      placement: device or sharding for the per-call uploads (metadata, host features).
       window_buckets: attention-window counts to compile for (default `WINDOW_BUCKETS`, about
         four sizes per octave); coarser buckets mean fewer programs and more padding.
       scan_layers: keep the layers' weights stacked [L, ...] and run them with `jax.lax.scan`
@@ -93,17 +92,18 @@ class AudioEncoder:
         9.7 ms. False keeps one array per layer weight (the lowest device time). The encoder
         keeps only the stacked copy: construction briefly holds both until the caller drops
         `tower`.
-      pack_weights: pass the state as a few buffers instead of ~29 arrays (jit dispatch costs
-        ~3 us per argument under the TFRT GPU client). "rows" (what "auto", the default, picks
-        with `scan_layers`): the non-layer leaves in one flat buffer per dtype and the stacked
-        layer leaves in one [L, S] buffer per dtype, row l holding layer l's weights
-        (`jaxsync.PackedLeaves(rows=True)`); the scan slices each layer's row as it slices
-        stacked leaves, so device time does not move. "flat": every leaf in one flat buffer
-        per dtype (XLA copies the weights out of it first: +7% device time). None: one
-        argument per leaf. H200, released size, TFRT client (2026-11-29): jit dispatch 0.167
-        ms with 29 state arguments, 0.091 ms with "rows" (2), 0.086 ms "flat" (1); device
-        time 10.74 / 10.58 / 11.56 ms. Bit-identical outputs. Construction briefly holds the
-        packed weights twice.
+      pack_weights: pass the state as one buffer per dtype instead of ~29 arrays (jit dispatch
+        costs ~3 us per argument under the TFRT GPU client). "rows" (what "auto", the default,
+        picks with `scan_layers`): one [L + k, S] buffer per dtype, row l holding layer l's
+        weights and the last k rows the other leaves (`jaxsync.PackedTower`); the scan slices
+        one row per layer as it slices stacked leaves, so device time does not move. "flat":
+        every leaf in one flat buffer per dtype (XLA copies the weights out of it first: +7%
+        device time). None: one argument per leaf. H200, released size, TFRT client
+        (2026-11-29, layers and other leaves still in two buffers): jit dispatch 0.167 ms with
+        29 state arguments, 0.091 ms with "rows", 0.086 ms "flat"; device time 10.74 / 10.58 /
+        11.56 ms. Bit-identical outputs. Construction briefly holds the packed weights twice.
+        The position table is a compile-time constant, so a call passes the state, the
+        features and the metadata: 3 arguments with "rows" at one dtype.
 
     Usage: `AudioEncoder(load_audio_encoder(cfg, ckpt))(features, [310, 0, 99])`.
     """
@@ -113,7 +113,6 @@ class AudioEncoder:
         tower: Qwen3OmniAudioTower,
         *,
         placement: Any = None,
-        cache: jaxsync.DeviceCache | None = None,
         window_buckets: Sequence[int] | None = None,
         scan_layers: bool = True,
         pack_weights: Literal["auto", "rows", "flat"] | None = "auto",
@@ -129,7 +128,6 @@ class AudioEncoder:
         self.pack_weights = pack_weights
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
-        self.cache = jaxsync.default_cache if cache is None else cache
         self.window_buckets = None if window_buckets is None else tuple(window_buckets)
         self.scan_layers = scan_layers
         # The NNX state is flattened once: flattening it per call walks every Variable in Python
@@ -144,8 +142,12 @@ class AudioEncoder:
         num_own = self._num_own = len(self._leaves)
         self._leaves += layer_leaves
 
-        def run(own, layer_xs, unpack, features, positions, meta):
+        # The position table is a compile-time constant: one jit argument fewer per call.
+        table = sinusoid_table(TOKENS_PER_FULL_CHUNK, self.cfg.d_model)
+
+        def run(own, layer_xs, unpack, features, meta):
             module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, own))
+            positions = jnp.asarray(table)
             if not scan_layers:
                 return module(features, positions, meta)
             x = module.embed(features, positions, meta)
@@ -156,15 +158,16 @@ class AudioEncoder:
             return jax.tree_util.tree_unflatten(layer_treedef, layer_leaves)
 
         # `_leaves` are the jitted program's state arguments: the leaves, or their packed buffers.
-        if pack_weights == "rows":  # own leaves flat, layer leaves one [L, S] row buffer per dtype
-            own = jaxsync.PackedLeaves(self._leaves[:num_own])
-            rows = jaxsync.PackedLeaves(self._leaves[num_own:], rows=True)
-            n = len(own.buffers)
-            self._leaves = own.buffers + rows.buffers
+        if pack_weights == "rows":  # one [L + k, S] buffer per dtype: layer rows, then the rest
+            tower_pack = jaxsync.PackedTower(self._leaves[:num_own], self._leaves[num_own:])
+            self._leaves = tower_pack.buffers
+            steps = tower_pack.num_layers
 
             def forward(bufs, *args):
-                unpack = lambda row: layer_tree(rows.unpack(row))  # noqa: E731
-                return run(own.unpack(bufs[:n]), bufs[n:], unpack, *args)
+                # Scanning layer indices over the whole buffer slices one row per step; scanning
+                # a [:L] slice of it would copy every layer's weights first.
+                unpack = lambda i: layer_tree(tower_pack.layer(bufs, i))  # noqa: E731
+                return run(tower_pack.own(bufs), jnp.arange(steps), unpack, *args)
 
         elif pack_weights == "flat":
             pack = jaxsync.PackedLeaves(self._leaves)
@@ -185,8 +188,8 @@ class AudioEncoder:
         self._plans: collections.OrderedDict[tuple, _Planned] = collections.OrderedDict()
         self._plans_lock = threading.Lock()
 
-    def _forward(self, features: jax.Array, positions: jax.Array, meta: jaxsync.Packed):
-        return self._jitted(self._leaves, features, positions, meta)
+    def _forward(self, features: jax.Array, meta: jaxsync.Packed):
+        return self._jitted(self._leaves, features, meta)
 
     def plan(self, features_shape: Sequence[int], feature_lens: Any) -> ChunkPlan:
         """Validates shapes and lengths on the host and plans the batch (no device work).
@@ -207,8 +210,7 @@ class AudioEncoder:
         )
 
     def _planned(self, shape: tuple[int, ...], feature_lens: Any) -> _Planned:
-        """`plan()`, its packed device upload and the position table, memoised per exact
-        (shape, lengths) input.
+        """`plan()` and its packed device upload, memoised per exact (shape, lengths) input.
 
         The key holds the lengths as a tuple of Python ints. A list or tuple of ints (what a
         server passes) becomes it without numpy: one call's host time is mostly cold Python,
@@ -230,14 +232,9 @@ class AudioEncoder:
             return hit
         plan = self.plan(shape, feature_lens)
         meta = jaxsync.upload_packed(plan.device_fields(), placement=self.placement)
-        positions = self.cache.get(
-            f"qwen3_omni.audio.positions.{self.cfg.d_model}",
-            lambda: sinusoid_table(TOKENS_PER_FULL_CHUNK, self.cfg.d_model),
-            placement=self.placement,
-        )
         tokens = tuple(int(n) for n in plan.audio_tokens)
         offsets = tuple(int(o) for o in plan.audio_offsets)
-        planned = _Planned(plan, meta, positions, tokens, offsets)
+        planned = _Planned(plan, meta, tokens, offsets)
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(meta))
         if not traced:  # a static scan traces through here: keep nothing from a trace
             with self._plans_lock:
@@ -265,7 +262,7 @@ class AudioEncoder:
         planned = self._planned(tuple(features.shape), feature_lens)
         if not isinstance(features, jax.Array):
             features = jaxsync.async_h2d(np.asarray(features, np.float32), placement=self.placement)
-        out = self._forward(features, planned.positions, planned.meta)
+        out = self._forward(features, planned.meta)
         return AudioEmbeddings(out, planned.tokens, planned.offsets)
 
 
