@@ -178,9 +178,37 @@ def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 21) -> None:
     first = jax.jit(lambda arrays: arrays[0].reshape(-1)[0] + 1)
     for k in range(1, 7):
         fns[f"trivial program, {k} args"] = ft.partial(first, pool[:k])
+    shape = tuple(x.shape)
+
+    def lookup_then_jit():
+        return enc._jitted(enc._leaves, x, enc._planned(shape, lengths).meta)
+
+    fns["plan lookup + jit (no wrapper)"] = lookup_then_jit
     for name, fn in fns.items():
         side.sync(fn())
         print(f"variant {name:40s} {_blocked(side, fn, n):8.3f} ms host")
+    # Is a call's extra host time over its dispatch cold-cache Python, or the collector? The
+    # second of two back-to-back calls runs warm; gc.freeze/disable take the collector out.
+    import gc
+
+    for name, fn in (("whole call", fns["whole call"]), ("jit", fns["jit"])):
+        samples = []
+        for _ in range(n):
+            side.sync()
+            side.spin()
+            fn()
+            t0 = time.perf_counter()
+            out = fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+            side.sync(out)
+        print(f"variant {name + ', second of two':40s} {statistics.median(samples):8.3f} ms host")
+    whole = fns["whole call"]
+    gc.freeze()
+    print(f"variant {'whole call, gc.freeze()':40s} {_blocked(side, whole, n):8.3f} ms host")
+    gc.disable()
+    print(f"variant {'whole call, gc disabled':40s} {_blocked(side, whole, n):8.3f} ms host")
+    gc.enable()
+    gc.unfreeze()
 
 
 if __name__ == "__main__":
