@@ -158,57 +158,69 @@ def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
         )
 
 
-def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 21) -> None:
-    """Ways to dispatch the rows-packed program, host ms (median of n, device work queued), and
-    trivial programs taking 1..6 arguments: the dispatch floor per argument count."""
-    planned = enc._planned(tuple(x.shape), lengths)
+def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 31) -> None:
+    """Ways to dispatch the rows-packed program and parts of a call, host ms (median of n,
+    device work queued, the variants interleaved sample by sample so that drift of the host
+    spreads over all of them); trivial programs taking 1..6 arguments (the dispatch floor per
+    argument count); the second of two back-to-back calls; the collector frozen or off."""
+    import gc
+
+    shape = tuple(x.shape)
+    planned = enc._planned(shape, lengths)
     args = (enc._leaves, x, planned.meta)
     compiled = enc._jitted.lower(*args).compile()
-    raw = planned.meta.buffer  # the metadata as a plain array, not a `Packed` pytree node
     trivial = jax.jit(lambda bufs, f, m: f[0, 0] + 1)  # the same arguments, no work
-    fns = {
-        "whole call": lambda: enc(x, lengths).embeddings,
-        "jit": lambda: enc._jitted(*args),
-        "AOT compiled": lambda: compiled(*args),
-        f"trivial program, same {len(jax.tree.leaves(args))} args": lambda: trivial(*args),
-        "trivial program, meta as a raw array": lambda: trivial(enc._leaves, x, raw),
-        "plan lookup only": lambda: enc._planned(tuple(x.shape), lengths),
-    }
-    pool = [*enc._leaves, x, raw, *(jnp.full(8, float(i)) for i in range(6))]
-    first = jax.jit(lambda arrays: arrays[0].reshape(-1)[0] + 1)
-    for k in range(1, 7):
-        fns[f"trivial program, {k} args"] = ft.partial(first, pool[:k])
-    shape = tuple(x.shape)
+    unwrapped = type(enc).__call__.__wrapped__  # __call__ without @entry_point
 
     def lookup_then_jit():
         return enc._jitted(enc._leaves, x, enc._planned(shape, lengths).meta)
 
-    fns["plan lookup + jit (no wrapper)"] = lookup_then_jit
-    for name, fn in fns.items():
-        side.sync(fn())
-        print(f"variant {name:40s} {_blocked(side, fn, n):8.3f} ms host")
-    # Is a call's extra host time over its dispatch cold-cache Python, or the collector? The
-    # second of two back-to-back calls runs warm; gc.freeze/disable take the collector out.
-    import gc
+    fns = {
+        "whole call": lambda: enc(x, lengths).embeddings,
+        "whole call without @entry_point": lambda: unwrapped(enc, x, lengths).embeddings,
+        "plan lookup + jit": lookup_then_jit,
+        "jit": lambda: enc._jitted(*args),
+        "AOT compiled": lambda: compiled(*args),
+        f"trivial program, same {len(jax.tree.leaves(args))} args": lambda: trivial(*args),
+        "plan lookup only": lambda: enc._planned(shape, lengths),
+    }
+    pool = [*enc._leaves, x, planned.meta.buffer, *(jnp.full(8, float(i)) for i in range(6))]
+    first = jax.jit(lambda arrays: arrays[0].reshape(-1)[0] + 1)
+    for k in (1, 3, 6):
+        fns[f"trivial program, {k} args"] = ft.partial(first, pool[:k])
 
-    for name, fn in (("whole call", fns["whole call"]), ("jit", fns["jit"])):
-        samples = []
-        for _ in range(n):
-            side.sync()
-            side.spin()
-            fn()
-            t0 = time.perf_counter()
-            out = fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-            side.sync(out)
-        print(f"variant {name + ', second of two':40s} {statistics.median(samples):8.3f} ms host")
-    whole = fns["whole call"]
-    gc.freeze()
-    print(f"variant {'whole call, gc.freeze()':40s} {_blocked(side, whole, n):8.3f} ms host")
-    gc.disable()
-    print(f"variant {'whole call, gc disabled':40s} {_blocked(side, whole, n):8.3f} ms host")
-    gc.enable()
-    gc.unfreeze()
+    def second_of_two(fn):
+        side.sync()
+        side.spin()
+        fn()
+        t0 = time.perf_counter()
+        out = fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        side.sync(out)
+        return ms
+
+    def frozen(fn):
+        gc.freeze()
+        gc.disable()
+        try:
+            return blocked_ms(fn, side)
+        finally:
+            gc.enable()
+            gc.unfreeze()
+
+    whole, jit = fns["whole call"], fns["jit"]
+    timers = {name: ft.partial(blocked_ms, fn, side) for name, fn in fns.items()}
+    timers["whole call, second of two"] = ft.partial(second_of_two, whole)
+    timers["jit, second of two"] = ft.partial(second_of_two, jit)
+    timers["whole call, gc frozen and off"] = ft.partial(frozen, whole)
+    for fn in fns.values():
+        side.sync(fn())
+    samples = {name: [] for name in timers}
+    for _ in range(n):
+        for name, timer in timers.items():
+            samples[name].append(timer())
+    for name, ms in samples.items():
+        print(f"variant {name:40s} {statistics.median(ms):8.3f} ms host")
 
 
 if __name__ == "__main__":

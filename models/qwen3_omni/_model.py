@@ -259,10 +259,10 @@ class AudioEncoder:
         Returns:
           `AudioEmbeddings` with `W * window_tokens` rows (W = window bucket).
         """
-        planned = self._planned(tuple(features.shape), feature_lens)
+        planned = self._planned(features.shape, feature_lens)  # numpy and jax shapes are tuples
         if not isinstance(features, jax.Array):
             features = jaxsync.async_h2d(np.asarray(features, np.float32), placement=self.placement)
-        out = self._forward(features, planned.meta)
+        out = self._jitted(self._leaves, features, planned.meta)
         return AudioEmbeddings(out, planned.tokens, planned.offsets)
 
 
