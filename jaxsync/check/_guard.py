@@ -188,19 +188,21 @@ def _raw_env() -> Any:
     Every entry point reads it per call, so this is on the hot path. `os.environ.get` runs
     Python-level key encoding and value decoding: about 25 us for one cold call on the CPU CI
     machine, most of a cold entry point's overhead. CPython's `os.environ` keeps its data in a
-    plain dict (`_data`, keyed by `encodekey(name)`), where one lookup is a C call; anything
-    else falls back to `os.environ.get`.
+    plain dict (`_data`, keyed by `encodekey(name)`, updated in place by every change to
+    `os.environ`), where one lookup is a C call; anything else falls back to `os.environ.get`.
     """
-    data = getattr(os.environ, "_data", None)
-    if isinstance(data, dict):
-        return data.get(_ENV_KEY)
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(_ENV_KEY)
     return os.environ.get(ENV_VAR)
 
 
 try:
     _ENV_KEY: Any = os.environ.encodekey(ENV_VAR)  # type: ignore[attr-defined]
+    _ENV_DATA: dict | None = os.environ._data  # type: ignore[attr-defined]
+    if not isinstance(_ENV_DATA, dict):
+        raise AttributeError
 except AttributeError:  # not CPython's os._Environ: `_raw_env` uses os.environ.get
-    _ENV_KEY = ENV_VAR
+    _ENV_KEY, _ENV_DATA = ENV_VAR, None
 _MODES: dict[Any, Mode | None] = {}  # raw value -> parsed mode (a handful of distinct values)
 
 
@@ -230,6 +232,9 @@ def entry_point(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # Unset (the serving default) costs one C dict lookup: a cold call pays per Python frame.
+        if _ENV_DATA is not None and _ENV_KEY not in _ENV_DATA:
+            return fn(*args, **kwargs)
         mode = env_mode()
         if mode is None or _tls.mode is not None:
             return fn(*args, **kwargs)

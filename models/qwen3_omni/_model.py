@@ -37,6 +37,8 @@ class AudioEmbeddings:
       offsets: per-audio first row (host ints).
     """
 
+    __slots__ = ("embeddings", "lengths", "offsets")  # built per call: no instance dict
+
     def __init__(self, embeddings: jax.Array, lengths: tuple[int, ...], offsets: tuple[int, ...]):
         self.embeddings = embeddings
         self.lengths = lengths
