@@ -288,9 +288,12 @@ def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
 def test_plan_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(q3._model, "PLAN_CACHE_SIZE", 2)
     enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
-    for n in (10, 20, 30):
+    for n in (10, 20, 10, 30):  # the hit on 10 makes 20 the least recently used
         enc(ref.random_features(ref.TINY, [n]), [n])
-    assert len(enc._plans) == 2
+    assert [lens for _, lens in enc._plans] == [(10,), (30,)]
+    enc(ref.random_features(ref.TINY, [30]), np.array([30]))  # a numpy-path hit counts too
+    enc(ref.random_features(ref.TINY, [40]), [40])
+    assert [lens for _, lens in enc._plans] == [(30,), (40,)]
 
 
 def test_plan_cache_under_threads(monkeypatch):
