@@ -4,17 +4,18 @@ Prints, with ~30 ms of device work queued: the whole call, the host planning, th
 and the jitted program's dispatch alone (same inputs, then rotated inputs). Run it under different
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
-  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed]
+  python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--stages]
                                    [--variants] [--profile]
 
 The encoder measured passes one argument per state leaf (`pack_weights=None`); --packed adds
 the encoders with packed weights (`AudioEncoder(pack_weights="rows"` (the default) / `"flat")`,
 fewer jit arguments): their host dispatch, whole-call and device times next to it.
 
---variants (with --packed) times, interleaved sample by sample, the rows-packed encoder's whole
-call (also without @entry_point, as the second of two back-to-back calls, and with the collector
-frozen and off), its jitted program alone (jit, AOT compiled, second of two) and trivial
-programs of 1, 3 and 6 arguments (the dispatch floor).
+--stages times a whole call's steps one by one (plan lookup, dispatch, output wrapper), with
+device work queued and with an idle device.
+
+--variants (with --packed) times other ways to dispatch the rows-packed program (AOT compiled, a
+trivial program with the same arguments) and trivial programs of 1..6 arguments.
 
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
@@ -38,7 +39,7 @@ from flax import nnx
 import jaxsync
 from jaxsync.bench._timing import _Side, blocked_ms, measure
 from jaxsync.models.qwen3_omni import _reference as ref
-from jaxsync.models.qwen3_omni._model import AudioEncoder
+from jaxsync.models.qwen3_omni._model import AudioEmbeddings, AudioEncoder
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower
 from jaxsync.models.qwen3_omni._verify import BENCH_SECONDS, padded_inputs
 
@@ -108,6 +109,9 @@ def main() -> None:
             print(f"device time, {name} weights: {m['device_ms']:.3f} ms/fwd")
     for name, fn in rows.items():
         print(f"{name:28s} {_blocked(side, fn):8.3f} ms host")
+    if "--stages" in sys.argv:  # a whole call's host time split into its steps
+        for how, e in {"default": enc, **packed_encs}.items():
+            _stages(e, x, lengths, side, how)
     if "--variants" in sys.argv and "rows" in packed_encs:
         _variants(packed_encs["rows"], x, lengths, side)
     if "--profile" in sys.argv:  # where a whole call's host time goes beyond the jit dispatch
@@ -121,6 +125,37 @@ def main() -> None:
         profile.disable()
         side.sync()
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
+    """`AudioEncoder.__call__`'s steps timed one by one, with device work queued and without."""
+    shape = tuple(x.shape)
+
+    def call():
+        t = [time.perf_counter()]
+        planned = enc._planned(shape, lengths)
+        t.append(time.perf_counter())
+        out = enc._forward(x, planned.meta)
+        t.append(time.perf_counter())
+        emb = AudioEmbeddings(out, planned.tokens, planned.offsets)
+        t.append(time.perf_counter())
+        return emb.embeddings, [(b - a) * 1e3 for a, b in zip(t, t[1:], strict=False)]
+
+    for queued in (True, False):
+        samples = []
+        for _ in range(9):
+            side.sync()
+            if queued:
+                side.spin()
+            t0 = time.perf_counter()
+            out, parts = call()
+            samples.append([(time.perf_counter() - t0) * 1e3, *parts])
+            side.sync(out)
+        med = [statistics.median(col) for col in zip(*samples, strict=True)]
+        print(
+            f"stages, pack {how}, {'queued' if queued else 'idle  '}: total {med[0]:.3f} | plan "
+            f"lookup {med[1]:.3f} | dispatch {med[2]:.3f} | wrap {med[3]:.3f} ms"
+        )
 
 
 def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 31) -> None:
@@ -137,12 +172,17 @@ def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 31) -> None:
     trivial = jax.jit(lambda bufs, f, m: f[0, 0] + 1)  # the same arguments, no work
     unwrapped = type(enc).__call__.__wrapped__  # __call__ without @entry_point
 
+    def lookup_then_jit():
+        return enc._jitted(enc._leaves, x, enc._planned(shape, lengths).meta)
+
     fns = {
         "whole call": lambda: enc(x, lengths).embeddings,
         "whole call without @entry_point": lambda: unwrapped(enc, x, lengths).embeddings,
+        "plan lookup + jit": lookup_then_jit,
         "jit": lambda: enc._jitted(*args),
         "AOT compiled": lambda: compiled(*args),
         f"trivial program, same {len(jax.tree.leaves(args))} args": lambda: trivial(*args),
+        "plan lookup only": lambda: enc._planned(shape, lengths),
     }
     pool = [*enc._leaves, x, planned.meta.buffer, *(jnp.full(8, float(i)) for i in range(6))]
     first = jax.jit(lambda arrays: arrays[0].reshape(-1)[0] + 1)

@@ -13,7 +13,7 @@
 #   kvhost  - copy_blocks host time, split, with the id upload's parts (both runtime clients)
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time under the TFRT client: the bench (median of 11), unpacked vs
-#             packed weights, dispatch variants (OUT_DIR/bench-host.tgz)
+#             packed weights, a call split into steps, dispatch variants (OUT_DIR/bench-host.tgz)
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,13 +113,13 @@ case "$phase" in
     ;;
   host)
     # qwen3_omni host time under the TFRT client: the bench (packed rows, the default, against
-    # unpacked, per-layer and flat weights and transformers; median of 11), then the whole call
-    # against its jit dispatch and trivial programs (explore_dispatch.py --variants).
+    # unpacked, per-layer and flat weights and transformers; median of 11), then a call split
+    # into steps and other ways to dispatch it, with trivial programs of 1..6 arguments.
     export XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
     timeout 220 jaxsync bench --paths qwen3_omni --sizes released --repeat 11 \
       --out "$out/bench/qwen3_omni" 2>&1 | grep -vi cuda_timer | tail -8
     tar czf "$out/bench-host.tgz" -C "$out" bench && rm -rf "$out/bench"
-    timeout 200 python3 tools/explore_dispatch.py --packed --variants 2>&1 \
+    timeout 200 python3 tools/explore_dispatch.py --packed --stages --variants 2>&1 \
       | grep -vi cuda_timer | tail -34
     ;;
   sharded)
