@@ -5,7 +5,7 @@ and the jitted program's dispatch alone (same inputs, then rotated inputs). Run 
 XLA_FLAGS to compare XLA:GPU command-buffer settings.
 
   python tools/explore_dispatch.py [--tiny] [--per-layer] [--compile-only] [--packed] [--stages]
-                                   [--variants] [--profile]
+                                   [--variants [--pin]] [--profile]
 
 The encoder measured passes one argument per state leaf (`pack_weights=None`); --packed adds
 the encoders with packed weights (`AudioEncoder(pack_weights="rows"` (the default) / `"flat")`,
@@ -16,6 +16,9 @@ device work queued and with an idle device.
 
 --variants (with --packed) times other ways to dispatch the rows-packed program (AOT compiled, a
 trivial program with the same arguments) and trivial programs of 1..6 arguments.
+
+--pin (with --variants) runs the variants again with the calling thread pinned to one core
+(the others keep their cores): does a call's cold-cache Python come from thread migration?
 
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
@@ -114,6 +117,13 @@ def main() -> None:
             _stages(e, x, lengths, side, how)
     if "--variants" in sys.argv and "rows" in packed_encs:
         _variants(packed_encs["rows"], x, lengths, side)
+        if "--pin" in sys.argv:  # the same with the calling thread kept on one core
+            import os
+
+            core = sorted(os.sched_getaffinity(0))[-1]
+            os.sched_setaffinity(0, {core})  # Linux: pid 0 is the calling thread only
+            print(f"== calling thread pinned to core {core}")
+            _variants(packed_encs["rows"], x, lengths, side)
     if "--profile" in sys.argv:  # where a whole call's host time goes beyond the jit dispatch
         import cProfile
         import pstats
