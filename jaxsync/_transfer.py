@@ -64,7 +64,9 @@ class _Layout:
 
     It is a `Packed`'s pytree metadata, which jit hashes and compares on every call. Identity
     hashing and equality (object's C defaults) make that free; a tuple of dataclass fields
-    costs Python-level hashing of every field per call (about 10 us cold on the CPU CI host).
+    costs Python-level hashing of every field per call (a no-op program taking a `Packed`
+    dispatched 0.010 ms slower than with its raw buffer, one cold-call run on the CPU CI
+    machine; after this change the two read the same on an H200).
     """
 
     __slots__ = ("fields", "__weakref__")
