@@ -100,12 +100,12 @@ class AudioEncoder:
         weights and the last k rows the other leaves (`jaxsync.PackedTower`); the scan slices
         one row per layer as it slices stacked leaves, so device time does not move. "flat":
         every leaf in one flat buffer per dtype (XLA copies the weights out of it first: +7%
-        device time). None: one argument per leaf. H200, released size, TFRT client
-        (2026-11-29, layers and other leaves still in two buffers): jit dispatch 0.167 ms with
-        29 state arguments, 0.091 ms with "rows", 0.086 ms "flat"; device time 10.74 / 10.58 /
-        11.56 ms. Bit-identical outputs. Construction briefly holds the packed weights twice.
-        The position table is a compile-time constant, so a call passes the state, the
-        features and the metadata: 3 arguments with "rows" at one dtype.
+        device time). None: one argument per leaf. The position table is a compile-time
+        constant, so a call passes the state, the features and the metadata: 3 arguments with
+        "rows" at one dtype. H200, released size, TFRT client (2026-11-29, docs/benchmarks.md):
+        host-blocked 0.11-0.13 ms "rows", 0.09-0.14 "flat", 0.16-0.28 None; device time
+        10.58-10.67 / 11.42-11.70 / 10.76-10.98 ms. Bit-identical outputs. Construction
+        briefly holds the packed weights twice.
 
     Usage: `AudioEncoder(load_audio_encoder(cfg, ckpt))(features, [310, 0, 99])`.
     """
