@@ -209,6 +209,23 @@ def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 31) -> None:
         side.sync(out)
         return ms
 
+    def after(fn, busy: bool):
+        # 1 ms between the spin and the call, spent running Python or sleeping: is the cold
+        # call's cost the thread's sleep in sync(), or the dispatches before it?
+        side.sync()
+        side.spin()
+        t0 = time.perf_counter()
+        if busy:
+            while time.perf_counter() - t0 < 1e-3:
+                pass
+        else:
+            time.sleep(1e-3)
+        t0 = time.perf_counter()
+        out = fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        side.sync(out)
+        return ms
+
     def frozen(fn):
         gc.freeze()
         gc.disable()
@@ -223,6 +240,9 @@ def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 31) -> None:
     timers["whole call, second of two"] = ft.partial(second_of_two, whole)
     timers["jit, second of two"] = ft.partial(second_of_two, jit)
     timers["whole call, gc frozen and off"] = ft.partial(frozen, whole)
+    timers["whole call after 1 ms of busy Python"] = ft.partial(after, whole, True)
+    timers["whole call after a 1 ms sleep"] = ft.partial(after, whole, False)
+    timers["jit after 1 ms of busy Python"] = ft.partial(after, jit, True)
     for fn in fns.values():
         side.sync(fn())
     samples = {name: [] for name in timers}
