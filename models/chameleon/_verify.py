@@ -86,7 +86,7 @@ def _mask_parity() -> Parity:
     return Parity(float(bad), 0.0, "mismatches", "HF logits[:, :, image_tokens] = finfo.min")
 
 
-@register_path("chameleon.mask_logits", description="image-token logit mask (.at[ids].set)")
+@register_path("chameleon.mask_logits", description="image-token logit mask (cached column mask)")
 def _build_mask(checkpoint: str | None) -> PathCase:
     paths = _tiny_paths(checkpoint)
     keys = jax.random.split(jax.random.key(0), 3)

@@ -127,8 +127,20 @@ class ImageVocabularyMapping:
         """Device copy of `img2bpe` at `placement` (built once, then cached)."""
         return self._cache.get(f"chameleon.img2bpe.{self._key}", self.img2bpe, placement=placement)
 
-    def image_token_ids_on(self, placement: Placement = None) -> jax.Array:
-        """Device copy of `image_token_ids` at `placement` (built once, then cached)."""
+    def image_token_mask(self, vocab_size: int) -> np.ndarray:
+        """bool `[vocab_size]`: True at every image-token id (host)."""
+        if vocab_size <= self.max_image_id:
+            raise ValueError(
+                f"vocab {vocab_size} does not cover the largest image token id {self.max_image_id}"
+            )
+        mask = np.zeros(vocab_size, np.bool_)
+        mask[self.image_token_ids] = True
+        return mask
+
+    def image_token_mask_on(self, vocab_size: int, placement: Placement = None) -> jax.Array:
+        """Device copy of `image_token_mask(vocab_size)` at `placement` (built once, cached)."""
         return self._cache.get(
-            f"chameleon.image_ids.{self._key}", self.image_token_ids, placement=placement
+            f"chameleon.image_mask.{self._key}.{vocab_size}",
+            lambda: self.image_token_mask(vocab_size),
+            placement=placement,
         )

@@ -277,3 +277,15 @@ def test_registered_for_verify_and_bench():
         "chameleon.merge_embeddings",
     } <= names
     assert "chameleon" in registry._benches
+
+
+def test_image_token_mask_is_cached_per_vocab_size(paths):
+    m, vocab = paths.mapping, paths.cfg.vocab_size
+    mask = m.image_token_mask(vocab)
+    assert mask.dtype == np.bool_ and mask.sum() == len(m.image_token_ids)
+    assert mask[m.image_token_ids].all()
+    assert m.image_token_mask_on(vocab) is m.image_token_mask_on(vocab)  # one device copy
+    padded = m.image_token_mask_on(vocab + 5)  # e.g. logits of a padded lm_head
+    assert padded.shape == (vocab + 5,) and not np.asarray(padded)[vocab:].any()
+    with pytest.raises(ValueError, match="does not cover"):
+        m.image_token_mask(m.max_image_id)
