@@ -289,3 +289,20 @@ def test_image_token_mask_is_cached_per_vocab_size(paths):
     assert padded.shape == (vocab + 5,) and not np.asarray(padded)[vocab:].any()
     with pytest.raises(ValueError, match="does not cover"):
         m.image_token_mask(m.max_image_id)
+
+
+def test_mask_on_logits_sharded_over_the_vocab(paths):
+    # Tensor-parallel lm_head logits: split over a (padded) vocab. The replicated column mask is
+    # sliced per shard by XLA; the result keeps the logits' sharding and equals the unsharded fill.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jaxsync.testing.device_mesh("v")
+    n = mesh.devices.size
+    vocab = -(-paths.cfg.vocab_size // n) * n  # padded to a multiple of the shard count
+    x = jax.random.normal(jax.random.key(3), (5, vocab))
+    want = np.asarray(paths.mask_image_logits(x))
+    split = jax.device_put(x, NamedSharding(mesh, P(None, "v")))
+    out = paths.mask_image_logits(split)
+    assert out.sharding.is_equivalent_to(split.sharding, 2)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    assert (want[:, paths.mapping.image_token_ids] == np.finfo(np.float32).min).all()
