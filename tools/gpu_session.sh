@@ -14,6 +14,8 @@
 #   h2dflags - pool swaps under XLA flags that may put more host reads in flight
 #   host    - qwen3_omni host time under the TFRT client: the bench (median of 11), unpacked vs
 #             packed weights, a call split into steps, dispatch variants (OUT_DIR/bench-host.tgz)
+#   hostflags - qwen3_omni host time under TFRT with XLA command-buffer flags (the eighth
+#             session's open lead)
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +123,18 @@ case "$phase" in
     tar czf "$out/bench-host.tgz" -C "$out" bench && rm -rf "$out/bench"
     timeout 200 python3 tools/explore_dispatch.py --packed --stages --variants 2>&1 \
       | grep -vi cuda_timer | tail -34
+    ;;
+  hostflags)
+    # The lead left by the eighth session: executables with the same argument count differed
+    # in host dispatch under the TFRT client. XLA:GPU command-buffer (CUDA graph) settings were
+    # only ever tried under the default client; here they run under TFRT, the variants each.
+    export XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
+    for f in "" --xla_gpu_enable_command_buffer= --xla_gpu_graph_min_graph_size=1 \
+        --xla_gpu_graph_min_graph_size=100; do
+      echo "== XLA_FLAGS=$f"
+      XLA_FLAGS=$f timeout 120 python3 tools/explore_dispatch.py --packed --variants 2>&1 \
+        | grep -vi cuda_timer | grep -E "device time|variant (whole call |jit |trivial program, same)"
+    done
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
