@@ -165,7 +165,7 @@ def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> 
         offset += words.size
     # One fresh buffer per upload: never reused, so device_put's aliasing cannot leak mutations.
     host = np.concatenate(chunks) if chunks else np.zeros((0,), _WORD)
-    return Packed(jax.device_put(host, resolve(placement)), _Layout(tuple(layout)))
+    return Packed(jax.device_put(host, resolve(placement)), tuple(layout))  # interned by Packed
 
 
 def bucket(n: int, buckets: tuple[int, ...] | list[int] | None = None, *, minimum: int = 8) -> int:

@@ -245,8 +245,10 @@ def swap_out(
     if s.size == 0:
         return pool
     size = jaxsync.bucket(int(s.size), buckets)
-    last = {"src": np.full(size, s[-1]), "dst": np.full(size, d[-1])}  # idempotent rewrites
-    fields = {"src": padded_ids(s, last["src"]), "dst": padded_ids(d, last["dst"])}
+    fields = {  # padding repeats the last pair: an idempotent rewrite
+        "src": padded_ids(s, np.full(size, s[-1])),
+        "dst": padded_ids(d, np.full(size, d[-1])),
+    }
     ids = upload_ids(fields, leaves[0])
     return HostPool(_swap_out(leaves, pool.blocks, ids), pool.treedef)
 

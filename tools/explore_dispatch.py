@@ -14,8 +14,10 @@ fewer jit arguments): their host dispatch, whole-call and device times next to i
 --stages times a whole call's steps one by one (plan lookup, dispatch, output wrapper), with
 device work queued and with an idle device.
 
---variants (with --packed) times other ways to dispatch the rows-packed program (AOT compiled, a
-trivial program with the same arguments) and trivial programs of 1..6 arguments.
+--variants (with --packed) times, interleaved sample by sample, the rows-packed encoder's whole
+call (also without @entry_point, as the second of two back-to-back calls, with the collector
+frozen, after 1 ms of busy Python or sleep), its jitted program (jit, AOT compiled) and trivial
+programs of 1, 3 and 6 arguments or the encoder's own (the dispatch floor).
 
 --pin (with --variants) runs the variants again with the calling thread pinned to one core
 (the others keep their cores): does a call's cold-cache Python come from thread migration?
@@ -171,8 +173,9 @@ def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:
 def _variants(enc: AudioEncoder, x, lengths, side: _Side, n: int = 31) -> None:
     """Ways to dispatch the rows-packed program and parts of a call, host ms (median of n,
     device work queued, the variants interleaved sample by sample so that drift of the host
-    spreads over all of them); trivial programs taking 1..6 arguments (the dispatch floor per
-    argument count); the second of two back-to-back calls; the collector frozen or off."""
+    spreads over all of them); trivial programs taking 1, 3 or 6 arguments (the dispatch floor
+    per argument count); the second of two back-to-back calls; the collector frozen and off;
+    the call 1 ms after the queued work."""
     import gc
 
     shape = tuple(x.shape)
