@@ -22,6 +22,10 @@ programs of 1, 3 and 6 arguments or the encoder's own (the dispatch floor).
 --pin (with --variants) runs the variants again with the calling thread pinned to one core
 (the others keep their cores): does a call's cold-cache Python come from thread migration?
 
+--dma-latency (with --variants) runs the variants again holding /dev/cpu_dma_latency at 0 (the
+CPUs stay out of deep idle states while it is open; needs write access): is the cold call's cost
+a core waking up? It prints the host's cpuidle states first.
+
 --profile prints a cProfile of 200 whole calls (same input): the host time around the dispatch.
 
 --per-layer builds the encoder with `scan_layers=False` (one array per layer weight) instead of
@@ -126,6 +130,8 @@ def main() -> None:
             os.sched_setaffinity(0, {core})  # Linux: pid 0 is the calling thread only
             print(f"== calling thread pinned to core {core}")
             _variants(packed_encs["rows"], x, lengths, side)
+    if "--dma-latency" in sys.argv and "rows" in packed_encs:
+        _with_dma_latency(lambda: _variants(packed_encs["rows"], x, lengths, side))
     if "--profile" in sys.argv:  # where a whole call's host time goes beyond the jit dispatch
         import cProfile
         import pstats
@@ -137,6 +143,28 @@ def main() -> None:
         profile.disable()
         side.sync()
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def _with_dma_latency(run) -> None:
+    """Runs `run()` with /dev/cpu_dma_latency held at 0 us, after printing the idle states."""
+    import glob
+    import pathlib
+    import struct
+
+    for state in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cpuidle/state*")):
+        name, latency = (pathlib.Path(state, f).read_text().strip() for f in ("name", "latency"))
+        print(f"cpuidle {pathlib.Path(state).name}: {name}, exit latency {latency} us")
+    try:
+        fd = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115 - held open below
+        fd.write(struct.pack("i", 0))
+    except OSError as err:
+        print(f"== /dev/cpu_dma_latency not writable ({err}): variants not repeated")
+        return
+    try:
+        print("== /dev/cpu_dma_latency held at 0")
+        run()
+    finally:
+        fd.close()
 
 
 def _stages(enc: AudioEncoder, x, lengths, side: _Side, how) -> None:

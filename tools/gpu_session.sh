@@ -15,7 +15,8 @@
 #   host    - qwen3_omni host time under the TFRT client: the bench (median of 11), unpacked vs
 #             packed weights, a call split into steps, dispatch variants (OUT_DIR/bench-host.tgz)
 #   hostflags - qwen3_omni host time under TFRT with XLA command-buffer flags (the eighth
-#             session's open lead)
+#             session's open lead), then with the CPUs held out of deep idle states
+#   tfrt    - under the TFRT GPU client: `jaxsync verify` over every path, the gpu-marked tests
 #   sharded - (2+ GPUs) sharded KV / DeviceCache tests over every GPU + tools/bench_kv_sharded.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +136,18 @@ case "$phase" in
       XLA_FLAGS=$f timeout 120 python3 tools/explore_dispatch.py --packed --variants 2>&1 \
         | grep -vi cuda_timer | grep -E "device time|variant (whole call |jit |trivial program, same)"
     done
+    # Does the cold call wait for a core to wake? The variants again with the CPUs kept out of
+    # deep idle states (/dev/cpu_dma_latency held at 0, where the container allows it).
+    echo "== --dma-latency"
+    timeout 150 python3 tools/explore_dispatch.py --packed --variants --dma-latency 2>&1 \
+      | grep -vi cuda_timer | grep -E "cpuidle|==|variant (whole call|jit|trivial program, [13] )"
+    ;;
+  tfrt)
+    # jaxsync recommends the TFRT client to host-bound servers: every path must hold under it.
+    export XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
+    timeout 300 jaxsync verify 2>&1 | grep -vi cuda_timer | tee "$out/verify-tfrt.txt"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu tests 2>&1 \
+      | grep -vi cuda_timer | grep -E "^E |^FAILED|^ERROR|passed|failed" | tee "$out/gpu-tests-tfrt.log"
     ;;
   sharded)
     # Every GPU of the machine: the sharded kv / DeviceCache tests (jaxsync.testing.device_mesh
