@@ -13,7 +13,10 @@ Placement: TypeAlias = jax.Device | jax.sharding.Sharding | None
 def resolve(placement: Placement) -> jax.Device | jax.sharding.Sharding:
     """Returns a concrete device or sharding; `None` means JAX's default device."""
     if placement is None:
-        return jax.config.jax_default_device or jax.devices()[0]
+        default = jax.config.jax_default_device
+        if isinstance(default, str):  # jax also takes a platform name there, e.g. "cpu"
+            return jax.devices(default)[0]
+        return default or jax.devices()[0]
     if isinstance(placement, jax.Device | jax.sharding.Sharding):
         return placement
     raise TypeError(f"placement must be a jax.Device, a Sharding or None, got {type(placement)}")

@@ -178,7 +178,7 @@ class Glm4vVisionEncoder:
             return pixels
         host = np.zeros((plan.padded_patches, self.cfg.patch_dim), self.dtype)
         host[: plan.num_patches] = pixels  # padding patches are zero pixels
-        return jax.device_put(host, self.placement)  # `host` is private: safe to alias
+        return jaxsync.async_h2d(host, placement=self.placement, copy=False)  # `host` is private
 
     @entry_point
     def __call__(self, pixels, grid_thw) -> VisionOutput:
