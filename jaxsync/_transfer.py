@@ -1,9 +1,10 @@
 """Explicit, alias-safe host->device uploads: one array, or many small ones in one transfer.
 
-`jax.device_put` of a NumPy array is asynchronous and may read (or alias) the host buffer after it
-returns (measured on CPU and H200: tests/test_device_cache.py, tests/test_transfer.py). Every upload here first copies the caller's
-data into a fresh private host buffer that nobody mutates afterwards, so a caller may reuse its
-staging arrays immediately. The copy costs one small host allocation; it never waits on the device.
+`jax.device_put` of a NumPy array is asynchronous and may read (or alias) the host buffer after
+it returns (measured on CPU and an H200; `tests/test_device_cache.py` shows it on CPU). Every
+upload here first copies the caller's data into a fresh private host buffer that nobody mutates
+afterwards, so a caller may reuse its staging arrays immediately. The copy costs one small host
+allocation; it never waits on the device.
 
 The private buffer then goes up through jaxlib's C++ transfer directly (`_put`): `jax.device_put`
 wraps the same call in Python that cost 0.27-0.33 ms of host time per upload on an H200 host with
