@@ -238,7 +238,7 @@ def plan_waveforms(
         host = np.zeros((jaxsync.bucket(b, minimum=1), width), np.float32)
         for i in range(b):
             host[i, : lens[i]] = waveforms[i, : lens[i]]
-        x = jaxsync.async_h2d(host, placement=placement)
+        x = jaxsync.async_h2d(host, placement=placement, copy=False)  # `host` is ours alone
     return WaveformPlan(x=x, lengths=lens, signal=signal, batch=b)
 
 
