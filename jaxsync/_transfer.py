@@ -6,10 +6,10 @@ upload here first copies the caller's data into a fresh private host buffer that
 afterwards, so a caller may reuse its staging arrays immediately. The copy costs one small host
 allocation; it never waits on the device.
 
-The private buffer then goes up through jaxlib's C++ transfer directly (`_put`): `jax.device_put`
-wraps the same call in Python that cost 0.27-0.33 ms of host time per upload on an H200 host with
-device work queued (0.37-0.43 ms for the whole `device_put` against 0.10-0.11 ms for the C++ call,
-both runtime clients; `tools/explore_upload.py`, docs/benchmarks.md).
+The private buffer then goes up through jaxlib's C++ transfer directly (`_put`): on H200 hosts
+with device work queued, `jax.device_put` took 0.27-0.43 ms of host time per small upload and
+the C++ call under it 0.09-0.11 ms, under both runtime clients; the rest is `device_put`'s own
+Python, run cold (`tools/explore_upload.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
