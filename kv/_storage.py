@@ -163,6 +163,6 @@ def load_kv(
         host[layer] = rows
     kv = {}
     for layer, rows in host.items():  # uploads only after every file was checked
-        puts = [jax.device_put(a, s) for a, s in rows]
+        puts = [jaxsync.async_h2d(a, placement=s, copy=False) for a, s in rows]  # fresh buffers
         kv[layer] = puts[0] if isinstance(caches[layer], jax.Array) else type(caches[layer])(puts)
     return inject_kv(caches, kv, slots, buckets=buckets)

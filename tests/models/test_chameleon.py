@@ -164,6 +164,13 @@ def test_image_tokens_sync_free_device_pixels(paths):
     jaxsync.check.assert_sync_free(paths.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]])
 
 
+def test_tokenizer_state_is_a_flat_array_list(paths):
+    # jit flattens a list of arrays in C++; an nnx.State would be walked in Python per call.
+    state = paths.tokenizer._state
+    assert isinstance(state, list) and state
+    assert all(isinstance(x, jax.Array) for x in state)
+
+
 def test_image_tokens_sync_free_host_pixels(paths):
     # static=False: with host pixels every argument is static and the compiled-HLO scan would
     # constant-fold the whole encoder; the same program is scanned by the device-pixel test.
