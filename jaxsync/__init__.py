@@ -7,6 +7,7 @@ Core API:
   bucket                      - pad sizes to buckets so many inputs share one program.
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
+  flat_state                  - a module's state as a flat array list for jit, and its merge.
   stack_layers, scan_layers   - identical layers as one stacked state, run with lax.scan.
   PackedLeaves                - state arrays as one buffer per dtype, flat or per layer in rows
                                 (fewer jit arguments).
@@ -22,7 +23,11 @@ from jaxsync._device_cache import (
     DeviceCache as DeviceCache,
     default_cache as default_cache,
 )
-from jaxsync._jit import JitMethod as JitMethod, jit_method as jit_method
+from jaxsync._jit import (
+    JitMethod as JitMethod,
+    flat_state as flat_state,
+    jit_method as jit_method,
+)
 from jaxsync._layers import (
     SplitLayers as SplitLayers,
     scan_layers as scan_layers,

@@ -8,11 +8,34 @@ host cost is a plain jit dispatch.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from flax import nnx
+
+
+def flat_state(
+    graphdef: nnx.GraphDef, state: nnx.State
+) -> tuple[list[jax.Array], Callable[[Sequence[jax.Array]], nnx.Module]]:
+    """A module's state as a flat list of arrays, and `merge(leaves)` that rebuilds the module.
+
+    Pass the list to `jax.jit` and call `merge` inside the traced function: jit flattens a list
+    of arrays in C++, while an `nnx.State` argument is walked in Python on every call (about
+    1 us per Variable warm, several times that cold).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> leaves, merge = flat_state(*nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0))))
+    >>> jax.jit(lambda leaves, x: merge(leaves)(x))(leaves, jnp.ones((4, 2))).shape
+    (4, 3)
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+
+    def merge(leaves: Sequence[jax.Array]) -> nnx.Module:
+        return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+
+    return leaves, merge
 
 
 class JitMethod:
@@ -35,15 +58,13 @@ class JitMethod:
     def __init__(self, module: nnx.Module, method: str = "__call__", **jit_kwargs: Any):
         self.method = method
         self.graphdef, self.state = nnx.split(module)
-        # Flattening an nnx.State walks it in Python on every call; a flat list of arrays is
-        # flattened by jit's C++ fast path. Keep the leaves and rebuild the State only in the trace.
-        self._leaves, self._treedef = jax.tree_util.tree_flatten(self.state)
+        # The state goes to jit as a flat list of arrays, rebuilt only in the trace.
+        self._leaves, merge = flat_state(self.graphdef, self.state)
+        self._treedef = jax.tree_util.tree_structure(self.state)
         bound = getattr(module, method)
-        graphdef, treedef = self.graphdef, self._treedef
 
         def run(leaves, *args, **kwargs):
-            state = jax.tree_util.tree_unflatten(treedef, leaves)
-            return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs)
+            return getattr(merge(leaves), method)(*args, **kwargs)
 
         sig = inspect.signature(bound)
         state_param = inspect.Parameter("_jaxsync_state", inspect.Parameter.POSITIONAL_ONLY)

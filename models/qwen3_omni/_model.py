@@ -140,7 +140,7 @@ class AudioEncoder:
         else:
             (graphdef, state), layer_graphdef, layer_state = nnx.split(tower), None, []
         layer_leaves, layer_treedef = jax.tree_util.tree_flatten(layer_state)
-        self._leaves, treedef = jax.tree_util.tree_flatten(state)
+        self._leaves, merge = jaxsync.flat_state(graphdef, state)
         num_own = self._num_own = len(self._leaves)
         self._leaves += layer_leaves
 
@@ -148,7 +148,7 @@ class AudioEncoder:
         table = sinusoid_table(TOKENS_PER_FULL_CHUNK, self.cfg.d_model)
 
         def run(own, layer_xs, unpack, features, meta):
-            module = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, own))
+            module = merge(own)
             positions = jnp.asarray(table)
             if not scan_layers:
                 return module(features, positions, meta)
