@@ -128,7 +128,7 @@ def _bench(device: str, size: str) -> list[BenchCase]:
 
     # Stacked weights run as one scan with the state packed in rows (the default), the same
     # unpacked, per-layer weights, and the state in one flat buffer per dtype: the GPU A/B of
-    # host dispatch against device time (2, 29, 525 and 1-2 state arguments per call at the
+    # host dispatch against device time (1, 29, 525 and 1-2 state arguments per call at the
     # released size).
     run_jax = jax_runner(AudioEncoder(tower))
     run_stacked = jax_runner(AudioEncoder(tower, pack_weights=None))
