@@ -1,26 +1,22 @@
 """Registry of sync-free paths, read by `jaxsync verify` and `jaxsync bench`.
 
-Each path family registers itself in its `_verify.py` module; `load_all()` imports them.
+Each family registers itself in its harness package under `jaxsync.paths` (one sub-package per
+family: `verify`, `bench`, `reference`); `load_all()` imports every sub-package found there, plus
+any module named by a `jaxsync.paths` entry point of another installed distribution.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
+import pkgutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
 
-# Modules whose import registers paths. A missing one is an error: the package is incomplete.
-PATH_MODULES: tuple[str, ...] = (
-    "jaxsync._demo",
-    "jaxsync.kv._verify",
-    "jaxsync.models.chameleon._verify",
-    "jaxsync.models.qwen3_omni._verify",
-    "jaxsync.models.gemma3n._verify",
-    "jaxsync.models.voxtral._verify",
-    "jaxsync.models.glm4v._verify",
-)
+ENTRY_POINT_GROUP = "jaxsync.paths"
+"""Other distributions register paths by naming a module in this entry-point group."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +150,22 @@ def register_bench(family: str) -> Callable:
     return deco
 
 
+def path_modules() -> list[str]:
+    """The modules whose import registers paths: `jaxsync.paths.<family>` and entry points."""
+    import jaxsync.paths
+
+    found = [
+        f"jaxsync.paths.{m.name}"
+        for m in pkgutil.iter_modules(jaxsync.paths.__path__)
+        if not m.name.startswith("_")
+    ]
+    found += [ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    return sorted(found)
+
+
 def load_all() -> None:
-    """Imports every registering module."""
-    for module in PATH_MODULES:
+    """Imports every registering module (a failing import is an error, not a missing family)."""
+    for module in path_modules():
         importlib.import_module(module)
 
 

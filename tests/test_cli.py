@@ -138,7 +138,7 @@ def test_pytest_plugin(tmp_path):
 
 def test_precompile_then_mixed_stream_does_not_recompile(capsys):
     import jaxsync
-    from jaxsync._demo import table_gather
+    from jaxsync.paths.demo import table_gather
     from jaxsync.check import no_recompile
 
     done = jaxsync.precompile(["core.table_gather"], buckets=[8, 16, 32, 64])
@@ -151,7 +151,7 @@ def test_precompile_then_mixed_stream_does_not_recompile(capsys):
 
 
 def test_without_precompile_a_new_bucket_recompiles():
-    from jaxsync._demo import table_gather
+    from jaxsync.paths.demo import table_gather
     from jaxsync.check import RecompileError, no_recompile
 
     with pytest.raises(RecompileError), no_recompile():
