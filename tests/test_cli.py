@@ -138,8 +138,8 @@ def test_pytest_plugin(tmp_path):
 
 def test_precompile_then_mixed_stream_does_not_recompile(capsys):
     import jaxsync
-    from jaxsync.paths.demo import table_gather
     from jaxsync.check import no_recompile
+    from jaxsync.paths.demo import table_gather
 
     done = jaxsync.precompile(["core.table_gather"], buckets=[8, 16, 32, 64])
     assert [c.bucket for c in done] == [8, 16, 32, 64]
@@ -151,8 +151,8 @@ def test_precompile_then_mixed_stream_does_not_recompile(capsys):
 
 
 def test_without_precompile_a_new_bucket_recompiles():
-    from jaxsync.paths.demo import table_gather
     from jaxsync.check import RecompileError, no_recompile
+    from jaxsync.paths.demo import table_gather
 
     with pytest.raises(RecompileError), no_recompile():
         table_gather(list(range(90)))  # bucket 128 was never compiled
