@@ -139,7 +139,7 @@ class TowerProgram:
             return self._forward(model, *inputs)
         shell_layers = getattr(model, self._layers)
         scanned = {
-            **_SCANNED.get(),
+            **(_SCANNED.get() or {}),
             id(shell_layers): (self._layer_graphdef, self.num_layers, unpack),
         }
         token = _SCANNED.set(scanned)
