@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 CLASSES = (  # first match wins; kernel names of XLA:GPU, cuDNN, cuBLAS and Triton
     ("attention", r"flash|fmha|cudnn.*(attn|sdpa)|softmax"),
-    ("matmul", r"gemm|cublas|matmul|dot|wgmma|sm90_xmma|cutlass"),
+    ("matmul", r"gemm|cublas|nvjet|matmul|dot|wgmma|xmma|cutlass"),
     ("conv", r"conv"),
     ("copy/transpose", r"copy|transpose|memcpy|memset|dynamic.update.slice|concatenate"),
     ("fusion", r"fusion|reduce|loop_|input_"),
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="", help="only bench rows whose name contains this")
     args = ap.parse_args(argv)
 
-    device = jax.devices()[0].platform
+    device = {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
     n = 8192 if device != "cpu" else 512
     print(f"device {jax.devices()[0].device_kind}; bf16 matmul {matmul_tflops(n):.0f} TFLOP/s")
     for build in registry.benches(args.paths).values():
