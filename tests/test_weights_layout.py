@@ -103,9 +103,7 @@ def test_wrong_layout_is_refused_before_reading(tmp_path, name, monkeypatch):
     transform, shape, stored, wrong, _ = CASES[name]
     path, _ = _save(tmp_path, wrong)
     reads = []
-    monkeypatch.setattr(
-        "jaxsync.weights._loader.read_tensor", lambda *a: reads.append(a) or 1 / 0
-    )
+    monkeypatch.setattr("jaxsync.weights._loader.read_tensor", lambda *a: reads.append(a) or 1 / 0)
     message = f"'w'.*stored shape {wrong}.*expects stored shape {stored}"
     with pytest.raises(WeightError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _load(path, transform, shape)
@@ -125,7 +123,11 @@ def test_plain_callable_is_checked_after_transform(tmp_path):
     path, w = _save(tmp_path, (7, 5))
     net = _load(path, lambda x: x.T * 2, (5, 7))
     np.testing.assert_array_equal(np.asarray(net.w[...]), w.T * 2)
-    with pytest.raises(WeightError, match=r"shape \(7, 5\) \(after transform of stored \(7, 5\)\) but the module expects \(5, 7\)"):
+    with pytest.raises(
+        WeightError,
+        match=r"shape \(7, 5\) \(after transform of stored \(7, 5\)\) but the module expects "
+        r"\(5, 7\)",
+    ):
         _load(path, lambda x: x, (5, 7))
 
 

@@ -63,7 +63,9 @@ ALL_RULES = [
 def load(kind: str, checkpoint: Path) -> nnx.Module:
     """`tiny` selects the small module's keys; `all` loads every tensor."""
     if kind == "tiny":
-        return weights.load_weights(_Tiny, checkpoint, TINY_RULES, select=r"model\.", strip="model.")
+        return weights.load_weights(
+            _Tiny, checkpoint, TINY_RULES, select=r"model\.", strip="model."
+        )
     return weights.load_weights(_Everything, checkpoint, ALL_RULES)
 
 

@@ -125,7 +125,9 @@ def reshape(*shape: int, stored: Shape | None = None) -> Transform:
         raise ValueError(f"{name}: stored shape {tuple(stored)} has another element count")
 
     def stored_shape(target: Shape) -> Shape | None:
-        if len(target) != len(shape) or any(s not in (-1, t) for s, t in zip(shape, target)):
+        if len(target) != len(shape) or any(
+            s not in (-1, t) for s, t in zip(shape, target, strict=True)
+        ):
             raise ValueError(f"{name} maps onto parameters of shape {shape}, not {target}")
         return None if stored is None else tuple(stored)
 
