@@ -136,3 +136,10 @@ def test_transform_arguments_are_validated():
         weights.transpose(0, 0, 1)
     with pytest.raises(ValueError, match="another element count"):
         weights.reshape(3, 5, stored=(4, 4))
+
+
+def test_custom_inverse_map_that_disagrees_with_its_transform(tmp_path):
+    path, _ = _save(tmp_path, (7, 5))
+    liar = Transform(lambda w: w, lambda target: (target[1], target[0]), "liar")
+    with pytest.raises(WeightError, match=r"shape \(7, 5\) \(after transform"):
+        _load(path, liar, (5, 7))

@@ -51,8 +51,8 @@ class Rule:
       pattern: regex, `re.fullmatch`-ed against the checkpoint key (after `strip`).
       target: dotted NNX path with `\\1`-style backreferences, e.g. `r"layers.\\1.attn.q.kernel"`.
       transform: optional layout change applied to the tensor: a `Transform` (`linear`, `conv`,
-        `transpose`, `reshape`, `compose`), or a plain callable, which is shape-checked only
-        after it is applied (give it an inverse shape map by wrapping it in `Transform`).
+        `transpose`, `reshape`, `compose`), or a plain traceable callable, whose result shape alone
+        is checked (abstractly, before reading); wrap it in `Transform` to check the stored shape.
     """
 
     pattern: str
