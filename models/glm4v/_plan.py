@@ -35,7 +35,8 @@ class VisionPlan:
       tokens_per_item: merged output tokens per item (t*h*w / merge_size**2).
       fields: the arrays for `upload_packed`, each [padded_patches]:
         h, w (int32 patch coordinates in merge-block order), th, tw (int32 target grid of the
-        patch's image), seg (int32 attention segment: one per frame; padding gets its own).
+        patch's image), seg (int32 attention segment: one per frame; padding gets its own),
+        item (int32 item index; padding gets the item count).
     """
 
     grid_thw: np.ndarray
@@ -53,12 +54,12 @@ def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np
     """Validates `grid_thw` on the host; returns it as [B, 3] int64.
 
     Raises:
-      ValueError: empty batch, wrong shape, non-positive sizes, or h/w not multiples of `merge`.
+      TypeError: device data (a jax array, a torch tensor off the CPU), or non-integers (floats,
+        even integral ones, and bools: truncating them would encode another image size).
+      ValueError: empty batch, wrong shape or ragged rows, non-positive sizes, or h/w not
+        multiples of `merge`.
     """
-    if hasattr(grid_thw, "addressable_shards") or hasattr(grid_thw, "detach"):
-        # a device tensor would need a read-back; upstream's .tolist() is exactly what we avoid
-        raise TypeError("grid_thw must be host data (list or numpy array), not a device array")
-    grid = np.asarray(grid_thw, dtype=np.int64)
+    grid = jaxsync.host_ints(grid_thw, name="grid_thw", ndim=None, minimum=None)
     if grid.size == 0:
         raise ValueError("empty batch: grid_thw has no items")
     if grid.ndim != 2 or grid.shape[1] != 3:
@@ -118,8 +119,10 @@ def plan_batch(
     th = np.ones(padded, np.int32)
     tw = np.ones(padded, np.int32)
     seg = np.zeros(padded, np.int32)
+    item = np.full(padded, len(grid), np.int32)
     start, frame = 0, 0
-    for t, gh, gw in grid.tolist():
+    for index, (t, gh, gw) in enumerate(grid.tolist()):
+        item[start : start + t * gh * gw] = index
         rows, cols = merge_block_coords(gh, gw, merge)
         for _ in range(t):  # every frame gets the same coordinates and its own segment
             end = start + gh * gw
@@ -128,4 +131,6 @@ def plan_batch(
             start, frame = end, frame + 1
     seg[real:] = frame  # padding attends only to padding, so its rows stay finite
     tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
-    return VisionPlan(grid, real, padded, tokens, {"h": h, "w": w, "th": th, "tw": tw, "seg": seg})
+    return VisionPlan(
+        grid, real, padded, tokens, {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
+    )
