@@ -12,7 +12,6 @@ pytestmark = requires_torch
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from jaxsync.models import glm4v  # noqa: E402
 from jaxsync.paths.glm4v import reference as ref  # noqa: E402
