@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, pos_embeds
-from jaxsync.models.glm4v._plan import VisionPlan, plan_batch
+from jaxsync.models.glm4v._plan import VisionPlan, check_grid, plan_batch
 
 
 # Compiled tower programs shared by every encoder of the same module structure, shapes, dtypes
@@ -109,7 +109,7 @@ class Glm4vVisionEncoder:
 
     def _planned(self, grid_thw, num_patches: int | None, placement):
         """(plan, uploaded meta), cached per grid mix and placement."""
-        grid = jaxsync.host_ints(grid_thw, name="grid_thw", ndim=None, minimum=None)
+        grid = check_grid(grid_thw, self.cfg.spatial_merge_size)
         key = (grid.shape, grid.tobytes(), num_patches, placement)
 
         def build():

@@ -50,6 +50,13 @@ class VisionPlan:
         return sum(self.tokens_per_item)
 
 
+def _holds_bool(x) -> bool:
+    """A bool anywhere in a nested list / tuple (arrays carry their dtype instead)."""
+    if isinstance(x, bool | np.bool_):
+        return True
+    return isinstance(x, list | tuple) and any(_holds_bool(v) for v in x)
+
+
 def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np.ndarray:
     """Validates `grid_thw` on the host; returns it as [B, 3] int64.
 
@@ -59,6 +66,8 @@ def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np
       ValueError: empty batch, wrong shape or ragged rows, non-positive sizes, or h/w not
         multiples of `merge`.
     """
+    if _holds_bool(grid_thw):  # numpy would silently widen [[True, 6, 6]] to int64
+        raise TypeError("grid_thw must hold integers, got a bool")
     grid = jaxsync.host_ints(grid_thw, name="grid_thw", ndim=None, minimum=None)
     if grid.size == 0:
         raise ValueError("empty batch: grid_thw has no items")
