@@ -154,3 +154,107 @@ def test_cudnn_attention_matches_xla():
         assert model.blocks[0].attn.impl == impl
         outs.append(np.asarray(glm4v.Glm4vVisionEncoder(model)(px, grid).embeddings, np.float32))
     assert rel_err(outs[1], outs[0]) <= 2e-2
+
+
+# --- the three layers: pure forward in a server's jit, shared compiled programs, load_state ---
+
+
+def _weight_constants(lowered, min_elements: int = 256) -> list[str]:
+    """Constants of the lowered program with at least `min_elements` elements."""
+    import re
+
+    found = []
+    for shape in re.findall(r"stablehlo\.constant dense.*?: tensor<([0-9x]+)x[a-z0-9]+>", lowered):
+        if int(np.prod([int(d) for d in shape.split("x")])) >= min_elements:
+            found.append(shape)
+    return found
+
+
+def test_pure_forward_in_a_server_jit_takes_weights_as_arguments(model, enc):
+    graphdef, state = nnx.split(model)
+    px, grid = _inputs()[1]
+    plan = enc.plan(grid, px.shape[0])
+    pixels = jaxsync.async_h2d(_padded(enc, px, grid))
+    meta = jaxsync.upload_packed(plan.fields)
+
+    @jax.jit
+    def step(state, pixels, meta):
+        return glm4v.forward(nnx.merge(graphdef, state), pixels, meta)
+
+    hlo = step.lower(state, pixels, meta).as_text()
+    assert _weight_constants(hlo) == []
+    # negative control: the same forward closing over the module bakes its weights in
+    baked = jax.jit(lambda pixels, meta: glm4v.forward(model, pixels, meta))
+    assert len(_weight_constants(baked.lower(pixels, meta).as_text())) >= CFG.depth
+    merged, hidden, finite = step(state, pixels, meta)
+    out = enc(px, grid)
+    assert_close(np.asarray(merged), np.asarray(out.embeddings), rtol=1e-6, atol=1e-6)
+    assert_close(np.asarray(hidden), np.asarray(out.extras["hidden"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(finite), np.asarray(out.extras["finite"]))
+
+
+def test_encoder_rebuilt_per_call_compiles_nothing_after_warm_up(model):
+    """A server that keeps (graphdef, state) and builds the encoder for every call."""
+    from jaxsync.check import count_compiles
+
+    graphdef, state = nnx.split(model)
+    calls = _inputs()
+    glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, state))(*calls[0])  # warm-up
+    with count_compiles() as log:
+        for px, grid in calls[1:]:
+            out = glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, state))(px, grid)
+    assert log.count == 0, log
+    # negative control: another config is another program
+    other = glm4v.Glm4vVisionTower(
+        glm4v.Glm4vVisionConfig(**{**ref.TINY, "depth": 3}), rngs=nnx.Rngs(0)
+    )
+    with count_compiles() as log:
+        glm4v.Glm4vVisionEncoder(other)(*calls[0])
+    assert log.count >= 1
+    assert out.num_tokens == sum(t * h * w for t, h, w in calls[-1][1]) // 4
+
+
+def test_rebuilt_encoders_keep_their_own_weights(model):
+    """Encoders sharing one compiled program still use their own weights."""
+    graphdef, state = nnx.split(model)
+    halved = nnx.merge(graphdef, jax.tree.map(lambda w: w * 0.5, state))
+    px, grid = _inputs()[0]
+    a = glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, state))
+    b = glm4v.Glm4vVisionEncoder(halved)
+    out_a, out_b = a(px, grid), b(px, grid)
+    assert not np.allclose(np.asarray(out_a.embeddings), np.asarray(out_b.embeddings))
+    np.testing.assert_array_equal(np.asarray(a(px, grid).embeddings), np.asarray(out_a.embeddings))
+
+
+def test_load_state_takes_new_weights_without_recompiling():
+    from jaxsync.check import no_recompile
+
+    model = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(1))
+    enc = glm4v.Glm4vVisionEncoder(model)
+    px, grid = _inputs()[0]
+    before = np.asarray(enc(px, grid).embeddings)
+    before_pos = np.asarray(enc.pos_embeds(grid))
+    _, state = nnx.split(model)
+    nnx.update(model, jax.tree.map(lambda w: w * 0.5, state))
+    np.testing.assert_array_equal(np.asarray(enc(px, grid).embeddings), before)  # a snapshot
+    with no_recompile():
+        enc.load_state(model)
+        after = np.asarray(enc(px, grid).embeddings)
+        after_pos = np.asarray(enc.pos_embeds(grid))
+    want = glm4v.Glm4vVisionEncoder(model)(px, grid).embeddings
+    np.testing.assert_array_equal(after, np.asarray(want))
+    assert not np.allclose(after, before)
+    assert_close(after_pos, before_pos * 0.5, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth", [1, 5])
+def test_program_argument_count_is_small_at_any_depth(depth):
+    cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "depth": depth})
+    enc = glm4v.Glm4vVisionEncoder(glm4v.Glm4vVisionTower(cfg, rngs=nnx.Rngs(0)))
+    grid = [[1, 6, 6]]
+    plan = enc.plan(grid)
+    pixels = jaxsync.async_h2d(np.zeros((plan.padded_patches, cfg.patch_dim), np.float32))
+    lowered = enc.lower(pixels, jaxsync.upload_packed(plan.fields))
+    count = len(jax.tree.leaves(lowered.args_info))
+    assert count <= 6, count
+    assert count == 3  # one packed state buffer (one dtype), the pixels, the packed meta
