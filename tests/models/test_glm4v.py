@@ -258,3 +258,41 @@ def test_program_argument_count_is_small_at_any_depth(depth):
     count = len(jax.tree.leaves(lowered.args_info))
     assert count <= 6, count
     assert count == 3  # one packed state buffer (one dtype), the pixels, the packed meta
+
+
+# --- processor outputs go straight in ---
+
+
+@requires_torch
+def test_image_processor_outputs_numpy_and_torch(enc):
+    """The real transformers GLM-4.1V image processor (the PIL one: no torchvision needed),
+    built locally for the tiny tower's patch size, on three images of different sizes: its
+    `return_tensors="pt"` and `"np"` outputs give identical embeddings, as keywords."""
+    pytest.importorskip("PIL")
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    proc = Glm4vImageProcessorPil(
+        patch_size=CFG.patch_size,
+        temporal_patch_size=CFG.temporal_patch_size,
+        merge_size=CFG.spatial_merge_size,
+        size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 64},
+    )
+    rng = np.random.default_rng(0)
+    images = [
+        rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in [(50, 70), (90, 41), (33, 33)]
+    ]
+    as_np = proc(images=images, return_tensors="np")
+    as_pt = proc(images=images, return_tensors="pt")
+    assert len({tuple(g) for g in as_np["image_grid_thw"].tolist()}) == 3
+    a = enc(pixel_values=as_np["pixel_values"], image_grid_thw=as_np["image_grid_thw"])
+    b = enc(pixel_values=as_pt["pixel_values"], image_grid_thw=as_pt["image_grid_thw"])
+    b2 = enc(**as_pt)  # the processor's own field names
+    assert (
+        a.lengths == b.lengths == tuple(int(t * h * w) // 4 for t, h, w in as_np["image_grid_thw"])
+    )
+    np.testing.assert_array_equal(np.asarray(b.embeddings), np.asarray(a.embeddings))
+    np.testing.assert_array_equal(np.asarray(b2.embeddings), np.asarray(a.embeddings))
+    np.testing.assert_array_equal(
+        np.asarray(enc.pos_embeds(as_pt["image_grid_thw"])),
+        np.asarray(enc.pos_embeds(as_np["image_grid_thw"])),
+    )
