@@ -296,3 +296,57 @@ def test_image_processor_outputs_numpy_and_torch(enc):
         np.asarray(enc.pos_embeds(as_pt["image_grid_thw"])),
         np.asarray(enc.pos_embeds(as_np["image_grid_thw"])),
     )
+
+
+# --- sharding over the 8 simulated CPU devices ---
+
+
+def _mesh(shape, names):
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def test_data_parallel_pixels_with_replicated_weights(model, enc):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = _mesh((8,), ("data",))
+    graphdef, state = nnx.split(model)
+    replicated = jax.device_put(state, NamedSharding(mesh, P()))
+    dp = glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, replicated))
+    grid = [[1, 6, 6], [1, 4, 8], [2, 2, 4]]
+    px = ref.pixels(grid, CFG, seed=9)
+    pixels = jax.device_put(_padded(dp, px, grid), NamedSharding(mesh, P("data", None)))
+    out = dp(pixels, grid)
+    want = enc(px, grid)
+    assert_close(np.asarray(out.embeddings), np.asarray(want.embeddings), rtol=1e-5, atol=1e-6)
+    assert out.embeddings.sharding.device_set == set(mesh.devices.flat)
+    # pixels away from the weights: a clear error, not XLA's "incompatible devices"
+    with pytest.raises(ValueError, match="same devices"):
+        dp(jax.device_put(_padded(dp, px, grid), jax.devices()[0]), grid)
+
+
+@requires_torch
+def test_model_sharded_weights_equal_single_device(tmp_path):
+    """`load_model(mesh=...)` places the tower's matmuls over a "model" axis by
+    `PARTITION_RULES`; outputs equal the single-device ones (host and data-parallel inputs)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    fields = {**ref.TINY, "out_hidden_size": 32, "intermediate_size": 40}  # split by 4
+    ckpt = ref.save_checkpoint(
+        ref.build_reference(ref.hf_config(**fields)), tmp_path / "m.safetensors"
+    )
+    cfg = glm4v.Glm4vVisionConfig(**fields)
+    mesh = _mesh((2, 4), ("data", "model"))
+    sharded = glm4v.load_model(ckpt, cfg, mesh=mesh)
+    qkv = sharded.blocks[0].attn.qkv.kernel[...]
+    assert qkv.sharding.spec == P(None, "model") and not qkv.sharding.is_fully_replicated
+    assert sharded.blocks[1].mlp.down_proj.kernel[...].sharding.spec == P("model", None)
+    assert sharded.post_layernorm.weight[...].sharding.is_fully_replicated
+    single = glm4v.Glm4vVisionEncoder(glm4v.load_model(ckpt, cfg))
+    enc = glm4v.Glm4vVisionEncoder(sharded)
+    grid = [[1, 6, 6], [1, 10, 6], [2, 4, 4]]
+    px = ref.pixels(grid, cfg, seed=2)
+    want = np.asarray(single(px, grid).embeddings)
+    assert_close(np.asarray(enc(px, grid).embeddings), want, rtol=1e-5, atol=1e-6)
+    dp = jax.device_put(_padded(enc, px, grid), NamedSharding(mesh, P("data", None)))
+    assert_close(np.asarray(enc(dp, grid).embeddings), want, rtol=1e-5, atol=1e-6)
