@@ -22,6 +22,7 @@ from jaxsync.models.glm4v._modules import (
 )
 from jaxsync.models.glm4v._plan import (
     DEFAULT_GROUP_BUCKETS as DEFAULT_GROUP_BUCKETS,
+    DEFAULT_SEGMENT_BUCKETS as DEFAULT_SEGMENT_BUCKETS,
     VisionPlan as VisionPlan,
     merge_block_coords as merge_block_coords,
     plan_batch as plan_batch,

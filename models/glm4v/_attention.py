@@ -73,6 +73,31 @@ def masked_attention(
     return jnp.einsum("...NQK,...KNH->...QNH", probs, v)
 
 
+def segment_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, groups: tuple[jax.Array, ...], impl: str
+) -> jax.Array:
+    """Attention of each segment alone, segments of similar length batched together.
+
+    Args:
+      q, k, v: [P, N, H] packed rows.
+      groups: per group an int32 [G, L] index of the rows of G segments (each padded to L);
+        index P marks an empty slot. Every real row appears once; rows in no group (bucket
+        padding) get a zero output.
+
+    Returns:
+      [P, N, H]. Work is sum(G * L^2) instead of P^2, and no segment ever reads another's rows.
+    """
+    p = q.shape[0]
+    out = jnp.zeros_like(v)
+    for index in groups:
+        take = lambda a: jnp.take(a, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
+        valid = index < p  # [G, L]
+        mask = jnp.broadcast_to(valid[:, None, :], (*index.shape, index.shape[1]))  # [G, L, L]
+        rows = masked_attention(take(q), take(k), take(v), mask, impl)  # [G, L, N, H]
+        out = out.at[index].set(rows, mode="drop")  # empty slots fall off the end
+    return out
+
+
 class Attention(nnx.Module):
     """`Glm4vVisionAttention` over a packed sequence, restricted to each segment (frame).
 
@@ -99,13 +124,17 @@ class Attention(nnx.Module):
         self.proj = linear(d, d, False, dtype, rngs)
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, same_segment: jax.Array
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array | tuple
     ) -> jax.Array:
-        """x: [P, D]; cos, sin: [P, H]; same_segment: [P, P] bool. Returns [P, D]."""
+        """x: [P, D]; cos, sin: [P, H]; segments: the dense [P, P] same-segment mask, or the
+        segment groups of `segment_attention`. Returns [P, D]."""
         p = x.shape[0]
         qkv = self.qkv(x).reshape(p, 3, self.num_heads, self.head_dim)  # [P, 3, N, H]
         q = _rotate(qkv[:, 0], cos, sin)  # [P, N, H]
         k = _rotate(qkv[:, 1], cos, sin)
-        # Every row keeps at least its own key (padding forms its own segment): no all-masked row.
-        out = masked_attention(q, k, qkv[:, 2], same_segment, self.impl)
+        if isinstance(segments, tuple):
+            out = segment_attention(q, k, qkv[:, 2], segments, self.impl)
+        else:
+            # Every row keeps its own key (padding forms its own segment): no all-masked row.
+            out = masked_attention(q, k, qkv[:, 2], segments, self.impl)
         return self.proj(out.reshape(p, self.num_heads * self.head_dim))

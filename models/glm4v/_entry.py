@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, pos_embeds
-from jaxsync.models.glm4v._plan import VisionPlan, check_grid, plan_batch
+from jaxsync.models.glm4v._plan import AttentionLayout, VisionPlan, check_grid, plan_batch
 
 
 # Compiled tower programs shared by every encoder of the same module structure, shapes, dtypes
@@ -68,6 +68,9 @@ class Glm4vVisionEncoder:
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
       placement: device or sharding for host uploads (None: beside the weights).
       plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
+      attention_layout: "dense" (a [P, P] segment mask; one program per patch bucket) or
+        "segments" (each image / frame attends alone, images of similar size batched: work
+        grows with the sum of per-image squares; one program per patch bucket and size mix).
     """
 
     def __init__(
@@ -77,7 +80,13 @@ class Glm4vVisionEncoder:
         group_buckets: Sequence[int] | None = None,
         placement=None,
         plan_cache_size: int = 64,
+        attention_layout: AttentionLayout = "dense",
     ):
+        if attention_layout not in ("dense", "segments"):
+            raise ValueError(
+                f"attention_layout must be 'dense' or 'segments', got {attention_layout!r}"
+            )
+        self.attention_layout = attention_layout
         if not isinstance(model, Glm4vVisionTower):
             raise TypeError(f"model must be a Glm4vVisionTower, got {type(model).__name__}")
         self.cfg = model.cfg
@@ -104,7 +113,11 @@ class Glm4vVisionEncoder:
     def plan(self, grid_thw, num_patches: int | None = None) -> VisionPlan:
         """The host plan of a batch (validates `grid_thw`)."""
         return plan_batch(
-            grid_thw, self.cfg, num_patches=num_patches, group_buckets=self.group_buckets
+            grid_thw,
+            self.cfg,
+            num_patches=num_patches,
+            group_buckets=self.group_buckets,
+            attention_layout=self.attention_layout,
         )
 
     def _planned(self, grid_thw, num_patches: int | None, placement):

@@ -18,6 +18,7 @@ from jaxsync.models._attention import AttentionImpl
 from jaxsync.models.glm4v._attention import Attention, linear, rotary_cos_sin
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._interp import interpolate_pos_embed
+from jaxsync.models.glm4v._plan import SEGMENT_GROUP
 
 
 _ACT = {
@@ -184,9 +185,13 @@ def forward(
     x = model.post_conv_layernorm(model.patch_embed(pixels))  # [P, D]
     x = x + model.embeddings(meta)
     cos, sin = rotary_cos_sin(meta["h"], meta["w"], cfg.head_dim, cfg.rope_theta)  # [P, H]
-    seg = meta["seg"]
-    same_segment = seg[:, None] == seg[None, :]  # [P, P]
-    x = jaxsync.run_layers(model.blocks, x, cos, sin, same_segment)
+    groups = tuple(meta[name] for name in meta.names if name.startswith(SEGMENT_GROUP))
+    if groups:  # the "segments" layout: each segment attends alone, batched by length
+        segments = groups
+    else:
+        seg = meta["seg"]
+        segments = seg[:, None] == seg[None, :]  # [P, P]
+    x = jaxsync.run_layers(model.blocks, x, cos, sin, segments)
     x = model.post_layernorm(x)
     m2 = cfg.spatial_merge_size**2
     g = x.shape[0] // m2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -24,6 +25,15 @@ DEFAULT_GROUP_BUCKETS: tuple[int, ...] = tuple(
 )
 
 
+# Patch-count buckets of one segment (frame) in the "segments" attention layout, and the slot
+# counts of a group: a layout is one compiled program, so both are coarse.
+DEFAULT_SEGMENT_BUCKETS: tuple[int, ...] = (4, 8, 16, *(4 * b for b in DEFAULT_GROUP_BUCKETS))
+_SLOT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(16))
+# Field-name prefix of a segment group's row index in the plan (`segment_L` -> [G, L]).
+SEGMENT_GROUP = "segment_"
+AttentionLayout = Literal["dense", "segments"]
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionPlan:
     """Host metadata of one packed batch.
@@ -36,7 +46,9 @@ class VisionPlan:
       fields: the arrays for `upload_packed`, each [padded_patches]:
         h, w (int32 patch coordinates in merge-block order), th, tw (int32 target grid of the
         patch's image), seg (int32 attention segment: one per frame; padding gets its own),
-        item (int32 item index; padding gets the item count).
+        item (int32 item index; padding gets the item count). The "segments" layout adds, per
+        segment length bucket L, `segment_L` [G, L]: the rows of G segments (frames) of at most
+        L patches, padded with the index P.
     """
 
     grid_thw: np.ndarray
@@ -98,6 +110,8 @@ def plan_batch(
     *,
     num_patches: int | None = None,
     group_buckets: Sequence[int] | None = None,
+    attention_layout: AttentionLayout = "dense",
+    segment_buckets: Sequence[int] | None = None,
 ) -> VisionPlan:
     """Plans a packed batch of images (t = 1) and videos (t frames, each its own segment).
 
@@ -106,6 +120,10 @@ def plan_batch(
       cfg: the tower config.
       num_patches: rows of the pixel array, checked against sum(t*h*w) when given.
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
+      attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket) or
+        "segments" (segments grouped by length bucket, attention work sum(G * L^2): one
+        program per patch bucket and group mix).
+      segment_buckets: patch-count buckets of one segment (default `DEFAULT_SEGMENT_BUCKETS`).
 
     Raises:
       ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`.
@@ -140,6 +158,30 @@ def plan_batch(
             start, frame = end, frame + 1
     seg[real:] = frame  # padding attends only to padding, so its rows stay finite
     tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
-    return VisionPlan(
-        grid, real, padded, tokens, {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
-    )
+    fields = {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
+    if attention_layout == "segments":
+        fields.update(segment_groups(grid, padded, segment_buckets or DEFAULT_SEGMENT_BUCKETS))
+    elif attention_layout != "dense":
+        raise ValueError(
+            f"attention_layout must be 'dense' or 'segments', got {attention_layout!r}"
+        )
+    return VisionPlan(grid, real, padded, tokens, fields)
+
+
+def segment_groups(grid: np.ndarray, padded: int, buckets: Sequence[int]) -> dict[str, np.ndarray]:
+    """Row indices of every segment (frame), grouped by length bucket: `segment_L` [G, L] with G
+    slots (a power of two), empty places holding `padded` (one past the last row)."""
+    lengths = [gh * gw for t, gh, gw in grid.tolist() for _ in range(t)]
+    by_bucket: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for n in lengths:
+        by_bucket.setdefault(jaxsync.bucket(n, tuple(buckets), minimum=1), []).append((start, n))
+        start += n
+    out = {}
+    for size in sorted(by_bucket):
+        members = by_bucket[size]
+        index = np.full((jaxsync.bucket(len(members), _SLOT_BUCKETS, minimum=1), size), padded)
+        for slot, (first, n) in enumerate(members):
+            index[slot, :n] = np.arange(first, first + n)
+        out[f"{SEGMENT_GROUP}{size:08d}"] = index.astype(np.int32)
+    return out

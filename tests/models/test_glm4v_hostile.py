@@ -80,14 +80,15 @@ def test_weight_errors_name_the_key(tmp_path):
 POISON_GRID = [[1, 6, 6], [1, 4, 8], [2, 2, 4], [1, 10, 6]]
 
 
+@pytest.mark.parametrize("layout", ["dense", "segments"])
 @pytest.mark.parametrize("impl", ["xla", "dot_product"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_poisoned_image_never_changes_the_others(impl, bad):
+def test_poisoned_image_never_changes_the_others(impl, bad, layout):
     """One image with a NaN / inf patch: its own outputs go non-finite (as upstream), every
     other image is bit-identical to the clean run, and the on-device flag names the image."""
     model = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0), attention=impl)
     assert model.blocks[0].attn.impl == impl
-    enc = glm4v.Glm4vVisionEncoder(model)
+    enc = glm4v.Glm4vVisionEncoder(model, attention_layout=layout)
     px = ref.pixels(POISON_GRID, CFG, seed=4)
     plan = enc.plan(POISON_GRID, px.shape[0])
     clean = np.zeros((plan.padded_patches, CFG.patch_dim), np.float32)
