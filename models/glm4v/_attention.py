@@ -90,10 +90,10 @@ def segment_attention(
     p = q.shape[0]
     out = jnp.zeros_like(v)
     for index in groups:
-        take = lambda a: jnp.take(a, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
+        q_g, k_g, v_g = (jnp.take(a, index, axis=0, mode="fill", fill_value=0) for a in (q, k, v))
         valid = index < p  # [G, L]
         mask = jnp.broadcast_to(valid[:, None, :], (*index.shape, index.shape[1]))  # [G, L, L]
-        rows = masked_attention(take(q), take(k), take(v), mask, impl)  # [G, L, N, H]
+        rows = masked_attention(q_g, k_g, v_g, mask, impl)  # [G, L, N, H]
         out = out.at[index].set(rows, mode="drop")  # empty slots fall off the end
     return out
 
