@@ -137,7 +137,8 @@ def test_registered_for_verify():
 
 
 @pytest.mark.gpu
-def test_cudnn_attention_matches_xla():
+@pytest.mark.parametrize("layout", ["dense", "segments"])
+def test_cudnn_attention_matches_xla(layout):
     """The GPU flash-attention path (segment mask through cuDNN) against the XLA form, bf16.
 
     Tolerance 2e-2: the two differ only in bf16 rounding of the attention (cuDNN keeps the
@@ -152,7 +153,9 @@ def test_cudnn_attention_matches_xla():
     for impl in ("xla", "cudnn"):
         model = glm4v.Glm4vVisionTower(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
         assert model.blocks[0].attn.impl == impl
-        outs.append(np.asarray(glm4v.Glm4vVisionEncoder(model)(px, grid).embeddings, np.float32))
+        out = glm4v.Glm4vVisionEncoder(model, attention_layout=layout)(px, grid)
+        assert np.asarray(out.extras["finite"])[: len(grid)].all()
+        outs.append(np.asarray(out.embeddings, np.float32)[: out.num_tokens])
     assert rel_err(outs[1], outs[0]) <= 2e-2
 
 
@@ -350,3 +353,44 @@ def test_model_sharded_weights_equal_single_device(tmp_path):
     assert_close(np.asarray(enc(px, grid).embeddings), want, rtol=1e-5, atol=1e-6)
     dp = jax.device_put(_padded(enc, px, grid), NamedSharding(mesh, P("data", None)))
     assert_close(np.asarray(enc(dp, grid).embeddings), want, rtol=1e-5, atol=1e-6)
+
+
+# --- segment-aware attention: work grows with the sum of per-image squares ---
+
+MIXED_SIZES = [[1, 8, 8], [1, 12, 6], [1, 4, 10], [1, 6, 6]]  # 64, 72, 40, 36 patches
+
+
+def _flops(model, layout: str, grid) -> float:
+    enc = glm4v.Glm4vVisionEncoder(model, attention_layout=layout)
+    plan = enc.plan(grid)
+    graphdef, state = nnx.split(model)
+    pixels = jax.ShapeDtypeStruct((plan.padded_patches, CFG.patch_dim), jnp.float32)
+    step = jax.jit(lambda state, px, meta: glm4v.forward(nnx.merge(graphdef, state), px, meta))
+    cost = step.lower(state, pixels, jaxsync.upload_packed(plan.fields)).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def test_segments_layout_scales_with_per_image_squares(model):
+    """XLA's own flop count of the tower for 1, 4 and 16 images of mixed sizes: the dense
+    [P, P] mask grows ~quadratically in the image count, the segments layout ~linearly."""
+    dense, segments = {}, {}
+    for n in (1, 4, 16):
+        grid = [MIXED_SIZES[i % 4] for i in range(n)]
+        dense[n], segments[n] = _flops(model, "dense", grid), _flops(model, "segments", grid)
+    assert segments[1] <= 1.05 * dense[1]  # one image: the same work
+    assert dense[16] / dense[4] > 8  # quadratic (16x for 4x the images, plus linear terms)
+    assert segments[16] / segments[4] < 5  # linear: 4x the images, ~4x the work
+    assert segments[16] < dense[16] / 4
+
+
+def test_segments_layout_never_recompiles_a_repeated_mix(model):
+    from jaxsync.check import no_recompile
+
+    enc = glm4v.Glm4vVisionEncoder(model, attention_layout="segments")
+    grid = [MIXED_SIZES[i % 4] for i in range(6)]
+    same_mix = [[1, 8, 8], [1, 6, 12], [1, 10, 4], [1, 6, 6], [1, 8, 8], [1, 12, 6]]
+    px = ref.pixels(grid, CFG, seed=1)
+    enc(px, grid)
+    with no_recompile():
+        out = enc(ref.pixels(same_mix, CFG, seed=2), same_mix)
+    assert out.lengths == tuple(t * h * w // 4 for t, h, w in same_mix)
