@@ -256,7 +256,7 @@ def test_precompile_a_servers_own_instance():
     enc = case.fn
     done = jaxsync.precompile([jaxsync.Target("tower", case)], buckets=[24, 32, 48], progress=False)
     assert [(c.path, c.bucket) for c in done] == [("tower", 24), ("tower", 32), ("tower", 48)]
-    from jaxsync.models.glm4v import _reference as ref
+    from jaxsync.paths.glm4v import reference as ref
 
     grids = [[[1, 6, 14]], [[1, 8, 12]], [[1, 10, 14]], [[1, 4, 20]], [[2, 6, 8]], [[1, 8, 24]]]
     inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(grids)]  # 21..48 tokens
