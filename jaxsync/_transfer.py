@@ -6,10 +6,10 @@ upload here first copies the caller's data into a fresh private host buffer that
 afterwards, so a caller may reuse its staging arrays immediately. The copy costs one small host
 allocation; it never waits on the device.
 
-The private buffer then goes up through jaxlib's C++ transfer directly (`_put`): on H200 hosts
-with device work queued, `jax.device_put` took 0.27-0.43 ms of host time per small upload and
-the C++ call under it 0.09-0.11 ms, under both runtime clients; the rest is `device_put`'s own
-Python, run cold (`tools/explore_upload.py`, docs/benchmarks.md).
+The private buffer then goes up through jaxlib's C++ transfer directly (`_put`, through
+`jaxsync._compat`): on H200 hosts with device work queued, `jax.device_put` took 0.27-0.43 ms of
+host time per small upload and the C++ call under it 0.09-0.11 ms, under both runtime clients;
+the rest is `device_put`'s own Python, run cold (`tools/explore_upload.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,19 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsync import _compat
 from jaxsync._placement import Placement, resolve
 
-
-try:  # jaxlib's transfer and transfer-guard state, under jax.device_put (jax 0.10 and 0.11)
-    from jax._src import core as _core
-    from jax._src.lib import guard_lib as _guard_lib, xla_client as _xc
-
-    _batched_device_put = _xc.batched_device_put
-    _guard_state = _guard_lib.thread_local_state
-    _shaped = _core.shaped_abstractify
-    _trace_clean = _core.trace_state_clean
-except (ImportError, AttributeError):  # another jax: every upload takes jax.device_put
-    _batched_device_put = None
 
 _TARGETS: dict[Any, tuple[jax.sharding.Sharding, list[jax.Device]] | None] = {}
 
@@ -50,14 +40,8 @@ def _direct_target(target: jax.Device | jax.sharding.Sharding):
     sharding = (
         jax.sharding.SingleDeviceSharding(target) if isinstance(target, jax.Device) else target
     )
-    if (
-        isinstance(sharding, jax.sharding.Sharding)
-        and sharding.is_fully_replicated
-        and sharding.is_fully_addressable
-    ):
-        hit = (sharding, list(sharding._addressable_device_assignment))
-    else:
-        hit = None
+    devices = _compat.direct_devices(sharding) if _compat.DIRECT_PUT else None
+    hit = None if devices is None else (sharding, devices)
     _TARGETS[target] = hit
     return hit
 
@@ -66,21 +50,15 @@ def _put(host: np.ndarray, placement: Placement) -> jax.Array:
     """`jax.device_put(host, placement)` for a private host buffer nobody mutates afterwards.
 
     The same explicit transfer as `device_put` (the transfer guard counts it as explicit), made
-    by jaxlib's C++ `batched_device_put` without `device_put`'s Python around it. Traced calls
-    (the static scans of `jaxsync.check`), shardings that split the array and other jax versions
-    take `jax.device_put`.
+    by jaxlib's C++ transfer without `device_put`'s Python around it (`jaxsync._compat`). Traced
+    calls (the static scans of `jaxsync.check`), shardings that split the array and a jax
+    without the private transfer take `jax.device_put`.
     """
     target = resolve(placement)
-    direct = None if _batched_device_put is None else _direct_target(target)
-    if direct is None or not _trace_clean():
+    direct = _direct_target(target)
+    if direct is None:
         return jax.device_put(host, target)
-    sharding, devices = direct
-    state = _guard_state()
-    explicit, state.explicit_device_put = state.explicit_device_put, True
-    try:
-        return _batched_device_put(_shaped(host), sharding, [host] * len(devices), devices, True)
-    finally:
-        state.explicit_device_put = explicit
+    return _compat.direct_put(host, *direct)
 
 
 def async_h2d(
