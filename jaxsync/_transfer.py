@@ -14,7 +14,10 @@ the rest is `device_put`'s own Python, run cold (`tools/explore_upload.py`, docs
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import numbers
 import threading
 import weakref
 from collections.abc import Mapping
@@ -212,25 +215,69 @@ def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> 
     return Packed(_put(host, placement), tuple(layout))  # layout interned by Packed
 
 
+def _size(value: Any, what: str) -> int:
+    """`value` as a Python int; bools, floats (nan and inf included) and other non-integers are a
+    TypeError, never truncated."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+# Explicit bucket tuples already validated, by id (the entry holds the tuple, so its id is not
+# reused) and by value (lists, and equal tuples built per call).
+_CHECKED_IDS: dict[int, tuple[tuple, tuple[int, ...]]] = {}
+_CHECKED: dict[tuple, tuple[int, ...]] = {}
+
+
+def _checked_buckets(buckets: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """`buckets` as a validated tuple of increasing positive ints (validated once per value)."""
+    by_id = _CHECKED_IDS.get(id(buckets))
+    if by_id is not None and by_id[0] is buckets:
+        return by_id[1]
+    key = buckets if type(buckets) is tuple else tuple(buckets)
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit
+    if not key:
+        raise ValueError("buckets is empty: give at least one size, or None for powers of two")
+    sizes = tuple(_size(b, "each bucket") for b in key)
+    if sizes[0] <= 0:
+        raise ValueError(f"buckets must be positive, got {list(key)}")
+    if any(a >= b for a, b in itertools.pairwise(sizes)):
+        raise ValueError(f"buckets must be strictly increasing, got {list(key)}")
+    if len(_CHECKED) < 1024:  # a handful of distinct tuples in practice; never unbounded
+        _CHECKED[key] = sizes
+        if key is buckets:
+            _CHECKED_IDS[id(key)] = (key, sizes)
+    return sizes
+
+
 def bucket(n: int, buckets: tuple[int, ...] | list[int] | None = None, *, minimum: int = 8) -> int:
     """The smallest bucket >= n, so that many sizes share one compiled program.
 
     Args:
-      n: the real size (host metadata).
-      buckets: explicit ascending sizes; default: powers of two >= `minimum`.
-      minimum: smallest default bucket.
+      n: the real size (host metadata): an int >= 0 (a bool or float is a TypeError).
+      buckets: explicit strictly increasing positive sizes; default: `minimum` times powers of
+        two.
+      minimum: smallest default bucket (a positive int).
 
     >>> bucket(5), bucket(9), bucket(0), bucket(70, [64, 128, 256])
     (8, 16, 8, 128)
     """
+    if type(n) is not int:
+        n = _size(n, "size")
     if n < 0:
         raise ValueError(f"size must be >= 0, got {n}")
     if buckets is not None:
-        for b in sorted(buckets):
-            if n <= b:
-                return int(b)
-        raise ValueError(f"size {n} exceeds the largest bucket {max(buckets)}")
-    size = max(int(minimum), 1)
-    while size < n:
-        size *= 2
-    return size
+        sizes = _checked_buckets(buckets)
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"size {n} exceeds the largest bucket {sizes[-1]}")
+        return sizes[i]
+    if type(minimum) is not int:
+        minimum = _size(minimum, "minimum")
+    if minimum <= 0:
+        raise ValueError(f"minimum must be positive, got {minimum}")
+    if n <= minimum:
+        return minimum
+    return minimum << (-(-n // minimum) - 1).bit_length()  # minimum * 2**k >= n, k smallest

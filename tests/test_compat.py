@@ -21,7 +21,9 @@ def test_private_symbol_still_exists(symbol):
     try:
         value = importlib.import_module(symbol.module)
     except ImportError as e:
-        pytest.fail(f"jax {jax.__version__} moved module {symbol.module} ({e}); used for: {symbol.why}")
+        pytest.fail(
+            f"jax {jax.__version__} moved module {symbol.module} ({e}); used for: {symbol.why}"
+        )
     for name in symbol.attr.split("."):
         assert hasattr(value, name), (
             f"jax {jax.__version__} removed {symbol.module}.{symbol.attr} (no {name!r}); used for: "
@@ -38,7 +40,9 @@ def test_guard_state_has_the_explicit_transfer_flag():
 
 
 def test_direct_transfer_is_taken_on_this_jax():
-    assert _compat.DIRECT_PUT, f"private symbols missing on jax {jax.__version__}: {_compat.missing()}"
+    assert _compat.DIRECT_PUT, (
+        f"private symbols missing on jax {jax.__version__}: {_compat.missing()}"
+    )
 
 
 def test_public_fallback_when_the_private_transfer_is_gone(monkeypatch):
