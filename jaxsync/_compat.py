@@ -91,15 +91,22 @@ def direct_devices(sharding: jax.sharding.Sharding) -> list[jax.Device] | None:
     return None
 
 
-def direct_put(host: np.ndarray, sharding: jax.sharding.Sharding, devices: list) -> jax.Array:
-    """`jax.device_put(host, sharding)` of a host buffer nobody mutates afterwards, through the
-    C++ transfer where the installed jax has it and no trace is active.
+def direct_put(
+    host: np.ndarray,
+    target: jax.Device | jax.sharding.Sharding,
+    direct: tuple[jax.sharding.Sharding, list[jax.Device]] | None,
+) -> jax.Array:
+    """`jax.device_put(host, target)` of a host buffer nobody mutates afterwards, through the
+    C++ transfer where the installed jax has it, no trace is active and `direct` is
+    `(sharding, direct_devices(sharding))` for `target`'s sharding.
 
-    `sharding` is replicated and `devices` is `direct_devices(sharding)`. The transfer guard
-    counts it as explicit, as it counts `device_put`.
+    The transfer guard counts it as explicit, as it counts `device_put`. Everything else takes
+    `jax.device_put(host, target)` itself (under a trace a device target and its sharding are
+    not the same constraint).
     """
-    if not DIRECT_PUT or not _trace_clean():
-        return jax.device_put(host, sharding)
+    if direct is None or not DIRECT_PUT or not _trace_clean():
+        return jax.device_put(host, target)
+    sharding, devices = direct
     state = _guard_state()
     explicit, state.explicit_device_put = state.explicit_device_put, True
     try:

@@ -58,10 +58,7 @@ def _put(host: np.ndarray, placement: Placement) -> jax.Array:
     without the private transfer take `jax.device_put`.
     """
     target = resolve(placement)
-    direct = _direct_target(target)
-    if direct is None:
-        return jax.device_put(host, target)
-    return _compat.direct_put(host, *direct)
+    return _compat.direct_put(host, target, _direct_target(target))
 
 
 def async_h2d(
