@@ -62,7 +62,9 @@ def test_pallas_host_read_kernel_lands_the_blocks_and_asks_for_the_host_pool():
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
     pinned = jax.device_put(pool, device.with_memory_kind("pinned_host"))
     args = (pinned, [jnp.asarray(x) for x in leaves], jnp.asarray(src), jnp.asarray(dst))
-    with _pallas.quiet_triton_deprecation():  # jax 0.11 warns on every Triton lowering
+    from jaxsync.testing import abstract_gpu  # the CUDA target on a GPU-less host
+
+    with _pallas.quiet_triton_deprecation(), abstract_gpu():  # jax >= 0.11 warns on Triton
         text = jax.jit(sp.pallas_host_read).trace(*args).lower(lowering_platforms=("cuda",))
         plain = jax.jit(ft.partial(sp.pallas_host_read, memory_space=None)).trace(*args)
         plain = plain.lower(lowering_platforms=("cuda",)).as_text()
