@@ -11,14 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-# The chart's baseline: the first label a row has (vLLM's post-PR torch pattern when it exists).
-REFERENCE_LABELS = (
-    "vllm_post_pr",
-    "transformers_sdpa",
-    "transformers_eager",
-    "torch_pinned_ceiling",
-)
+from jaxsync.bench._render import REFERENCE_LABELS as REFERENCE_LABELS, render
 
 
 def _environment() -> dict[str, Any]:
@@ -100,7 +93,6 @@ def bench(argv: Sequence[str]) -> int:
     import jax
 
     from jaxsync import registry
-    from jaxsync.bench._render import render
     from jaxsync.bench._timing import (
         _Side,
         copy_ceiling_gbps,
