@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import statistics
 import time
@@ -145,7 +146,8 @@ def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repe
         args = [jnp.zeros((8,), jnp.float32) + i for i in range(n)]
         noop = jax.jit(lambda *a: a[0][:1])
         side.sync(noop(*args))
-        samples = [blocked_ms(lambda: noop(*args), side) for _ in range(repeat)]
+        call = functools.partial(noop, *args)
+        samples = [blocked_ms(call, side) for _ in range(repeat)]
         floors[n] = statistics.median(samples)
     return floors
 
