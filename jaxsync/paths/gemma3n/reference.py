@@ -10,10 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
+from jaxsync.models.gemma3n import Gemma3nAudioConfig
 
 
-__all__ = ["TINY_HF", "Reference", "build_reference", "hf_config", "reference_embed", "mel_batch"]
+__all__ = [
+    "TINY_HF",
+    "Reference",
+    "build_reference",
+    "hf_config",
+    "mel_batch",
+    "per_clip",
+    "reference_embed",
+]
 
 # Odd / prime sizes so that a transposed or mis-split axis cannot line up by accident. Non-default
 # rms_norm_eps, right context, reduction factor and first time kernel exercise the generic paths.
@@ -154,3 +162,10 @@ def mel_batch(lengths: list[int], frames: int, n_mel: int, seed: int = 0):
     feats = rng.standard_normal((len(lengths), frames, n_mel)).astype(np.float32)
     mask = np.arange(frames)[None, :] < np.asarray(lengths)[:, None]
     return feats * mask[:, :, None], mask
+
+
+def per_clip(out: Any) -> np.ndarray:
+    """An encoder's `Embeddings` as host `[num_clips, soft_tokens, D]` float32 (tests only)."""
+    rows = np.array(out.embeddings, np.float32)[: out.num_tokens]  # a writable copy
+    n = out.lengths[0]
+    return rows.reshape(len(out.lengths), n, rows.shape[-1])

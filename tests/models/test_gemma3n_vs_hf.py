@@ -1,4 +1,4 @@
-"""Gemma 3n audio path vs transformers (tower, embedder, Gemma3nModel.forward padding, merge)."""
+"""Gemma 3n audio path vs transformers through our loader (tower, embedder, padding, merge)."""
 
 import dataclasses
 
@@ -9,13 +9,14 @@ import pytest
 
 import jaxsync.check
 from jaxsync.models.gemma3n import (
-    AudioEmbedder,
     AudioTruncationWarning,
     Gemma3nAudioConfig,
-    _reference as R,
-    load_audio_model,
+    Gemma3nAudioEncoder,
+    from_hf_config,
+    load_model,
     merge_audio_embeddings,
 )
+from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import rel_err, requires_torch
 
 
@@ -36,12 +37,12 @@ def ref(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ref):
-    return load_audio_model(ref.cfg, ref.checkpoint)
+    return load_model(ref.checkpoint, ref.cfg)
 
 
 @pytest.fixture(scope="module")
 def embedder(ref, model):
-    return AudioEmbedder(model, ref.cfg, frame_buckets=BUCKET)
+    return Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
 
 
 def _noisy_padding(feats, mask, seed=1):
@@ -83,27 +84,22 @@ PIPELINE_CASES = [([23, 9, 1], 23), ([57, 40, 13], 57), ([37, 37, 20], 60)]
 def test_pipeline_parity(ref, embedder, lengths, frames):
     feats, mask = R.mel_batch(lengths, frames, ref.cfg.input_feat_size, seed=frames)
     feats = _noisy_padding(feats, mask)
-    got = np.asarray(embedder(feats, mask))
-    want = R.reference_embed(ref, feats, mask)
-    assert got.shape == (4, ref.cfg.soft_tokens, ref.cfg.text_hidden_size)
-    assert rel_err(got[:3], want) <= FP32_TOL
+    out = embedder(feats, mask)
+    n, d = ref.cfg.soft_tokens, ref.cfg.text_hidden_size
+    assert out.embeddings.shape == (4 * n, d) and out.lengths == (n,) * 3
+    assert out.offsets == (0, n, 2 * n)
+    assert rel_err(R.per_clip(out), R.reference_embed(ref, feats, mask)) <= FP32_TOL
     pad = np.asarray(embedder.pad_embedding())
-    assert np.array_equal(got[3], np.broadcast_to(pad, got[3].shape))  # padding clip row
+    padding_clip = np.asarray(out.embeddings)[3 * n :]
+    assert np.array_equal(padding_clip, np.broadcast_to(pad, padding_clip.shape))
+    assert np.asarray(out.extras["finite"]).tolist() == [True] * 3
 
 
 def test_list_input_matches_vllm_batching(ref, embedder):
     feats, mask = R.mel_batch([30, 51], 51, ref.cfg.input_feat_size, seed=5)
     clips = [feats[0, :30], feats[1]]
-    got = np.asarray(embedder(clips))
-    assert rel_err(got[:2], R.reference_embed(ref, feats, mask)) <= FP32_TOL
-
-
-def test_bucket_invariance(ref, model, embedder):
-    exact = AudioEmbedder(model, ref.cfg, frame_buckets=1)
-    for lengths, frames in PIPELINE_CASES[1:]:
-        feats, mask = R.mel_batch(lengths, frames, ref.cfg.input_feat_size, seed=frames)
-        a, b = np.asarray(embedder(feats, mask)), np.asarray(exact(feats, mask))
-        assert rel_err(a, b) <= 1e-6
+    got = R.per_clip(embedder(clips))
+    assert rel_err(got, R.reference_embed(ref, feats, mask)) <= FP32_TOL
 
 
 @pytest.mark.parametrize("frames", [71, 80])
@@ -125,20 +121,22 @@ def test_overflow_error_like_transformers(ref, embedder, frames):
 
 def test_overflow_truncate_like_vllm(ref, model):
     cfg = dataclasses.replace(ref.cfg, overflow="truncate")
-    emb = AudioEmbedder(model, cfg, frame_buckets=BUCKET)
+    emb = Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)
     feats, mask = R.mel_batch([71, 70, 30], 71, cfg.input_feat_size, seed=7)
     with pytest.warns(AudioTruncationWarning, match=r"\{0: 1, 1: 1\}"):
-        got = np.asarray(emb(feats, mask))
-    assert rel_err(got[:3], R.reference_embed(ref, feats, mask, truncate=True)) <= FP32_TOL
+        got = R.per_clip(emb(feats, mask))
+    assert rel_err(got, R.reference_embed(ref, feats, mask, truncate=True)) <= FP32_TOL
 
 
 def test_bf16(ref):
     import torch
 
-    model = load_audio_model(ref.cfg, ref.checkpoint, dtype=jnp.bfloat16)
-    emb = AudioEmbedder(model, ref.cfg, frame_buckets=BUCKET)
+    model = load_model(ref.checkpoint, ref.cfg, dtype=jnp.bfloat16)
+    emb = Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
     feats, mask = R.mel_batch([57, 40, 13], 57, ref.cfg.input_feat_size, seed=57)
-    got = np.asarray(emb(feats, mask).astype(jnp.float32))[:3]
+    out = emb(feats, mask)
+    assert out.embeddings.dtype == jnp.bfloat16
+    got = R.per_clip(out)
     want16 = R.reference_embed(ref, feats, mask, dtype=torch.bfloat16)
     want32 = R.reference_embed(ref, feats, mask)
     err, hf_err, ours_err = rel_err(got, want16), rel_err(want16, want32), rel_err(got, want32)
@@ -157,32 +155,6 @@ def test_pad_embedding_cached_once(ref, embedder):
     assert rel_err(first, want[0, 0]) <= FP32_TOL
 
 
-def test_bad_inputs(ref, embedder):
-    f = ref.cfg.input_feat_size
-    feats, mask = R.mel_batch([20, 10], 20, f)
-    with pytest.raises(ValueError, match="mel bins"):
-        embedder(np.zeros((2, 20, f + 1), np.float32), mask)
-    with pytest.raises(ValueError, match="mask shape"):
-        embedder(feats, mask[:, :-1])
-    with pytest.raises(ValueError, match="mask shape"):
-        embedder([feats[0], feats[1]], [mask[0], mask[1, :5]])
-    with pytest.raises(ValueError, match=r"clip\(s\) \[1\]"):
-        embedder(feats, np.stack([mask[0], np.zeros(20, bool)]))
-    with pytest.raises(ValueError, match=r"\[frames, 13\]"):
-        embedder([feats[0, :, :5]])
-    with pytest.raises(TypeError, match="host arrays"):
-        embedder(jnp.asarray(feats), mask)
-
-
-def test_sync_free_one_bucket(ref, embedder):
-    f = ref.cfg.input_feat_size
-    calls = [
-        R.mel_batch(ls, s, f, seed=s)
-        for ls, s in [([37, 20, 5], 37), ([50, 50, 49], 50), ([60, 2, 33], 60), ([44, 44, 44], 44)]
-    ]
-    jaxsync.check.assert_sync_free(embedder, *calls[0], inputs=calls[1:])
-
-
 def _ids_with_placeholders(cfg: Gemma3nAudioConfig, starts, seq, rng):
     ids = rng.integers(0, 30, size=seq)
     for s in starts:
@@ -196,20 +168,20 @@ def test_merge_matches_masked_scatter(ref, embedder):
     cfg = ref.cfg
     rng = np.random.default_rng(11)
     feats, mask = R.mel_batch([23, 9, 17], 23, cfg.input_feat_size, seed=11)
-    audio = embedder(feats, mask)  # [4, N, D], rows >= 3 padding
+    audio = embedder(feats, mask)  # 4 clips' rows, rows of clip 3 are padding
     ids = np.stack(
         [_ids_with_placeholders(cfg, [2], 29, rng), _ids_with_placeholders(cfg, [1, 20], 29, rng)]
     )
     text = rng.standard_normal((2, 29, cfg.text_hidden_size)).astype(np.float32)
-    got = merge_audio_embeddings(
-        jnp.asarray(text), audio, ids, num_clips=3, audio_token_id=cfg.audio_token_id
-    )
+    got = merge_audio_embeddings(jnp.asarray(text), audio, ids, audio_token_id=cfg.audio_token_id)
     tmask = torch.from_numpy(ids == cfg.audio_token_id)[..., None].expand(*text.shape)
-    want = torch.from_numpy(text).masked_scatter(tmask, torch.from_numpy(np.array(audio)[:3]))
+    want = torch.from_numpy(text).masked_scatter(tmask, torch.from_numpy(R.per_clip(audio)))
     assert np.array_equal(np.asarray(got), want.numpy())
+    one_short = ids.copy()
+    one_short[0, 2] = 0  # a placeholder fewer than the clips' rows
     with pytest.raises(ValueError, match="placeholder"):
         merge_audio_embeddings(
-            jnp.asarray(text), audio, ids, num_clips=2, audio_token_id=cfg.audio_token_id
+            jnp.asarray(text), audio, one_short, audio_token_id=cfg.audio_token_id
         )
     others = [(jnp.asarray(text), audio, np.roll(ids, k, axis=1)) for k in (3, 5)]
     jaxsync.check.assert_sync_free(
@@ -217,29 +189,29 @@ def test_merge_matches_masked_scatter(ref, embedder):
         jnp.asarray(text),
         audio,
         ids,
-        num_clips=3,
         audio_token_id=cfg.audio_token_id,
         inputs=others,
     )
+
+
+def test_config_from_object_dict_and_directory(ref, tmp_path):
+    hf = R.hf_config()
+    hf.save_pretrained(tmp_path)
+    assert from_hf_config(hf) == ref.cfg
+    assert from_hf_config(hf.to_dict()) == ref.cfg
+    assert from_hf_config(tmp_path) == ref.cfg
+    assert from_hf_config(tmp_path / "config.json") == ref.cfg
+    assert Gemma3nAudioConfig.from_hf_config(str(tmp_path)) == ref.cfg
 
 
 def test_config_rejects_unsupported(ref):
     hf = R.hf_config()
     hf.audio_config.conf_something_new = 3
     with pytest.raises(ValueError, match="conf_something_new"):
-        Gemma3nAudioConfig.from_hf_config(hf)
+        from_hf_config(hf)
+    with pytest.raises(ValueError, match="conf_something_new"):
+        from_hf_config(hf.to_dict())
     with pytest.raises(ValueError, match="multiple"):
         dataclasses.replace(ref.cfg, conf_num_attention_heads=4)
     with pytest.raises(ValueError, match="overflow"):
         dataclasses.replace(ref.cfg, overflow="drop")
-
-
-def test_verify_registration():
-    from jaxsync.models.gemma3n import _verify  # noqa: F401
-    from jaxsync.registry import paths
-
-    (spec,) = paths(["gemma3n.audio_embed"])
-    case = spec.build(None)
-    jaxsync.check.assert_sync_free(case.fn, *case.inputs[0], inputs=case.inputs[1:])
-    parity = case.parity()
-    assert parity.ok, parity
