@@ -4,7 +4,6 @@ Host metadata (the frame mask, frame count, placeholder positions) is validated 
 before anything is dispatched; device data is never read back.
 """
 
-import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +74,15 @@ class Gemma3nAudioEncoder:
         self.frame_buckets = frame_buckets
         self.batch_buckets = batch_buckets
         self.program = jaxsync.TowerProgram(model, forward, layers="layers")
+        # The padding embedding needs the embedder only: its state as plain jit arguments.
+        graphdef = nnx.split(model.embed_audio)[0]
+        pad_id, dtype = model.pad_id, model.dtype
+
+        def pad_fn(state):
+            ids = jax.numpy.full((1,), pad_id, jax.numpy.int32)
+            return nnx.merge(graphdef, state).embed_ids(ids)[0].astype(dtype)
+
+        self._pad_fn = jax.jit(pad_fn)
         self._plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
         self._take_weights(model)
         self.placement = self._home if placement is None else placement
@@ -88,15 +96,7 @@ class Gemma3nAudioEncoder:
         leaf = jax.tree.leaves(nnx.state(model))[0]
         self._home = jaxsync.replicated_near(leaf)
         self._devices = _devices(leaf.sharding)
-        # The padding embedding needs the embedder only: its state as plain jit arguments.
-        graphdef, state = nnx.split(model.embed_audio)
-        pad_id, dtype = model.pad_id, model.dtype
-
-        def pad_fn(state):
-            ids = jax.numpy.full((1,), pad_id, jax.numpy.int32)
-            return nnx.merge(graphdef, state).embed_ids(ids)[0].astype(dtype)
-
-        self._pad_fn = functools.partial(jax.jit(pad_fn), state)
+        self._pad_state = nnx.split(model.embed_audio)[1]
         self._pads: dict[Any, jax.Array] = {}
 
     def load_state(self, model: Gemma3nAudioModel) -> None:
@@ -110,7 +110,7 @@ class Gemma3nAudioEncoder:
         hit = self._pads.get(key)
         if hit is not None:
             return hit
-        pad = self._pad_fn()  # async dispatch; nothing is read back
+        pad = self._pad_fn(self._pad_state)  # async dispatch; nothing is read back
         if key != self._home and not isinstance(pad, jax.core.Tracer):
             pad = jax.device_put(pad, key)
         if not isinstance(pad, jax.core.Tracer):  # traced by a static scan: keep no tracer

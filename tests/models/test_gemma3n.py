@@ -1,0 +1,305 @@
+"""Gemma 3n audio entry: buckets, sync-free calls, the pure forward in a server jit, weights
+updates, argument count, processor outputs, non-finite isolation, sharding, GPU parity."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsync
+import jaxsync.check
+from jaxsync.check import no_recompile
+from jaxsync.models.gemma3n import (
+    Gemma3nAudioEncoder,
+    Gemma3nAudioModel,
+    forward,
+    load_model,
+    plan_audio,
+)
+from jaxsync.models.gemma3n._attention import ChunkedLocalAttention
+from jaxsync.models.gemma3n._modules import ConformerBlock
+from jaxsync.paths.gemma3n import reference as R, verify as V
+from jaxsync.testing import rel_err, requires_torch
+
+
+BUCKET = 64
+# A server's jit runs the conformer as an unrolled loop, the entry as one scan over packed rows:
+# XLA fuses the two differently, so they agree to float32 rounding, not bit for bit.
+LOOP_VS_SCAN_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return V._tiny_cfg()
+
+
+@pytest.fixture(scope="module")
+def model(cfg):
+    return Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def encoder(cfg, model):
+    return Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)
+
+
+def _batch(cfg, lengths, frames, seed=0):
+    return R.mel_batch(lengths, frames, cfg.input_feat_size, seed=seed)
+
+
+def _device_inputs(cfg, feats, mask):
+    """Host features padded to the encoder's buckets, on the device, and the plan's meta."""
+    plan = plan_audio(mask, cfg, frame_buckets=BUCKET)
+    x = np.zeros((plan.batch, plan.frame_bucket, cfg.input_feat_size), np.float32)
+    x[: len(feats), : feats.shape[1]] = feats
+    valid = np.zeros((plan.batch, plan.frame_bucket), bool)
+    valid[: len(mask), : mask.shape[1]] = mask
+    return jnp.asarray(x), valid, jaxsync.upload_packed(plan.fields)
+
+
+def test_bucket_invariance(cfg, model, encoder):
+    exact = Gemma3nAudioEncoder(model, cfg, frame_buckets=1, batch_buckets=(3,))
+    for lengths, frames in V._TINY_INPUTS[1:]:
+        feats, mask = _batch(cfg, lengths, frames, seed=frames)
+        a, b = encoder(feats, mask), exact(feats, mask)
+        assert a.embeddings.shape[0] > b.embeddings.shape[0]  # padding clip rows
+        assert rel_err(R.per_clip(a), R.per_clip(b)) <= 1e-6
+
+
+def test_sync_free_one_bucket(cfg, encoder):
+    calls = [
+        _batch(cfg, ls, s, seed=s)
+        for ls, s in [([37, 20, 5], 37), ([50, 50, 49], 50), ([60, 2, 33], 60), ([44, 44, 44], 44)]
+    ]
+    jaxsync.check.assert_sync_free(encoder, *calls[0], inputs=calls[1:])
+    encoder(*calls[0])
+    with no_recompile():
+        for c in calls:
+            encoder(*c)
+
+
+def test_plan_cached_per_mask(cfg, encoder):
+    feats, mask = _batch(cfg, [30, 12], 30, seed=3)
+    encoder(feats, mask)
+    size = len(encoder._plans)
+    encoder(feats * 2, mask)  # same mask: the cached plan and its upload are reused
+    assert len(encoder._plans) == size
+    encoder(feats, np.roll(mask, 1, axis=0))
+    assert len(encoder._plans) == size + 1
+
+
+def test_pure_forward_in_a_server_jit(cfg, model, encoder):
+    feats, mask = _batch(cfg, [41, 7, 29], 41, seed=5)
+    x, _, meta = _device_inputs(cfg, feats, mask)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, x, meta):
+        return forward(nnx.merge(graphdef, state), x, meta)
+
+    rows, finite = step(state, x, meta)
+    want = encoder(feats, mask)
+    assert rel_err(rows, want.embeddings) <= LOOP_VS_SCAN_TOL
+    assert np.asarray(finite).all()
+    # every weight is a program argument, none is a baked constant
+    args = step.lower(state, x, meta).args_info[0][0]
+    assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(state))
+    halved = jax.tree.map(lambda w: w * 0.5, state)
+    with no_recompile():
+        new_rows, _ = step(halved, x, meta)
+    twin = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
+    nnx.update(twin, halved)
+    want_new = Gemma3nAudioEncoder(twin, cfg, frame_buckets=BUCKET)(feats, mask)
+    assert rel_err(new_rows, want_new.embeddings) <= LOOP_VS_SCAN_TOL
+    assert not np.allclose(new_rows, rows)
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+def test_program_argument_count(cfg, depth):
+    c = dataclasses.replace(cfg, conf_num_hidden_layers=depth)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(c, rngs=nnx.Rngs(1)), c, frame_buckets=BUCKET)
+    feats, mask = _batch(c, [20, 9], 20)
+    x, _, meta = _device_inputs(c, feats, mask)
+    n_args = len(jax.tree.leaves(enc.program.lower(x, meta, enc.pad_embedding()).args_info))
+    assert n_args == 4  # packed state + features + packed meta + pad embedding, at any depth
+    assert n_args <= 6
+
+
+def test_load_state_takes_new_weights_without_recompiling(cfg):
+    model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(2))
+    enc = Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)
+    feats, mask = _batch(cfg, [33, 21], 33, seed=9)
+    before = np.asarray(enc(feats, mask).embeddings)
+    _, state = nnx.split(model)
+    nnx.update(model, jax.tree.map(lambda w: w * 0.5, state))
+    assert np.array_equal(enc(feats, mask).embeddings, before)  # a snapshot until load_state
+    with no_recompile():
+        enc.load_state(model)
+        after = enc(feats, mask)
+    fresh = Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)(feats, mask)
+    assert np.array_equal(after.embeddings, fresh.embeddings)  # pad embedding renewed too
+    other = dataclasses.replace(cfg, conf_num_hidden_layers=3)
+    with pytest.raises(ValueError, match="same parameter structure"):
+        enc.load_state(Gemma3nAudioModel(other, rngs=nnx.Rngs(0)))
+    assert np.array_equal(enc(feats, mask).embeddings, after.embeddings)
+
+
+def test_device_features_and_finite_flags(cfg, encoder):
+    feats, mask = _batch(cfg, [50, 17, 33, 8], 50, seed=13)
+    x, valid = jnp.asarray(feats), mask  # device features: used at their shape (50 frames)
+    clean = encoder(x, valid)
+    assert rel_err(R.per_clip(clean), R.per_clip(encoder(feats, mask))) <= 1e-6  # 50 vs 64 rows
+    for bad in (np.nan, np.inf):
+        poisoned = x.at[1, 3, 2].set(bad)
+        out = encoder(poisoned, valid)
+        assert np.asarray(out.extras["finite"]).tolist() == [True, False, True, True]
+        got, want = R.per_clip(out), R.per_clip(clean)
+        for i in (0, 2, 3):  # every other clip bit-identical
+            assert np.array_equal(got[i], want[i])
+
+
+@pytest.mark.parametrize("module", [ChunkedLocalAttention, ConformerBlock])
+def test_masked_frames_do_not_leak_non_finite_values(cfg, module):
+    """A NaN / inf at a masked frame never reaches a real frame (no 0 * NaN)."""
+    layer = module(cfg, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 23, cfg.hidden_size)).astype(np.float32)
+    valid = np.arange(23)[None, :] < np.array([[15], [23]])
+    x = np.where(valid[:, :, None], x, 0.0).astype(np.float32)
+    clean = np.asarray(layer(jnp.asarray(x), jnp.asarray(valid)))
+    for bad in (np.nan, np.inf):
+        dirty = np.where(valid[:, :, None], x, bad).astype(np.float32)
+        got = np.asarray(layer(jnp.asarray(dirty), jnp.asarray(valid)))
+        assert np.array_equal(got[valid], clean[valid])
+
+
+def test_verify_registration():
+    from jaxsync.registry import paths
+
+    (spec,) = paths(["gemma3n.audio_embed"])
+    case = spec.build(None)
+    jaxsync.check.assert_sync_free(case.fn, *case.inputs[0], inputs=case.inputs[1:])
+    parity = case.parity()
+    assert parity.ok, parity
+
+
+# ------------------------------------------------------------------ processor outputs
+
+
+@requires_torch
+def test_feature_extractor_outputs_go_straight_in(tmp_path):
+    from transformers.models.gemma3n.feature_extraction_gemma3n import (
+        Gemma3nAudioFeatureExtractor,
+    )
+
+    ref = R.build_reference(tmp_path)
+    cfg = ref.cfg
+    extractor = Gemma3nAudioFeatureExtractor(
+        feature_size=cfg.input_feat_size,
+        sampling_rate=16_000,
+        padding_value=0.0,
+        return_attention_mask=True,
+        frame_length_ms=32.0,
+        hop_length_ms=10.0,
+        min_frequency=125.0,
+        max_frequency=7600.0,
+        preemphasis=0.97,
+        preemphasis_htk_flavor=True,
+        fft_overdrive=True,
+        dither=0.0,
+        input_scale_factor=1.0,
+        mel_floor=1e-5,
+        per_bin_mean=None,
+        per_bin_stddev=None,
+    )
+    enc = Gemma3nAudioEncoder(load_model(ref.checkpoint, ref.cfg), cfg, frame_buckets=BUCKET)
+    rng = np.random.default_rng(7)
+    audio = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (4_003, 9_601, 1_999)]
+    got = {}
+    for kind in ("np", "pt"):
+        out = extractor(audio, sampling_rate=16_000, return_tensors=kind, padding="longest")
+        emb = enc(
+            input_features=out["input_features"], input_features_mask=out["input_features_mask"]
+        )
+        got[kind] = R.per_clip(emb)
+        feats = np.asarray(out["input_features"], np.float32)
+        mask = np.asarray(out["input_features_mask"], bool)
+        assert rel_err(got[kind], R.reference_embed(ref, feats, mask)) <= 1e-5
+    assert np.array_equal(got["np"], got["pt"])
+
+
+# ------------------------------------------------------------------ sharding
+
+
+def _mesh(axis):
+    return jax.make_mesh((len(jax.devices()),), (axis,), (jax.sharding.AxisType.Auto,))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("torch")
+    return R.build_reference(tmp_path_factory.mktemp("gemma3n_shard"))
+
+
+def test_data_parallel_inputs_with_replicated_weights(checkpoint):
+    ref, n_dev = checkpoint, len(jax.devices())
+    mesh = _mesh("data")
+    single = Gemma3nAudioEncoder(load_model(ref.checkpoint, ref.cfg), ref.cfg, frame_buckets=BUCKET)
+    model = load_model(ref.checkpoint, ref.cfg, mesh=mesh, partition_rules=())
+    data = jax.NamedSharding(mesh, jax.P("data"))
+    enc = Gemma3nAudioEncoder(
+        model, ref.cfg, frame_buckets=BUCKET, batch_buckets=(n_dev,), placement=data
+    )
+    lengths = [60 - 7 * i for i in range(n_dev - 1)]
+    feats, mask = _batch(ref.cfg, lengths, 60, seed=21)
+    want = R.per_clip(single(feats, mask))
+    host = enc(feats, mask)
+    assert rel_err(R.per_clip(host), want) <= 1e-6
+    x = jax.device_put(np.pad(feats, ((0, n_dev - len(feats)), (0, 0), (0, 0))), data)
+    valid = np.pad(mask, ((0, n_dev - len(mask)), (0, 0)))
+    valid[len(lengths) :, 0] = True  # padding clips need one real frame as input
+    out = enc(x, valid)
+    assert rel_err(R.per_clip(out)[: len(lengths)], want) <= 1e-6
+    with pytest.raises(ValueError, match="same devices"):
+        enc(jax.device_put(x, jax.devices()[1]), valid)
+    with pytest.raises(ValueError, match="same devices"):
+        single(jax.device_put(np.asarray(x), jax.devices()[1]), valid)
+
+
+def test_weights_sharded_over_a_model_axis(checkpoint):
+    ref = checkpoint
+    mesh = _mesh("model")
+    single = Gemma3nAudioEncoder(load_model(ref.checkpoint, ref.cfg), ref.cfg, frame_buckets=BUCKET)
+    model = load_model(ref.checkpoint, ref.cfg, mesh=mesh)
+    kernel = model.audio_tower.conformer[0].ffw_layer_start.ffw_layer_1.kernel[...]
+    assert not kernel.sharding.is_fully_replicated  # 4 * 22 = 88 columns over 8 devices
+    enc = Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
+    feats, mask = _batch(ref.cfg, [57, 40, 13], 57, seed=57)
+    assert rel_err(R.per_clip(enc(feats, mask)), R.per_clip(single(feats, mask))) <= 1e-5
+
+
+# ------------------------------------------------------------------ accelerator
+
+
+@requires_torch
+@pytest.mark.gpu
+def test_released_config_fp32_parity(tmp_path):
+    import torch
+
+    if jax.default_backend() == "cpu" or not torch.cuda.is_available():
+        pytest.skip("needs a GPU for torch and jax")
+    torch.backends.cudnn.allow_tf32 = False  # fp32 reference: no TF32 convolutions
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = R.build_reference(tmp_path, size="released")
+    emb = Gemma3nAudioEncoder(load_model(ref.checkpoint, ref.cfg), ref.cfg)
+    ref.tower.cuda(), ref.embedder.cuda()
+    worst = 0.0
+    for lengths, frames in (([3000], 3000), ([500, 1700], 1700)):  # 30 s; 5 s + 17 s
+        feats, mask = R.mel_batch(lengths, frames, ref.cfg.input_feat_size, seed=frames)
+        got = R.per_clip(emb(feats, mask))
+        worst = max(worst, rel_err(got, R.reference_embed(ref, feats, mask)))
+    print(f"released fp32 max rel err {worst:.2e}")
+    assert worst <= 1e-5
