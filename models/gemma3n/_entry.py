@@ -71,8 +71,16 @@ class Gemma3nAudioEncoder:
         plan_cache_size: int = 64,
     ):
         self.cfg = cfg
-        self.frame_buckets = frame_buckets
-        self.batch_buckets = batch_buckets
+        self.frame_buckets = (
+            tuple(jaxsync.host_ints(frame_buckets, name="frame_buckets", minimum=1).tolist())
+            if isinstance(frame_buckets, Sequence | np.ndarray)
+            else jaxsync.host_int(frame_buckets, name="frame_buckets", minimum=1)
+        )
+        self.batch_buckets = (
+            None
+            if batch_buckets is None
+            else tuple(jaxsync.host_ints(batch_buckets, name="batch_buckets", minimum=1).tolist())
+        )
         self.program = jaxsync.TowerProgram(model, forward, layers="layers")
         # The padding embedding needs the embedder only: its state as plain jit arguments.
         graphdef = nnx.split(model.embed_audio)[0]
@@ -83,7 +91,7 @@ class Gemma3nAudioEncoder:
             return nnx.merge(graphdef, state).embed_ids(ids)[0].astype(dtype)
 
         self._pad_fn = jax.jit(pad_fn)
-        self._plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
+        self.plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
         self._take_weights(model)
         self.placement = self._home if placement is None else placement
         if _devices(self.placement) != self._devices:
@@ -124,7 +132,7 @@ class Gemma3nAudioEncoder:
             plan = plan_audio(valid, self.cfg, **buckets)
             return plan, jaxsync.upload_packed(plan.fields, placement=placement)
 
-        return self._plans.get(key, build)
+        return self.plans.get(key, build)
 
     @entry_point
     def __call__(self, input_features: Any, input_features_mask: Any = None) -> jaxsync.Embeddings:

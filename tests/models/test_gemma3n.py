@@ -13,15 +13,15 @@ import jaxsync
 import jaxsync.check
 from jaxsync.check import no_recompile
 from jaxsync.models.gemma3n import (
+    ChunkedLocalAttention,
+    ConformerBlock,
     Gemma3nAudioEncoder,
     Gemma3nAudioModel,
     forward,
     load_model,
     plan_audio,
 )
-from jaxsync.models.gemma3n._attention import ChunkedLocalAttention
-from jaxsync.models.gemma3n._modules import ConformerBlock
-from jaxsync.paths.gemma3n import reference as R, verify as V
+from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import rel_err, requires_torch
 
 
@@ -33,7 +33,7 @@ LOOP_VS_SCAN_TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def cfg():
-    return V._tiny_cfg()
+    return R.tiny_config()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _device_inputs(cfg, feats, mask):
 
 def test_bucket_invariance(cfg, model, encoder):
     exact = Gemma3nAudioEncoder(model, cfg, frame_buckets=1, batch_buckets=(3,))
-    for lengths, frames in V._TINY_INPUTS[1:]:
+    for lengths, frames in R.TINY_INPUTS[1:]:
         feats, mask = _batch(cfg, lengths, frames, seed=frames)
         a, b = encoder(feats, mask), exact(feats, mask)
         assert a.embeddings.shape[0] > b.embeddings.shape[0]  # padding clip rows
@@ -84,11 +84,11 @@ def test_sync_free_one_bucket(cfg, encoder):
 def test_plan_cached_per_mask(cfg, encoder):
     feats, mask = _batch(cfg, [30, 12], 30, seed=3)
     encoder(feats, mask)
-    size = len(encoder._plans)
+    size = len(encoder.plans)
     encoder(feats * 2, mask)  # same mask: the cached plan and its upload are reused
-    assert len(encoder._plans) == size
+    assert len(encoder.plans) == size
     encoder(feats, np.roll(mask, 1, axis=0))
-    assert len(encoder._plans) == size + 1
+    assert len(encoder.plans) == size + 1
 
 
 def test_pure_forward_in_a_server_jit(cfg, model, encoder):

@@ -21,11 +21,12 @@ from jaxsync.models.gemma3n import (
     Gemma3nAudioEncoder,
     Gemma3nAudioModel,
     from_hf_config,
+    host_features,
     load_model,
     merge_audio_embeddings,
     plan_audio,
 )
-from jaxsync.paths.gemma3n import reference as R, verify as V
+from jaxsync.paths.gemma3n import reference as R
 from jaxsync.weights import WeightError
 
 
@@ -34,7 +35,7 @@ BUCKET = 64
 
 @pytest.fixture(scope="module")
 def cfg():
-    return V._tiny_cfg()
+    return R.tiny_config()
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +235,6 @@ def test_plan_on_any_mask(cfg, lengths, frames, dtype):
     """Prefix masks of any dtype: planned exactly (rows, frame count), or a typed refusal."""
     mask = (np.arange(frames)[None, :] < np.asarray(lengths)[:, None]).astype(dtype)
     feats = np.zeros((len(lengths), frames, cfg.input_feat_size), np.float32)
-    from jaxsync.models.gemma3n._plan import host_features
-
     if dtype.startswith("float"):
         with pytest.raises(TypeError):
             host_features(feats, mask, cfg.input_feat_size)
@@ -251,3 +250,20 @@ def test_plan_on_any_mask(cfg, lengths, frames, dtype):
     assert plan.lengths == (64,) * len(lengths) and plan.offsets[-1] == 64 * (len(lengths) - 1)
     assert np.array_equal(plan.fields["valid"][: len(lengths), :frames], valid)
     assert not plan.fields["valid"][len(lengths) :].any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        ({"frame_buckets": True}, TypeError),
+        ({"frame_buckets": 64.0}, TypeError),
+        ({"frame_buckets": [32, 64.5]}, TypeError),
+        ({"frame_buckets": 0}, ValueError),
+        ({"batch_buckets": [2, 4.0]}, TypeError),
+        ({"placement": jax.devices()[-1]}, ValueError),
+    ],
+)
+def test_entry_settings(cfg, kwargs, exc):
+    model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(exc, match="frame_buckets|batch_buckets|placement"):
+        Gemma3nAudioEncoder(model, cfg, **kwargs)

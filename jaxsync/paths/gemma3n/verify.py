@@ -17,20 +17,11 @@ from jaxsync.registry import Parity, PathCase, register_path
 
 
 _TINY_BUCKET = 64
-# (lengths, frames) of the verify inputs: one (batch, frame) bucket; tower output shorter than,
-# equal to and (for 60 frames with the 20/37 mask) padded up to soft_tokens.
-_TINY_INPUTS = (([23, 9, 1], 23), ([57, 40, 13], 57), ([37, 37, 20], 60))
-
-
-def _tiny_cfg() -> Gemma3nAudioConfig:
-    # The tiny HF config as a dict: verify runs without torch and transformers too.
-    t = R.TINY_HF
-    return from_hf_config({"audio_config": t["audio"], "text_config": t["text"], **t["top"]})
 
 
 def _inputs(cfg: Gemma3nAudioConfig) -> list[tuple]:
     out = []
-    for lengths, frames in _TINY_INPUTS:
+    for lengths, frames in R.TINY_INPUTS:
         feats, mask = R.mel_batch(lengths, frames, cfg.input_feat_size, seed=frames)
         out.append((feats, mask))
     return out
@@ -56,7 +47,7 @@ def _parity() -> Parity:
 )
 def _build(checkpoint: str | None) -> PathCase:
     if checkpoint is None:
-        cfg = _tiny_cfg()
+        cfg = R.tiny_config()
         model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
         emb = Gemma3nAudioEncoder(model, cfg, frame_buckets=_TINY_BUCKET)
         return PathCase(fn=emb, inputs=_inputs(cfg), parity=_parity)
