@@ -179,7 +179,7 @@ def _frame_bucket(s: int, frame_buckets: int | Sequence[int]) -> int:
 
 
 def plan_audio(
-    valid: np.ndarray,
+    valid: Any,
     cfg: Gemma3nAudioConfig,
     *,
     frame_buckets: int | Sequence[int] = 512,
@@ -191,9 +191,13 @@ def plan_audio(
     that fits), clips to `batch_buckets` (default powers of two).
 
     Raises:
-        ValueError: a clip without a real frame, no frame at all, or (overflow="error") more
-            tower positions than `soft_tokens`.
+        TypeError: a mask of floats (or other non-integers).
+        ValueError: a mask that is not `[B, S]` of 0/1, a clip without a real frame, no frame
+            at all, or (overflow="error") more tower positions than `soft_tokens`.
     """
+    valid = frame_mask(valid, np.shape(valid))  # bools or 0/1 ints, from any caller
+    if valid.ndim != 2:
+        raise ValueError(f"the frame mask must be [B, S], got shape {valid.shape}")
     b, s = valid.shape
     if b == 0 or s == 0 or not valid.any(axis=1).all():
         empty = [i for i in range(b) if s == 0 or not valid[i].any()]

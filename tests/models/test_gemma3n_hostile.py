@@ -238,6 +238,8 @@ def test_plan_on_any_mask(cfg, lengths, frames, dtype):
     if dtype.startswith("float"):
         with pytest.raises(TypeError):
             host_features(feats, mask, cfg.input_feat_size)
+        with pytest.raises(TypeError):
+            plan_audio(mask, cfg)
         return
     _, valid = host_features(feats, mask, cfg.input_feat_size)
     if min(lengths) == 0:
