@@ -36,8 +36,8 @@ from flax import nnx
 import jaxsync
 from jaxsync import check
 from jaxsync.kv import host_pool, inject_kv, swap_in, swap_out
-from jaxsync.models.chameleon import ChameleonConfig, ChameleonImagePaths, ChameleonVQVAE
-from jaxsync.models.chameleon._reference import tiny_hf_config
+from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonVQVAE
+from jaxsync.paths.chameleon.reference import tiny_hf_config
 
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 4, 2, 8, 2, 64
@@ -82,7 +82,7 @@ def _argmax_last(logits):  # [T, V] -> [1] int32, the next token (greedy)
 class Server:
     def __init__(self, seed: int = 0):
         cfg = ChameleonConfig.from_hf_config(tiny_hf_config())
-        self.paths = ChameleonImagePaths(
+        self.paths = ChameleonImageEncoder(
             cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(seed)), buckets=(1,)
         )
         self.cfg = cfg
@@ -133,7 +133,7 @@ def run(steps: int = 64, seed: int = 0, quiet: bool = False) -> dict[str, float]
     os.environ.setdefault(check.ENV_VAR, "error")
     server = Server(seed)
     rng = np.random.default_rng(seed)
-    pixels = rng.standard_normal((1, *server.paths.tokenizer.image_shape)).astype(np.float32)
+    pixels = rng.standard_normal((1, *server.paths.image_shape)).astype(np.float32)
     token, blocks, pos = server.prefill(pixels, [5, 6, 7])
     # Warm-up: one step of each kind compiles every program the loop uses.
     token = server.decode_step(token, blocks, pos)

@@ -11,27 +11,28 @@ import pytest
 from flax import nnx
 
 import jaxsync.check
+import jaxsync.models.chameleon as chameleon
 import jaxsync.testing
 from jaxsync.models.chameleon import (
     VQ_RULES,
     ChameleonConfig,
-    ChameleonImagePaths,
+    ChameleonImageEncoder,
     ChameleonVQConfig,
     ChameleonVQVAE,
     ImageVocabularyMapping,
-    _reference as ref,
     decode_image_token_name,
 )
+from jaxsync.paths.chameleon import reference as ref
 
 
 @pytest.fixture(scope="module")
-def paths():
+def enc():
     cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
-    return ChameleonImagePaths(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4,))
+    return ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4,))
 
 
-def _px(batch, paths, seed=0):
-    return ref.random_pixels(batch, paths.cfg.vq, seed=seed)
+def _px(batch, enc, seed=0):
+    return ref.random_pixels(batch, enc.cfg.vq, seed=seed)
 
 
 # ---------------------------------------------------------------- config
@@ -103,121 +104,128 @@ def test_tables_are_cached_per_placement():
 # ---------------------------------------------------------------- bad inputs
 
 
-def test_bad_pixels(paths):
-    good = _px(1, paths)
+def test_bad_pixels(enc):
+    good = _px(1, enc)
     for bad, match in [
         (good[:, :2], "shape"),
         (good[:, :, :21, :21], "shape"),
         (good[0], "shape"),
-        (good.astype(np.int32), "float32"),
         (good[:0], "no image"),
     ]:
         with pytest.raises(ValueError, match=match):
-            paths.get_image_tokens(bad)
+            enc.get_image_tokens(bad)
+    with pytest.raises(TypeError, match="float32"):
+        enc.get_image_tokens(good.astype(np.int32))
 
 
-def test_bad_logits(paths):
-    v = paths.mapping.max_image_id
+def test_bad_logits(enc):
+    v = enc.mapping.max_image_id
     with pytest.raises(ValueError, match=f"does not cover the largest image token id {v}"):
-        paths.mask_image_logits(jnp.zeros((2, v)))
+        enc.mask_image_logits(jnp.zeros((2, v)))
     with pytest.raises(ValueError, match="2-D"):
-        paths.mask_image_logits(jnp.zeros((paths.cfg.vocab_size,)))
+        enc.mask_image_logits(jnp.zeros((enc.cfg.vocab_size,)))
     with pytest.raises(TypeError, match="jax.Array"):
-        paths.mask_image_logits(np.zeros((2, paths.cfg.vocab_size), np.float32))
+        enc.mask_image_logits(np.zeros((2, enc.cfg.vocab_size), np.float32))
     with pytest.raises(ValueError, match="lm_head vocab"):
-        paths.compute_logits(jnp.zeros((2, 5)), jnp.zeros((v, 5)))
+        enc.compute_logits(jnp.zeros((2, 5)), jnp.zeros((v, 5)))
 
 
-def test_bad_merge(paths):
-    t = paths.cfg.vq.tokens_per_image
-    img = paths.mapping.image_token_id
+def test_bad_merge(enc):
+    t = enc.cfg.vq.tokens_per_image
+    img = enc.mapping.image_token_id
     text, image = jnp.zeros((1, t + 3, 8)), jnp.zeros((1, t, 8))
     ids = np.array([[1] + [img] * (t - 1) + [2, 3, 4]])
     with pytest.raises(ValueError, match=f"{t - 1} placeholder position.* but {t} image token"):
-        paths.merge_image_embeddings(text, image, input_ids=ids)
+        enc.merge_image_embeddings(text, image, input_ids=ids)
     with pytest.raises(TypeError, match="host data"):
-        paths.merge_image_embeddings(text, image, input_ids=jnp.asarray(ids))
+        enc.merge_image_embeddings(text, image, input_ids=jnp.asarray(ids))
     with pytest.raises(ValueError, match="repeat"):
-        paths.merge_image_embeddings(text, image[:, :2], positions=np.array([4, 4]))
+        enc.merge_image_embeddings(text, image[:, :2], positions=np.array([4, 4]))
     with pytest.raises(ValueError, match="lie in"):
-        paths.merge_image_embeddings(text, image[:, :2], positions=np.array([4, t + 3]))
+        enc.merge_image_embeddings(text, image[:, :2], positions=np.array([4, t + 3]))
 
 
 # ---------------------------------------------------------------- buckets and sync-freedom
 
 
-def test_padded_vs_unpadded_invariance(paths):
-    four = _px(4, paths, seed=7)  # the bucket size itself: no padding
-    full = np.asarray(paths.get_image_tokens(four))
+def test_padded_vs_unpadded_invariance(enc):
+    four = _px(4, enc, seed=7)  # the bucket size itself: no padding
+    full = np.asarray(enc.get_image_tokens(four))
     for n in (1, 2, 3):
-        got = np.asarray(paths.get_image_tokens(four[:n]))
+        got = np.asarray(enc.get_image_tokens(four[:n]))
         np.testing.assert_array_equal(got, full[:n])
-        dev = np.asarray(paths.get_image_tokens(jax.device_put(four[:n])))
+        dev = np.asarray(enc.get_image_tokens(jax.device_put(four[:n])))
         np.testing.assert_array_equal(dev, full[:n])
-    padded = paths.tokenizer.get_image_tokens_padded(four[:3])
-    assert padded.shape == (4, paths.cfg.vq.tokens_per_image)
-    np.testing.assert_array_equal(np.asarray(padded[:3]), full[:3])
+    out = enc(four[:3])  # Embeddings: the bucket's rows, host lengths
+    t = enc.cfg.vq.tokens_per_image
+    assert out.embeddings.shape == (4 * t,) and out.lengths == (t,) * 3
+    assert out.offsets == (0, t, 2 * t) and out.num_tokens == 3 * t
+    np.testing.assert_array_equal(np.asarray(out.embeddings[: 3 * t]), full[:3].reshape(-1))
+    np.testing.assert_array_equal(np.asarray(out.split()[2]), full[2])
+    assert out.extras["finite"].shape == (3,) and bool(np.asarray(out.extras["finite"]).all())
 
 
-def test_image_tokens_sync_free_device_pixels(paths):
-    xs = [jax.device_put(_px(b, paths, seed=b)) for b in (3, 1, 2)]
-    jaxsync.check.assert_sync_free(paths.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]])
+def test_image_tokens_sync_free_device_pixels(enc):
+    xs = [jax.device_put(_px(b, enc, seed=b)) for b in (3, 1, 2)]
+    jaxsync.check.assert_sync_free(enc.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]])
 
 
-def test_tokenizer_state_is_a_flat_array_list(paths):
-    # jit flattens a list of arrays in C++; an nnx.State would be walked in Python per call.
-    state = paths.tokenizer._state
-    assert isinstance(state, list) and state
-    assert all(isinstance(x, jax.Array) for x in state)
+def test_tokenizer_program_takes_few_arguments(enc):
+    # The packed state (one buffer per dtype) + pixels + packed meta + img2bpe table, where the
+    # old flat-leaf program took 67 jit arguments.
+    pixels = jax.device_put(_px(4, enc))
+    meta = jaxsync.upload_packed(chameleon.plan_images(4, (4,)).fields)
+    lowered = enc._program.lower(pixels, meta, enc.img2bpe_table())
+    assert len(jax.tree.leaves(lowered.args_info)) <= 6
 
 
-def test_image_tokens_sync_free_host_pixels(paths):
+def test_image_tokens_sync_free_host_pixels(enc):
     # static=False: with host pixels every argument is static and the compiled-HLO scan would
     # constant-fold the whole encoder; the same program is scanned by the device-pixel test.
-    xs = [_px(b, paths, seed=b) for b in (3, 1, 2)]
+    xs = [_px(b, enc, seed=b) for b in (3, 1, 2)]
     jaxsync.check.assert_sync_free(
-        paths.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]], static=False
+        enc.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]], static=False
     )
 
 
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
-def test_mask_sync_free(paths, lead):
+def test_mask_sync_free(enc, lead):
     keys = jax.random.split(jax.random.key(0), 3)
-    xs = [jax.random.normal(k, (*lead, paths.cfg.vocab_size)) for k in keys]
-    jaxsync.check.assert_sync_free(paths.mask_image_logits, xs[0], inputs=[(x,) for x in xs[1:]])
+    xs = [jax.random.normal(k, (*lead, enc.cfg.vocab_size)) for k in keys]
+    jaxsync.check.assert_sync_free(enc.mask_image_logits, xs[0], inputs=[(x,) for x in xs[1:]])
 
 
-def test_mask_donated_in_place(paths):
-    x = jax.random.normal(jax.random.key(1), (3, paths.cfg.vocab_size))
-    want = np.asarray(paths.mask_image_logits(x))
+def test_mask_donated_in_place(enc):
+    x = jax.random.normal(jax.random.key(1), (3, enc.cfg.vocab_size))
+    want = np.asarray(enc.mask_image_logits(x))
     y = jnp.copy(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "donated buffers were not usable" would fail here
-        out = paths.mask_image_logits(y, donate=True)
+        out = enc.mask_image_logits(y, donate=True)
     assert y.is_deleted()
     np.testing.assert_array_equal(np.asarray(out), want)
-    ids = paths.mapping.image_token_ids
+    ids = enc.mapping.image_token_ids
     assert (want[:, ids] == np.finfo(np.float32).min).all()
     keep = np.setdiff1d(np.arange(want.shape[1]), ids)
     np.testing.assert_array_equal(want[:, keep], np.asarray(x)[:, keep])
 
     def fresh(z):  # each call donates a fresh copy, as a caller would its logits buffer
-        return paths.mask_image_logits(jnp.copy(z), donate=True)
+        return enc.mask_image_logits(jnp.copy(z), donate=True)
 
     jaxsync.check.assert_sync_free(fresh, x, inputs=[(x + 1,)])
 
 
-def test_compute_logits_sync_free(paths):
-    d, v = paths.cfg.hidden_size, paths.cfg.vocab_size
+def test_compute_logits_sync_free(enc):
+    d, v = enc.cfg.hidden_size, enc.cfg.vocab_size
     w = jax.random.normal(jax.random.key(2), (v, d))
     hs = [jax.random.normal(jax.random.key(i), (2, 5, d)) for i in range(3)]
-    out = paths.compute_logits(hs[0], w)
-    assert (np.asarray(out)[..., paths.mapping.image_token_ids] == np.finfo(np.float32).min).all()
-    jaxsync.check.assert_sync_free(paths.compute_logits, hs[0], w, inputs=[(h, w) for h in hs[1:]])
+    out = enc.compute_logits(hs[0], w)
+    assert (np.asarray(out)[..., enc.mapping.image_token_ids] == np.finfo(np.float32).min).all()
+    jaxsync.check.assert_sync_free(enc.compute_logits, hs[0], w, inputs=[(h, w) for h in hs[1:]])
 
 
-def test_merge_sync_free_and_values(paths):
-    img, d, s = paths.mapping.image_token_id, 8, 19
+def test_merge_sync_free_and_values(enc):
+    img, d, s = enc.mapping.image_token_id, 8, 19
     text = jax.random.normal(jax.random.key(3), (2, s, d))
     image = jax.random.normal(jax.random.key(4), (4, 3, d))  # bucket-padded: 3 of 4 images real
 
@@ -230,14 +238,14 @@ def test_merge_sync_free_and_values(paths):
     cases = [ids_with([(0, 1), (0, 9), (1, 4)]), ids_with([(0, 0), (1, 2), (1, 16)])]
     for ids in cases:
         got = np.asarray(
-            paths.merge_image_embeddings(text, image, input_ids=ids, num_image_tokens=9)
+            enc.merge_image_embeddings(text, image, input_ids=ids, num_image_tokens=9)
         )
         want = np.asarray(text).reshape(-1, d).copy()
         want[np.flatnonzero(ids.reshape(-1) == img)] = np.asarray(image).reshape(-1, d)[:9]
         np.testing.assert_array_equal(got, want.reshape(2, s, d))
 
     def merge(text, image, ids):
-        return paths.merge_image_embeddings(text, image, input_ids=ids, num_image_tokens=9)
+        return enc.merge_image_embeddings(text, image, input_ids=ids, num_image_tokens=9)
 
     jaxsync.check.assert_sync_free(merge, text, image, cases[0], inputs=[(text, image, cases[1])])
 
@@ -275,7 +283,7 @@ def test_released_checkpoint_keys_map_onto_the_module():
 
 def test_registered_for_verify_and_bench():
     from jaxsync import registry
-    from jaxsync.models.chameleon import _verify  # noqa: F401
+    import jaxsync.paths.chameleon  # noqa: F401
 
     names = {s.name for s in registry._paths.values()}
     assert {
@@ -286,8 +294,8 @@ def test_registered_for_verify_and_bench():
     assert "chameleon" in registry._benches
 
 
-def test_image_token_mask_is_cached_per_vocab_size(paths):
-    m, vocab = paths.mapping, paths.cfg.vocab_size
+def test_image_token_mask_is_cached_per_vocab_size(enc):
+    m, vocab = enc.mapping, enc.cfg.vocab_size
     mask = m.image_token_mask(vocab)
     assert mask.dtype == np.bool_ and mask.sum() == len(m.image_token_ids)
     assert mask[m.image_token_ids].all()
@@ -298,18 +306,18 @@ def test_image_token_mask_is_cached_per_vocab_size(paths):
         m.image_token_mask(m.max_image_id)
 
 
-def test_mask_on_logits_sharded_over_the_vocab(paths):
+def test_mask_on_logits_sharded_over_the_vocab(enc):
     # Tensor-parallel lm_head logits: split over a (padded) vocab. The replicated column mask is
     # sliced per shard by XLA; the result keeps the logits' sharding and equals the unsharded fill.
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = jaxsync.testing.device_mesh("v")
     n = mesh.devices.size
-    vocab = -(-paths.cfg.vocab_size // n) * n  # padded to a multiple of the shard count
+    vocab = -(-enc.cfg.vocab_size // n) * n  # padded to a multiple of the shard count
     x = jax.random.normal(jax.random.key(3), (5, vocab))
-    want = np.asarray(paths.mask_image_logits(x))
+    want = np.asarray(enc.mask_image_logits(x))
     split = jax.device_put(x, NamedSharding(mesh, P(None, "v")))
-    out = paths.mask_image_logits(split)
+    out = enc.mask_image_logits(split)
     assert out.sharding.is_equivalent_to(split.sharding, 2)
     np.testing.assert_array_equal(np.asarray(out), want)
-    assert (want[:, paths.mapping.image_token_ids] == np.finfo(np.float32).min).all()
+    assert (want[:, enc.mapping.image_token_ids] == np.finfo(np.float32).min).all()
