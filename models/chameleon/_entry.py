@@ -17,7 +17,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxsync
@@ -26,7 +25,13 @@ from jaxsync import replicated_near
 from jaxsync.models.chameleon import _logits, _merge
 from jaxsync.models.chameleon._config import ChameleonConfig
 from jaxsync.models.chameleon._modules import ChameleonVQVAE, forward
-from jaxsync.models.chameleon._placing import batch_shards, check_same_devices, replicated_on
+from jaxsync.models.chameleon._placing import (
+    batch_shards,
+    check_same_devices,
+    pad_rows,
+    replicated_on,
+    weights_devices,
+)
 from jaxsync.models.chameleon._plan import plan_images, plan_merge
 from jaxsync.models.chameleon._vocab import (
     ImageVocabularyMapping,
@@ -52,16 +57,6 @@ def _token_rows(ids: jax.Array, n: int, t: int) -> jax.Array:  # [Bp*T] -> [n, T
 @ft.partial(jax.jit, static_argnums=1)
 def _take_rows(x: jax.Array, n: int) -> jax.Array:
     return x[:n]
-
-
-@ft.cache
-def _padder(sharding: jax.sharding.Sharding | None):
-    """Row pad whose output keeps the input's sharding (the padded rows divide the shards)."""
-
-    def pad(x: jax.Array, rows: int) -> jax.Array:
-        return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
-
-    return jax.jit(pad, static_argnums=1, out_shardings=sharding)
 
 
 class ChameleonImageEncoder:
@@ -122,7 +117,7 @@ class ChameleonImageEncoder:
                 raise ValueError("vq_model was not built from this config's vq config")
             self._program = jaxsync.TowerProgram(vq_model, _tokens, layers=None)
             self._encode = jaxsync.TowerProgram(vq_model, lambda m, x: m(x), layers=None)
-            self._devices, weights_at = _devices_of(vq_model)
+            self._devices, weights_at = weights_devices(vq_model)
             if placement is None and len(self._devices) > 1:  # host pixels go to the weights
                 self.placement = replicated_on(weights_at)
 
@@ -227,7 +222,7 @@ class ChameleonImageEncoder:
         )
         rows = plan.rows
         if on_device:
-            pixels = pixel_values if n == rows else _padder(where)(pixel_values, rows)
+            pixels = pixel_values if n == rows else pad_rows(where)(pixel_values, rows)
         else:
             staging = np.zeros((rows, *self.image_shape), dtype=pixel_values.dtype)
             staging[:n] = pixel_values
@@ -260,7 +255,7 @@ class ChameleonImageEncoder:
                     dummy = jax.device_put(
                         np.zeros((n, *self.image_shape), pixel_values.dtype), where
                     )
-                    _padder(where)(dummy, rows)
+                    pad_rows(where)(dummy, rows)
 
     # ------------------------------------------------------------ tables for a server's step
 
@@ -282,7 +277,7 @@ class ChameleonImageEncoder:
 
         `donate=True` fills in place (the input is deleted; passing it again is a ValueError).
         """
-        _logits_check(logits, self.mapping.max_image_id, "logits")
+        _logits.check_logits(logits, self.mapping.max_image_id)
         mask = self.mask_column(logits.shape[-1], replicated_near(logits))
         return (_logits.mask_jit_donated if donate else _logits.mask_jit)(logits, mask)
 
@@ -291,23 +286,7 @@ class ChameleonImageEncoder:
         self, hidden: Float[Array, "*B T D"], lm_head_weight: Float[Array, "V D"]
     ) -> Float[Array, "*B T V"]:
         """`hidden @ lm_head_weight.T` with the image tokens masked, in one jitted program."""
-        check_device_array(hidden, "hidden")
-        check_device_array(lm_head_weight, "lm_head_weight")
-        if hidden.ndim not in (2, 3):
-            raise ValueError(f"hidden must be [T, D] or [B, T, D], got shape {hidden.shape}")
-        if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
-            raise ValueError(
-                f"lm_head_weight must be [V, {hidden.shape[-1]}], got shape {lm_head_weight.shape}"
-            )
-        if hidden.dtype != lm_head_weight.dtype:
-            raise TypeError(
-                f"dtype mismatch: hidden {hidden.dtype}, lm_head {lm_head_weight.dtype}"
-            )
-        if lm_head_weight.shape[0] <= self.mapping.max_image_id:
-            raise ValueError(
-                f"lm_head vocab {lm_head_weight.shape[0]} does not cover the largest image token "
-                f"id {self.mapping.max_image_id}"
-            )
+        _logits.check_lm_head(hidden, lm_head_weight, self.mapping.max_image_id)
         mask = self.mask_column(lm_head_weight.shape[0], replicated_near(hidden))
         return _logits.compute_logits_jit(hidden, lm_head_weight, mask)
 
@@ -335,18 +314,7 @@ class ChameleonImageEncoder:
         Raises:
           TypeError / ValueError: see `plan_merge`; device arrays that are not live.
         """
-        check_device_array(text_embeds, "text_embeds")
-        check_device_array(image_embeds, "image_embeds")
-        if text_embeds.ndim not in (2, 3) or image_embeds.ndim not in (2, 3):
-            raise ValueError(
-                f"text_embeds must be [S, D] or [B, S, D] and image_embeds [N, T, D] or [M, D]; "
-                f"got {text_embeds.shape} and {image_embeds.shape}"
-            )
-        if text_embeds.shape[-1] != image_embeds.shape[-1]:
-            raise ValueError(f"embedding sizes differ: {text_embeds.shape} vs {image_embeds.shape}")
-        for name, host in (("input_ids", input_ids), ("positions", positions)):
-            if isinstance(host, jax.Array):
-                raise TypeError(f"{name} must be host data (numpy); reading a jax.Array would sync")
+        _merge.check_embeds(text_embeds, image_embeds, input_ids, positions)
         if input_ids is not None and self.mapping.image_token_id is None:
             raise ValueError("the vocabulary has no <image> token; pass positions instead")
         plan = plan_merge(
@@ -366,22 +334,3 @@ class ChameleonImageEncoder:
 
 def _planned(plan, near):
     return plan, jaxsync.upload_packed(plan.fields, placement=near)
-
-
-def _devices_of(model) -> tuple[frozenset, jax.sharding.Sharding]:
-    """The devices the weights live on, and one weight's sharding (its mesh)."""
-    leaves = jax.tree.leaves(nnx.state(model))
-    return frozenset(d for x in leaves for d in x.sharding.device_set), leaves[0].sharding
-
-
-def _logits_check(logits, max_image_id: int, name: str) -> None:
-    check_device_array(logits, name)
-    if logits.ndim not in (2, 3):
-        raise ValueError(f"{name} must be 2-D [T, V] or 3-D [B, T, V], got shape {logits.shape}")
-    if not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise TypeError(f"{name} must be floating point, got {logits.dtype}")
-    if logits.shape[-1] <= max_image_id:
-        raise ValueError(
-            f"{name} vocab {logits.shape[-1]} does not cover the largest image token id "
-            f"{max_image_id}"
-        )

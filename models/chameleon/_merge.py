@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxsync.models.chameleon._vocab import check_device_array
+
 
 def merge_image_tokens(
     text_embeds: Float[Array, "*B S D"],
@@ -43,3 +45,19 @@ def merge_image_tokens(
 
 merge_jit = jax.jit(merge_image_tokens)
 merge_jit_donated = jax.jit(merge_image_tokens, donate_argnums=0)
+
+
+def check_embeds(text_embeds, image_embeds, input_ids, positions) -> None:
+    """Host checks of a merge's device embeddings and host metadata (no sync)."""
+    check_device_array(text_embeds, "text_embeds")
+    check_device_array(image_embeds, "image_embeds")
+    if text_embeds.ndim not in (2, 3) or image_embeds.ndim not in (2, 3):
+        raise ValueError(
+            f"text_embeds must be [S, D] or [B, S, D] and image_embeds [N, T, D] or [M, D]; "
+            f"got {text_embeds.shape} and {image_embeds.shape}"
+        )
+    if text_embeds.shape[-1] != image_embeds.shape[-1]:
+        raise ValueError(f"embedding sizes differ: {text_embeds.shape} vs {image_embeds.shape}")
+    for name, host in (("input_ids", input_ids), ("positions", positions)):
+        if isinstance(host, jax.Array):
+            raise TypeError(f"{name} must be host data (numpy); reading a jax.Array would sync")

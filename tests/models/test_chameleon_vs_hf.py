@@ -168,7 +168,7 @@ def test_masked_logits_equal_hf(tiny, shape, dtype):
 
 
 def test_compute_logits_vs_hf_forward(tiny):
-    model, enc = tiny["model"], tiny["paths"]
+    model, enc = tiny["model"], tiny["enc"]
     ids = torch.tensor([[1, 5, 9, 2, 11], [3, 3, 7, 8, 0]])
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
@@ -186,7 +186,7 @@ def test_compute_logits_vs_hf_forward(tiny):
 
 
 def test_merge_equal_hf_masked_scatter(tiny):
-    model, enc = tiny["model"], tiny["paths"]
+    model, enc = tiny["model"], tiny["enc"]
     t = tiny["cfg"].vq.tokens_per_image
     img = enc.mapping.image_token_id
     row0 = [1, 5] + [img] * t + [9]
@@ -217,3 +217,32 @@ def test_verify_on_a_saved_checkpoint(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out)["paths"]
     assert rc == 0 and row["ok"], row
     assert row["parity"]["status"] == "none"  # no reference claimed for a user checkpoint
+
+
+def test_load_model_keeps_the_checkpoint_dtype_and_casts_on_request(tiny, tmp_path):
+    import jax
+    from flax import nnx
+
+    model16 = ref.build_hf_model(tiny["hf_cfg"], dtype="bfloat16")
+    ckpt16 = ref.save_checkpoint(model16, str(tmp_path))
+    dtypes = lambda m: {x.dtype for x in jax.tree.leaves(nnx.state(m))}  # noqa: E731
+    assert dtypes(load_model(ckpt16, tiny["cfg"])) == {jnp.dtype(jnp.bfloat16)}  # no flag
+    assert dtypes(load_model(tiny["ckpt"], tiny["cfg"])) == {jnp.dtype(jnp.float32)}
+    assert dtypes(load_model(ckpt16, tiny["cfg"], dtype=jnp.float32)) == {jnp.dtype(jnp.float32)}
+
+
+def test_load_model_places_parameters_on_a_mesh(tiny):
+    import jax
+    from flax import nnx
+
+    import jaxsync.testing
+
+    mesh = jaxsync.testing.device_mesh("model", auto=True)
+    vq = load_model(tiny["ckpt"], tiny["cfg"], mesh=mesh)
+    leaves = jax.tree.leaves(nnx.state(vq))
+    assert all(x.sharding.mesh == mesh for x in leaves)
+    assert any(not x.sharding.is_fully_replicated for x in leaves)  # conv kernels split
+    sharded = ChameleonImageEncoder(tiny["cfg"], vq, buckets=BUCKETS)
+    pixels = ref.random_pixels(3, tiny["cfg"].vq, seed=2)
+    want = ref.hf_image_tokens(tiny["model"], pixels)["tokens"]
+    np.testing.assert_array_equal(np.asarray(sharded.get_image_tokens(pixels)), want)
