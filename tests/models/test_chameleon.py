@@ -551,3 +551,8 @@ def test_weights_sharded_over_a_model_axis(enc):
     np.testing.assert_array_equal(
         np.asarray(tp.get_image_tokens(px)), np.asarray(enc.get_image_tokens(px))
     )
+
+
+def test_encoder_call_sync_free(enc):
+    xs = [jax.device_put(_px(b, enc, seed=b)) for b in (3, 1, 2)]
+    jaxsync.check.assert_sync_free(enc, xs[0], inputs=[(x,) for x in xs[1:]])
