@@ -17,9 +17,9 @@ upload, one jitted call).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxsync.models._merge import scatter_rows
 from jaxsync.models.chameleon._vocab import check_device_array
 
 
@@ -35,12 +35,7 @@ def merge_image_tokens(
       image_embeds: `[N, T, D]` or `[M, D]`; rows past the real count may be padding.
       positions: int32 `[P]` from `plan_merge`; slots `>= B*S` are dropped (bucket padding).
     """
-    flat = text_embeds.reshape(-1, text_embeds.shape[-1])  # [B*S, D]
-    rows = image_embeds.reshape(-1, image_embeds.shape[-1])  # [M, D]
-    # Padded slots point past the end of `flat` and are dropped; their source row is irrelevant.
-    src = jnp.minimum(jnp.arange(positions.shape[0]), rows.shape[0] - 1)  # [P]
-    merged = flat.at[positions].set(rows[src].astype(flat.dtype), mode="drop")
-    return merged.reshape(text_embeds.shape)
+    return scatter_rows(text_embeds, image_embeds, positions)
 
 
 merge_jit = jax.jit(merge_image_tokens)

@@ -14,6 +14,7 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.models._merge import scatter_rows
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel, forward
 from jaxsync.models.gemma3n._plan import (
@@ -208,10 +209,7 @@ _head = jax.jit(lambda x, n: x[:n], static_argnums=1)
 
 @jax.jit
 def _scatter(text: jax.Array, rows: jax.Array, up: jaxsync.Packed) -> jax.Array:
-    d = text.shape[-1]
-    flat = text.reshape(-1, d)  # [T, D]
-    # Unused slots point past the end and are dropped: no boolean indexing, static shapes.
-    return flat.at[up["positions"]].set(rows.astype(text.dtype), mode="drop").reshape(text.shape)
+    return scatter_rows(text, rows, up["positions"])
 
 
 @entry_point
