@@ -86,7 +86,9 @@ class KVLayout:
                 x = jax.random.randint(k, self.leaf_shape, info.min, info.max, dtype=dt)
             else:
                 x = jax.random.normal(k, self.leaf_shape, jnp.float32).astype(dt)
-            return x if placement is None else jax.device_put(x, placement)
+            # Committed either way: a cache's placement then stays the same across calls (an
+            # entry point's result is committed), so one bucket compiles once.
+            return jax.device_put(x, x.sharding if placement is None else placement)
 
         cache = {}
         for i, name in enumerate(layers):
@@ -95,39 +97,6 @@ class KVLayout:
             else:
                 cache[name] = leaf(keys[2 * i])
         return cache
-
-
-_copy_leaves = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
-
-
-def fresh_copy(tree: Any, memory_kind: str = "device") -> Any:
-    """An asynchronous copy of a device-resident cache (or `HostPool`) in `memory_kind`
-    ("device" or "pinned_host"), same shardings otherwise, for callers that must keep an input
-    an entry point donates (tests, `jaxsync verify`).
-
-    Copies *from* pinned host are refused: on an H200 (jax 0.11.2) a program reading a whole
-    pinned-host array blocked the host until the device queue drained, while device -> pinned
-    transfers did not (tools/diagnose_pinned.py). Keep the master copy on the device.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if any(_memory_kind(x) != "device" for x in leaves):
-        raise ValueError("fresh_copy copies from device memory only; keep the master on device")
-    if memory_kind == "device":
-        return jax.tree_util.tree_unflatten(treedef, _copy_leaves(leaves))
-    if memory_kind != "pinned_host":
-        raise ValueError(f"memory_kind must be 'device' or 'pinned_host', got {memory_kind!r}")
-
-    placed = [jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in leaves]
-    return jax.tree_util.tree_unflatten(treedef, placed)
-
-
-def donation_copy(arg: Any, master: Any, memory_kind: str) -> Any:
-    """For harnesses that call a donating entry point repeatedly with one pinned-host argument
-    `arg`: a fresh copy of its device-resident `master` (same values) in `memory_kind`, or `arg`
-    itself while traced, so that static scans see the entry point's real input."""
-    if any(_traced(x) for x in jax.tree.leaves(arg)):
-        return arg
-    return fresh_copy(master, memory_kind)
 
 
 def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
@@ -192,15 +161,57 @@ def check_same_structure(
 
 
 def host_ids(ids: Any, name: str) -> np.ndarray:
-    """Block or slot ids as a 1-D int64 host array; rejects device arrays (a readback)."""
+    """Block or slot ids as a 1-D int64 host array.
+
+    Raises TypeError on device arrays (a readback), strings, and elements that are not integers
+    (floats, bools: never truncated); ValueError on nested or ragged lists."""
     if isinstance(ids, jax.Array):
         raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
-    arr = np.asarray(ids)
+    if isinstance(ids, np.ndarray):
+        arr = ids
+    elif isinstance(ids, list | tuple | range):
+        types = set(map(type, ids))  # one C-level pass: bools would pass np.asarray as ints
+        if not types <= {int}:
+            _check_element_types(types, name)
+        arr = np.asarray(ids)
+    else:
+        raise TypeError(f"{name} must be a list or 1-D ndarray of ints, got {type(ids).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of ints, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros((0,), np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D list of ints, got shape {arr.shape} {arr.dtype}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold ints, got dtype {arr.dtype}")
     return arr.astype(np.int64)
+
+
+def _check_element_types(types: set, name: str) -> None:
+    for t in types:
+        if issubclass(t, list | tuple | np.ndarray):
+            raise ValueError(f"{name} must be a 1-D list of ints, got nested (or ragged) sequences")
+    for t in types:
+        if issubclass(t, bool | np.bool_) or not issubclass(t, int | np.integer):
+            raise TypeError(f"{name} must hold ints, got {t.__name__}")
+
+
+def host_int(value: Any, name: str) -> int:
+    """A Python or numpy integer as int; TypeError on bools, floats and anything else."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def committed(tree: Any) -> Any:
+    """`tree` with every uncommitted array committed to where it already is (no copy).
+
+    jit keys its cache on whether an argument is committed, and an entry point returns committed
+    arrays: without this, the second call of a bucket on a cache made by `jnp.zeros` (or any
+    uncommitted array) would compile again. Committed arrays, the steady state, pass through."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if all(_traced(x) or x.committed for x in leaves):
+        return tree
+    placed = [x if _traced(x) or x.committed else jax.device_put(x, x.sharding) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def check_range(ids: np.ndarray, limit: int, name: str) -> None:
@@ -252,8 +263,7 @@ def upload_ids(fields: dict[str, np.ndarray], leaf: jax.Array) -> jaxsync.Packed
     """One packed upload of a call's host ids, placed for the cache `leaf` belongs to.
 
     Straight to device memory: staging the ids in pinned host memory instead (the program moving
-    them) halved the upload's host time on an H200 but made the whole copy_blocks call slower,
-    1.42 against 1.21 ms (jax 0.11.2, 512 blocks, 2026-11-29, docs/benchmarks.md)."""
+    them) halves the upload's host time but makes the whole copy_blocks call slower on GPUs."""
     return jaxsync.upload_packed(fields, placement=index_placement(leaf))
 
 
@@ -276,3 +286,13 @@ def memory_kind(leaves: Sequence[jax.Array], what: str) -> str:
     if kind not in ("device", "pinned_host"):
         raise ValueError(f"{what} lives in memory kind {kind!r}; supported: device, pinned_host")
     return kind
+
+
+def check_placement(leaves: list[jax.Array], what: str) -> None:
+    """All leaves on one set of devices: a program cannot read a cache on other devices than it
+    writes (XLA would reject it at dispatch, after the upload). Raises ValueError."""
+    shardings = {x.sharding for x in leaves if not isinstance(x, jax.core.Tracer)}
+    sets = {frozenset(s.device_set) for s in shardings}
+    if len(sets) > 1:
+        named = sorted(sorted(str(d) for d in ds) for ds in sets)
+        raise ValueError(f"{what} live on different devices: {named}")

@@ -23,9 +23,12 @@ from jaxsync.check import entry_point
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
+    check_placement,
     check_range,
     check_unique,
+    committed,
     host_ids,
+    host_int,
     memory_kind,
     padded_ids,
     upload_ids,
@@ -54,6 +57,8 @@ def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.nda
     >>> slot_mapping_for([3, 1], 4, 8).tolist(), slot_mapping_for([3], 4, 0).tolist()
     ([12, 13, 14, 15], [])
     """
+    block_size = host_int(block_size, "block_size")
+    num_tokens = host_int(num_tokens, "num_tokens")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if num_tokens < 0:
@@ -153,7 +158,7 @@ def extract_kv(
       padded length keeps one program per bucket; slice `[:T]` on the host after reading back).
     """
     leaves, _, _, fields = _prepare(caches, slot_mapping, buckets, unique=False)
-    return _extract(caches, upload_ids(fields, leaves[0]))
+    return _extract(committed(caches), upload_ids(fields, leaves[0]))
 
 
 @entry_point
@@ -184,12 +189,15 @@ def inject_kv(
     for leaf, rows in zip(leaves, kv_leaves, strict=True):
         if not isinstance(rows, jax.Array):
             raise TypeError("kv rows must be jax.Arrays (load_kv uploads host data)")
+        if not isinstance(rows, jax.core.Tracer) and rows.is_deleted():
+            raise ValueError("kv holds a deleted (donated) array")
         want = (size, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (size, leaf.shape[2])
         if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
             raise ValueError(
                 f"kv rows must be {want} {leaf.dtype} for {n} slots (bucket {size}), "
                 f"got {tuple(rows.shape)} {rows.dtype}"
             )
+    check_placement(leaves + kv_leaves, "caches and kv rows")
     if n == 0:
         return caches
-    return _inject(caches, kv, upload_ids(fields, leaves[0]))
+    return _inject(committed(caches), committed(kv), upload_ids(fields, leaves[0]))

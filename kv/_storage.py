@@ -5,7 +5,7 @@ tensor "kv_cache" (`[T, K, X]` attention rows or `[T, L]` MLA rows); a separate-
 "k_cache" and "v_cache". The key hashes the kept tokens (the first `(n - 1) // S * S`, see
 `slot_mapping_for`) as int64 bytes, like upstream's `token_ids.numpy().tobytes()`.
 
-Loading lands on each cache's own device or sharding (upstream post-#51458 hard-coded "cuda") and
+Loading lands on each cache's own device or sharding (upstream hard-codes "cuda") and
 never waits on the device: files are read on the host, padded to the slot bucket in fresh host
 buffers, uploaded with explicit async puts and injected by one jitted call.
 """

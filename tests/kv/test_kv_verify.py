@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-import jaxsync.kv._verify  # noqa: F401  (registers)
+import jaxsync.paths.kv  # noqa: F401  (registers)
 from jaxsync import registry
 
 
