@@ -221,3 +221,44 @@ def kv_call(fn: Any, *args: Any, impl: str, **kwargs: Any) -> Any:
 
     with _pallas.interpreted("gpu"):
         return fn(*args, impl="auto", **kwargs)
+
+
+class DispatchCount:
+    """What `count_dispatch` saw: `uploads` (calls of jaxsync.upload_packed / async_h2d) and
+    `compiles` (traces, lowerings and backend compiles, from `jaxsync.check.count_compiles`)."""
+
+    uploads: int = 0
+    compiles: int = 0
+
+
+def count_dispatch():
+    """A context manager counting uploads and compiles made inside it (tests proving that bad
+    input is refused on the host, before anything is uploaded or compiled)."""
+    import contextlib
+
+    import jaxsync
+    from jaxsync.check import count_compiles
+
+    @contextlib.contextmanager
+    def region():
+        seen = DispatchCount()
+        originals = {name: getattr(jaxsync, name) for name in ("upload_packed", "async_h2d")}
+
+        def counted(fn):
+            def wrapper(*args, **kwargs):
+                seen.uploads += 1
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        for name, fn in originals.items():
+            setattr(jaxsync, name, counted(fn))
+        try:
+            with count_compiles() as log:
+                yield seen
+        finally:
+            for name, fn in originals.items():
+                setattr(jaxsync, name, fn)
+            seen.compiles = log.count
+
+    return region()

@@ -102,8 +102,9 @@ def _inject(caches: Cache, kv: Cache, ids: jaxsync.Packed) -> Cache:
     return jax.tree.map(one, caches, kv)
 
 
-def _prepare(caches: Cache, slot_mapping: Any, buckets, *, unique: bool):
-    """Validates caches and slots on the host; returns (leaves, n, padded upload fields)."""
+def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name="slot_mapping"):
+    """Validates caches and slots on the host; returns (leaves, n, bucket, padded upload
+    fields). `name`: what the slots are called in errors."""
     leaves, _ = cache_leaves(caches, "caches")
     for leaf in leaves:
         if leaf.ndim not in (3, 4):
@@ -118,10 +119,10 @@ def _prepare(caches: Cache, slot_mapping: Any, buckets, *, unique: bool):
         raise ValueError(f"layers disagree on the block size: {sorted(sizes)}")
     (block_size,) = sizes
     num_slots = leaves[0].shape[0] * block_size
-    slots = host_ids(slot_mapping, "slot_mapping")
-    check_range(slots, num_slots, "slot_mapping")
+    slots = host_ids(slot_mapping, name)
+    check_range(slots, num_slots, name)
     if unique:
-        check_unique(slots, "slot_mapping")
+        check_unique(slots, name)
     n = int(slots.size)
     size = jaxsync.bucket(n, buckets)
     if num_slots + size > np.iinfo(np.int32).max:
@@ -157,7 +158,7 @@ def extract_kv(
       `{layer: [N, K, X] | [N, L]}` with N = bucket(T) >= T: rows T.. are zero padding (the
       padded length keeps one program per bucket; slice `[:T]` on the host after reading back).
     """
-    leaves, _, _, fields = _prepare(caches, slot_mapping, buckets, unique=False)
+    leaves, _, _, fields = check_slots(caches, slot_mapping, buckets, unique=False)
     return _extract(committed(caches), upload_ids(fields, leaves[0]))
 
 
@@ -181,7 +182,7 @@ def inject_kv(
       ValueError: before dispatch on bad slots or kv rows whose structure, shape or dtype do not
         match the caches.
     """
-    leaves, n, size, fields = _prepare(caches, slot_mapping, buckets, unique=True)
+    leaves, n, size, fields = check_slots(caches, slot_mapping, buckets, unique=True)
     treedef = jax.tree_util.tree_structure(caches)
     kv_leaves, kv_def = jax.tree_util.tree_flatten(kv)
     if kv_def != treedef:
