@@ -93,9 +93,9 @@ def _plan(caches: Cache, token_ids: Any, block_ids: Any, root, mm_hashes, bucket
     _check_layer_names(caches)
     tokens = host_ids(token_ids, "token_ids")
     block_size = _block_size(caches)
-    slots = slot_mapping_for(block_ids, block_size, int(tokens.size))
     num_blocks = jax.tree.leaves(caches)[0].shape[0]
-    check_range(np.unique(slots // block_size), num_blocks, "block_ids")
+    check_range(host_ids(block_ids, "block_ids"), num_blocks, "block_ids")  # the whole table
+    slots = slot_mapping_for(block_ids, block_size, int(tokens.size))
     check_slots(caches, slots, buckets, unique=True, name="slots of block_ids")
     return slots, kv_folder(root, tokens[: slots.size], mm_hashes)
 
