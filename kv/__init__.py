@@ -11,7 +11,13 @@ buckets (one compiled program per bucket) and handles all layers of a cache in o
 """
 
 from jaxsync.kv._copy import Direction as Direction, copy_blocks as copy_blocks
-from jaxsync.kv._layout import Cache as Cache, KVLayout as KVLayout
+from jaxsync.kv._layout import (
+    Cache as Cache,
+    KVLayout as KVLayout,
+    StackedCache as StackedCache,
+    stack_layers as stack_layers,
+    unstack_layers as unstack_layers,
+)
 from jaxsync.kv._pool import (
     HostPool as HostPool,
     host_pool as host_pool,

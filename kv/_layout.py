@@ -14,6 +14,7 @@ MLA (3-D leaves) by rank.
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -25,7 +26,27 @@ import jaxsync
 from jaxsync import replicated_near
 
 
-Cache = dict[str, Any]  # layer name -> [P, ...] array, or a (k, v) pair of them
+@ft.partial(jax.tree_util.register_dataclass, data_fields=["kv"], meta_fields=["layers"])
+@dataclasses.dataclass(frozen=True)
+class StackedCache:
+    """Every layer of a paged KV cache in one array (or one (k, v) pair), block-major.
+
+    Attributes:
+      kv: `[P, L, ...]`: block b of every layer at `kv[b]` (`[P, L, K, S, 2H]` packed,
+        `[P, L, S, Lat]` MLA), or a `(k, v)` pair of `[P, L, K, S, H]`.
+      layers: the L layer names, in the order of axis 1 (the names `save_kv` writes).
+
+    Why block-major: a block copy, swap or inject over all layers is then one gather / scatter
+    on one array, so every entry point runs ONE program whose argument count does not grow with
+    L, and a block of all layers is contiguous (one DMA per block to or from pinned host).
+    Attention reads layer l as the strided view `kv[:, l]`.
+    """
+
+    kv: Any
+    layers: tuple[str, ...]
+
+
+Cache = dict[str, Any] | StackedCache  # layer name -> [P, ...] array or (k, v) pair; or stacked
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +62,8 @@ class KVLayout:
       head_dim: H (attention layouts only).
       latent_dim: L (MLA only).
       dtype: element dtype.
+      stacked: caches made by `random` are `StackedCache`s (all layers in one block-major
+        array per K/V) instead of `{layer: array}` dicts.
     """
 
     kind: Literal["packed", "separate", "mla"]
@@ -50,6 +73,7 @@ class KVLayout:
     head_dim: int = 0
     latent_dim: int = 0
     dtype: Any = jnp.bfloat16
+    stacked: bool = False
 
     def __post_init__(self):
         if self.kind not in ("packed", "separate", "mla"):
@@ -90,6 +114,9 @@ class KVLayout:
             # entry point's result is committed), so one bucket compiles once.
             return jax.device_put(x, x.sharding if placement is None else placement)
 
+        if self.stacked:  # the same values as the per-layer cache of this key, stacked
+            per_layer = dataclasses.replace(self, stacked=False)
+            return stack_layers(per_layer.random(layers, key, placement=placement))
         cache = {}
         for i, name in enumerate(layers):
             if self.kind == "separate":
@@ -99,9 +126,49 @@ class KVLayout:
         return cache
 
 
+@jax.jit
+def _stack(leaves: list) -> jax.Array:
+    return jnp.stack(leaves, axis=1)
+
+
+def stack_layers(cache: dict[str, Any]) -> StackedCache:
+    """A per-layer cache as a `StackedCache` (a copy; setup, not hot path), layers in the
+    dict's order, each layer's sharding kept on its axes (the layer axis unsharded)."""
+    layers = tuple(cache)
+    first = cache[layers[0]]
+    if isinstance(first, tuple | list):
+        kv = tuple(committed(_stack([cache[n][i] for n in layers])) for i in range(2))
+    else:
+        kv = committed(_stack([cache[n] for n in layers]))
+    return StackedCache(kv, layers)
+
+
+def unstack_layers(cache: StackedCache) -> dict[str, Any]:
+    """A `StackedCache` as `{layer: [P, ...]}` (copies; setup and tests)."""
+    take = jax.jit(lambda x, i: x[:, i], static_argnums=1)
+    out = {}
+    for i, name in enumerate(cache.layers):
+        out[name] = (
+            take(cache.kv, i)
+            if isinstance(cache.kv, jax.Array)
+            else tuple(take(x, i) for x in cache.kv)
+        )
+    return out
+
+
 def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
-    """Flattens a cache, checking that it is a non-empty dict of block-first jax.Arrays."""
-    if not isinstance(cache, dict):
+    """Flattens a cache, checking that it is a non-empty dict (or `StackedCache`) of
+    block-first jax.Arrays."""
+    if isinstance(cache, StackedCache):
+        if not isinstance(cache.kv, jax.Array | tuple):
+            raise TypeError(f"{what}.kv must be an array or a (k, v) pair")
+        for leaf in jax.tree.leaves(cache.kv):
+            if getattr(leaf, "ndim", 0) < 3 or leaf.shape[1] != len(cache.layers):
+                shape = getattr(leaf, "shape", None)
+                raise ValueError(
+                    f"{what}: stacked leaves are [P, {len(cache.layers)}, ...], got {shape}"
+                )
+    elif not isinstance(cache, dict):
         raise TypeError(f"{what} must be a dict layer_name -> array, got {type(cache).__name__}")
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     if not leaves:
@@ -139,6 +206,12 @@ def check_same_structure(
         )
     ):
         return
+    if isinstance(src, StackedCache) != isinstance(dst, StackedCache):
+        raise ValueError(f"{src_name} and {dst_name}: one is a StackedCache, the other is not")
+    if isinstance(src, StackedCache):
+        if src.layers != dst.layers:
+            raise ValueError(f"{src_name} and {dst_name} stack different layers")
+        src, dst = {"stacked": src.kv}, {"stacked": dst.kv}
     if set(src) != set(dst):
         only_s, only_d = sorted(set(src) - set(dst)), sorted(set(dst) - set(src))
         raise ValueError(

@@ -73,19 +73,25 @@ def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.nda
     return (ids[:needed, None] * block_size + offsets[None, :]).reshape(-1)
 
 
-def _split(leaf: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    block_size = leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1]
-    return slots // block_size, slots % block_size  # [T], [T]
+def _index(leaf: jax.Array, slots: jax.Array) -> tuple:
+    """Where slots live in a leaf whose token axis S is second to last (`[P, K, S, X]`,
+    `[P, S, L]`, stacked `[P, L, K, S, X]` / `[P, L, S, Lat]`): (block, ..., offset)."""
+    block_size = leaf.shape[-2]
+    middle = (slice(None),) * (leaf.ndim - 3)  # kv heads and / or layers, kept whole
+    return (slots // block_size, *middle, slots % block_size)
+
+
+def row_shape(leaf_shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """Per-token rows cut from a leaf: `[T, K, X]`, `[T, L]` or stacked `[T, L, K, X]`."""
+    return (rows, *leaf_shape[1:-2], leaf_shape[-1])
 
 
 @jax.jit
 def _extract(caches: Cache, ids: jaxsync.Packed) -> Cache:
     slots = ids["slots"]  # [T]
 
-    def one(leaf):
-        b, s = _split(leaf, slots)
-        index = (b, slice(None), s) if leaf.ndim == 4 else (b, s)
-        return leaf.at[index].get(mode="fill", fill_value=0)  # [T, K, X] or [T, L]
+    def one(leaf):  # -> row_shape(leaf.shape, T)
+        return leaf.at[_index(leaf, slots)].get(mode="fill", fill_value=0)
 
     return jax.tree.map(one, caches)
 
@@ -95,9 +101,7 @@ def _inject(caches: Cache, kv: Cache, ids: jaxsync.Packed) -> Cache:
     slots = ids["slots"]  # [T]
 
     def one(leaf, rows):
-        b, s = _split(leaf, slots)
-        index = (b, slice(None), s) if leaf.ndim == 4 else (b, s)
-        return leaf.at[index].set(rows, mode="drop", unique_indices=True)
+        return leaf.at[_index(leaf, slots)].set(rows, mode="drop", unique_indices=True)
 
     return jax.tree.map(one, caches, kv)
 
@@ -107,14 +111,14 @@ def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name
     fields). `name`: what the slots are called in errors."""
     leaves, _ = cache_leaves(caches, "caches")
     for leaf in leaves:
-        if leaf.ndim not in (3, 4):
+        if leaf.ndim not in (3, 4, 5):
             raise ValueError(
-                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves, got "
-                f"shape {leaf.shape}"
+                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves (with a "
+                f"layer axis after P if stacked), got shape {leaf.shape}"
             )
         if memory_kind([leaf], "caches") != "device":
             raise ValueError("extract_kv / inject_kv work on device-memory caches")
-    sizes = {leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1] for leaf in leaves}
+    sizes = {leaf.shape[-2] for leaf in leaves}
     if len(sizes) != 1:
         raise ValueError(f"layers disagree on the block size: {sorted(sizes)}")
     (block_size,) = sizes
@@ -139,7 +143,7 @@ def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-    kept = (None, spec[1], spec[3]) if leaf.ndim == 4 else (None, spec[2])
+    kept = (None, *spec[1:-2], spec[-1])  # as row_shape: blocks and offsets become tokens
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
 
 
@@ -192,7 +196,7 @@ def inject_kv(
             raise TypeError("kv rows must be jax.Arrays (load_kv uploads host data)")
         if not isinstance(rows, jax.core.Tracer) and rows.is_deleted():
             raise ValueError("kv holds a deleted (donated) array")
-        want = (size, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (size, leaf.shape[2])
+        want = row_shape(leaf.shape, size)
         if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
             raise ValueError(
                 f"kv rows must be {want} {leaf.dtype} for {n} slots (bucket {size}), "

@@ -24,8 +24,15 @@ from safetensors.numpy import save_file
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.kv._layout import Cache, cache_leaves, check_range, host_ids
-from jaxsync.kv._slots import check_slots, extract_kv, inject_kv, row_sharding, slot_mapping_for
+from jaxsync.kv._layout import Cache, StackedCache, cache_leaves, check_range, host_ids
+from jaxsync.kv._slots import (
+    check_slots,
+    extract_kv,
+    inject_kv,
+    row_shape,
+    row_sharding,
+    slot_mapping_for,
+)
 
 
 def _key_hashes(mm_hashes: Any) -> list[str]:
@@ -67,20 +74,38 @@ def kv_folder(root: str | os.PathLike, token_ids: Any, mm_hashes: Sequence[str] 
 
 def _block_size(caches: Cache) -> int:
     leaves, _ = cache_leaves(caches, "caches")
-    leaf = leaves[0]
-    return leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1]
+    return leaves[0].shape[-2]
 
 
-def _tensor_names(value: Any, layer: str) -> list[str]:
-    if isinstance(value, jax.Array):
+def _layers(caches: Cache) -> dict[str, list]:
+    """`{layer: [leaf-like per tensor]}` as files store them; a stacked cache's layer l is
+    `kv[:, l]` (only shape, dtype and placement are read: no slicing happens here)."""
+    if not isinstance(caches, StackedCache):
+        return {n: [v] if isinstance(v, jax.Array) else list(v) for n, v in caches.items()}
+    leaves = [caches.kv] if isinstance(caches.kv, jax.Array) else list(caches.kv)
+    per_layer = [jax.ShapeDtypeStruct((x.shape[0], *x.shape[2:]), x.dtype) for x in leaves]
+    return dict.fromkeys(caches.layers, per_layer)
+
+
+def _per_layer_rows(rows: Any, caches: Cache) -> dict[str, list[np.ndarray]]:
+    """Host rows of `extract_kv` by layer (a stacked cache's `[N, L, ...]` split on axis 1)."""
+    if not isinstance(caches, StackedCache):
+        return {n: [v] if isinstance(v, np.ndarray) else list(v) for n, v in rows.items()}
+    leaves = [rows.kv] if isinstance(rows.kv, np.ndarray) else list(rows.kv)
+    return {n: [x[:, i] for x in leaves] for i, n in enumerate(caches.layers)}
+
+
+def _tensor_names(leaves: list, layer: str) -> list[str]:
+    """The tensors of one layer's file: "kv_cache", or "k_cache" and "v_cache"."""
+    if len(leaves) == 1:
         return ["kv_cache"]
-    if isinstance(value, tuple | list) and len(value) == 2:
+    if len(leaves) == 2:
         return ["k_cache", "v_cache"]
     raise ValueError(f"layer {layer!r} must be an array or a (k, v) pair")
 
 
 def _check_layer_names(caches: Cache) -> None:
-    for name in caches:
+    for name in caches.layers if isinstance(caches, StackedCache) else caches:
         if not isinstance(name, str):
             raise TypeError(f"layer names must be str, got {type(name).__name__} {name!r}")
         if not name or "/" in name or os.sep in name or "\0" in name or name in (".", ".."):
@@ -152,9 +177,8 @@ def save_kv(
         return None
     _writable_folder(folder)
     rows = jax.device_get(extract_kv(caches, slots))  # explicit: the one readback, all layers
-    for layer, value in rows.items():
-        arrays = value if isinstance(value, tuple | list) else (value,)
-        names = _tensor_names(caches[layer], layer)
+    for layer, arrays in _per_layer_rows(rows, caches).items():
+        names = _tensor_names(arrays, layer)
         tensors = {
             k: np.ascontiguousarray(a[: slots.size]) for k, a in zip(names, arrays, strict=True)
         }
@@ -195,28 +219,44 @@ def load_kv(
     if n == 0:
         return caches
     size = jaxsync.bucket(n, buckets)
-    host: dict[str, Any] = {}
-    for layer, value in caches.items():
+    host: dict[str, list[np.ndarray]] = {}
+    for layer, leaves in _layers(caches).items():
         path = os.path.join(folder, f"{layer}.safetensors")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no saved KV for layer {layer!r}: {path}")
-        leaves = [value] if isinstance(value, jax.Array) else list(value)
-        rows = []
-        for name, leaf in zip(_tensor_names(value, layer), leaves, strict=True):
+        host[layer] = []
+        for name, leaf in zip(_tensor_names(leaves, layer), leaves, strict=True):
             stored = _read(path, name)
-            want = (n, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (n, leaf.shape[2])
+            want = row_shape(leaf.shape, n)
             if stored.shape != want or stored.dtype != leaf.dtype:
                 raise ValueError(
                     f"{path}:{name} is {stored.shape} {stored.dtype}, cache needs {want} "
                     f"{leaf.dtype}"
                 )
-            # A fresh buffer nobody mutates afterwards, so the async put may alias it.
-            padded = np.zeros((size, *want[1:]), stored.dtype)
-            padded[:n] = stored
-            rows.append((padded, row_sharding(leaf)))
-        host[layer] = rows
+            host[layer].append(stored)
+    return inject_kv(caches, _upload_rows(caches, host, n, size), slots, buckets=buckets)
+
+
+def _upload_rows(caches: Cache, host: dict[str, list[np.ndarray]], n: int, size: int) -> Cache:
+    """The checked rows padded to the bucket in fresh host buffers (nobody mutates them after,
+    so the async put may alias them) and uploaded, one put per cache leaf, each on its leaf's
+    row sharding; a stacked cache's layers are stacked on the host first."""
+
+    def put(rows: np.ndarray, leaf: jax.Array) -> jax.Array:
+        padded = np.zeros((size, *rows.shape[1:]), rows.dtype)
+        padded[:n] = rows
+        return jaxsync.async_h2d(padded, placement=row_sharding(leaf), copy=False)
+
+    if isinstance(caches, StackedCache):
+        leaves = [caches.kv] if isinstance(caches.kv, jax.Array) else list(caches.kv)
+        stacked = [
+            np.stack([host[n][i] for n in caches.layers], axis=1) for i in range(len(leaves))
+        ]
+        puts = [put(rows, x) for rows, x in zip(stacked, leaves, strict=True)]
+        return StackedCache(puts[0] if len(puts) == 1 else tuple(puts), caches.layers)
     kv = {}
-    for layer, rows in host.items():  # uploads only after every file was checked
-        puts = [jaxsync.async_h2d(a, placement=s, copy=False) for a, s in rows]  # fresh buffers
-        kv[layer] = puts[0] if isinstance(caches[layer], jax.Array) else type(caches[layer])(puts)
-    return inject_kv(caches, kv, slots, buckets=buckets)
+    for layer, value in caches.items():
+        leaves = [value] if isinstance(value, jax.Array) else list(value)
+        puts = [put(rows, x) for rows, x in zip(host[layer], leaves, strict=True)]
+        kv[layer] = puts[0] if isinstance(value, jax.Array) else type(value)(puts)
+    return kv
