@@ -150,7 +150,7 @@ def _program(src: Cache, dst: Cache, direction: str | None, impl: str) -> _Progr
         return _Program(actual, within=True)
     kernel = None
     if impl == "auto" and actual != "d2h":  # d2h: the DMA loop, the kernel writes device memory
-        kernel = _pallas.auto_plan(s_leaves + d_leaves)
+        kernel = _pallas.auto_plan(s_leaves + d_leaves, tpu=actual == "d2d")
     return _Program(actual, kernel=kernel)
 
 
@@ -201,10 +201,11 @@ def copy_blocks(
       buckets: block-count buckets (default: powers of two >= 8).
       impl: "auto" (default): on GPUs, the one-pass Pallas copy kernel for device->device and
         pinned host->device copies whose (per-device) block dims are powers of two, on one
-        device or per shard for caches split over kv heads; XLA elsewhere. "xla": XLA's gather
-        + scatter (device->device) or DMA loop (across memories) everywhere. Device->host
-        copies and copies within one cache always run XLA. Sharded caches keep their sharding
-        with no collectives.
+        device or per shard for caches split over kv heads; on TPUs, a Pallas (Mosaic TPU)
+        kernel moving each block HBM -> HBM by DMA for device->device copies; XLA elsewhere.
+        "xla": XLA's gather + scatter (device->device) or DMA loop (across memories)
+        everywhere. Device->host copies and copies within one cache always run XLA. Sharded
+        caches keep their sharding with no collectives.
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`

@@ -37,6 +37,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSha
 
 import jaxsync
 from jaxsync.check._static import quiet_triton_deprecation
+from jaxsync.kv import _tpu
 from jaxsync.kv._layout import Cache
 
 
@@ -53,8 +54,8 @@ ALLOW_COMPILED = True
 misbehaves ("auto" then copies through XLA)."""
 
 INTERPRET: str | None = None
-"""Private test switch: "gpu" makes "auto" run the GPU kernel in Pallas' interpreter on any
-backend (where `plan` accepts the caches)."""
+"""Private test switch: "gpu" ("tpu") makes "auto" run the GPU (TPU) kernel in Pallas'
+interpreter on any backend (where `plan` accepts the caches)."""
 
 
 @contextlib.contextmanager
@@ -118,7 +119,10 @@ def copy_leaf(
     block-major pool `[Ps, L, *block]` and its leaf-th slot of each block is read (`_pool`'s
     host->device swap: the Triton kernel then reads pinned host memory directly).
 
-    backend: "triton" (compiled, GPUs) or "interpret" (Pallas' interpreter, any backend)."""
+    backend: "triton" (compiled, GPUs), "interpret" (Pallas' interpreter, any backend), or
+    "tpu" / "tpu_interpret" (the Mosaic TPU DMA kernel of `_tpu`, device->device only)."""
+    if backend in ("tpu", "tpu_interpret"):
+        return _tpu.copy_leaf(s, d, src_ids, dst_ids, interpret=backend == "tpu_interpret")
     rows, cols, tile = slab(d.shape)
     s3 = s.reshape(s.shape[0], -1, cols)  # [Ps, rows] or, for a pool, [Ps, L * rows]
     d3 = d.reshape(d.shape[0], rows, cols)
@@ -143,7 +147,7 @@ class Plan:
 
     mesh: Any = None  # jax.sharding.Mesh / AbstractMesh, None on one device
     spec: PartitionSpec | None = None  # every leaf's spec, block axis unsharded
-    backend: str = "triton"  # "triton" (compiled) or "interpret"
+    backend: str = "triton"  # "triton" / "tpu" (compiled), "interpret" / "tpu_interpret"
 
 
 def _local_shape(shape: tuple[int, ...], mesh: Any, spec: tuple) -> tuple[int, ...] | None:
@@ -189,20 +193,27 @@ def plan(leaves: list[jax.Array], backend: str = "triton") -> Plan | str:
     # Each distinct (shape, itemsize) once: a cache's layers share a few at most.
     kinds = {(tuple(x.shape), x.dtype.itemsize) for x in leaves}
     local = {(_local_shape(shape, mesh, spec) if mesh else shape, size) for shape, size in kinds}
-    bad = sorted((shape for shape, _ in local if shape is None or slab(shape) is None), key=repr)
+    tiled = not backend.startswith("tpu")  # the TPU kernel moves whole blocks by DMA
+    bad = sorted(
+        (shape for shape, _ in local if shape is None or tiled and slab(shape) is None), key=repr
+    )
     if bad:
         return f"needs power-of-two (per-device) block dims; got leaf shapes {bad}"
     return Plan(mesh, PartitionSpec(*spec) if mesh else None, backend)
 
 
-def auto_plan(leaves: list[jax.Array]) -> Plan | None:
-    """The kernel plan "auto" runs on these leaves (all of src and dst), or None for XLA: the
-    compiled Triton kernel on GPUs (compiled kernels on, a `plan` for them); the interpreted
-    kernel anywhere under the private `INTERPRET` switch."""
-    if INTERPRET == "gpu":
-        backend = "interpret"
-    elif ALLOW_COMPILED and TRITON and platform(leaves[0]) == "gpu":
-        backend = "triton"
+def auto_plan(leaves: list[jax.Array], *, tpu: bool = False) -> Plan | None:
+    """The kernel plan "auto" runs on these leaves (all of src and dst), or None for XLA.
+
+    GPUs: the compiled Triton kernel (compiled kernels on, a `plan` for them). TPUs, where the
+    caller allows it (`tpu`: device->device copies), the Mosaic TPU DMA kernel; never a GPU
+    kernel there. The private `INTERPRET` switch runs either kernel interpreted anywhere."""
+    where = "gpu" if INTERPRET == "gpu" else "tpu" if INTERPRET == "tpu" else None
+    where = where or (platform(leaves[0]) if ALLOW_COMPILED else None)
+    if where == "gpu" and (INTERPRET == "gpu" or TRITON):
+        backend = "interpret" if INTERPRET == "gpu" else "triton"
+    elif where == "tpu" and tpu:
+        backend = "tpu_interpret" if INTERPRET == "tpu" else "tpu"
     else:
         return None
     kernel_plan = plan(leaves, backend)
