@@ -38,15 +38,14 @@ import numpy as np
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas, _pool
+from jaxsync.kv._ids import checked_ids, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
     check_placement,
     check_same_structure,
-    checked_ids,
     committed,
     memory_kind,
-    padded_ids,
     upload_ids,
 )
 

@@ -33,14 +33,13 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas
+from jaxsync.kv._ids import checked_ids, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
     check_placement,
-    checked_ids,
     committed,
     memory_kind,
-    padded_ids,
     upload_ids,
 )
 

@@ -20,17 +20,13 @@ import numpy as np
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.kv._ids import check_range, check_unique, host_ids, host_int, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
     check_placement,
-    check_range,
-    check_unique,
     committed,
-    host_ids,
-    host_int,
     memory_kind,
-    padded_ids,
     upload_ids,
 )
 

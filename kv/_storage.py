@@ -24,7 +24,8 @@ from safetensors.numpy import save_file
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.kv._layout import Cache, StackedCache, cache_leaves, check_range, host_ids
+from jaxsync.kv._ids import check_range, host_ids
+from jaxsync.kv._layout import Cache, StackedCache, cache_leaves
 from jaxsync.kv._slots import (
     check_slots,
     extract_kv,

@@ -278,3 +278,25 @@ def test_impl_and_direction_values():
     ):
         refused(copy_blocks, MASTER, dst, [0], [1], keep=(MASTER, dst), **kwargs)
     refused(swap_in, host_pool(MASTER, 4), dst, [0], [1], impl="mosaic", keep=(dst,))
+
+
+def test_placements_stale_buffers_and_files(tmp_path):
+    pinned = fresh_copy(MASTER, "pinned_host")
+    refused(extract_kv, pinned, [0], keep=(MASTER,))  # slot paths need device memory
+    refused(copy_blocks, pinned, fresh_copy(pinned_to_device(pinned)), [0], [1], direction="d2d",
+            keep=(MASTER,))  # fmt: skip
+    refused(swap_out, pinned, host_pool(MASTER, 4), [0], [1], keep=(MASTER,))
+    stale = fresh_copy(OTHER)
+    copy_blocks(MASTER, stale, [0], [1])  # donates `stale`
+    folder = save_kv(tmp_path, MASTER, list(range(5)), [1, 2])
+    refused(save_kv, tmp_path, stale, list(range(5)), [1, 2], keep=(MASTER,))
+    refused(load_kv, tmp_path, stale, list(range(5)), [1, 2], keep=(MASTER,))
+    dst = fresh_copy(OTHER)
+    os.remove(os.path.join(folder, "b.safetensors"))
+    with count_dispatch() as seen, pytest.raises(FileNotFoundError, match="layer 'b'"):
+        load_kv(tmp_path, dst, list(range(5)), [1, 2])
+    assert (seen.uploads, seen.compiles) == (0, 0) and not dst["a"].is_deleted()
+
+
+def pinned_to_device(tree):
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), tree)

@@ -3,6 +3,7 @@ storage key, and errors host data can catch before anything is uploaded or compi
 
 import hashlib
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,12 @@ def test_second_call_of_a_bucket_never_compiles(how):
     back = swap_in(pool, back, [0, 1], [4, 5])
     with no_recompile():
         swap_in(pool, back, [3], [6])
+    _, target = _caches(how)
+    root = tempfile.mkdtemp()
+    save_kv(root, src, list(range(9)), [1, 2])
+    target = load_kv(root, target, list(range(9)), [3, 4])
+    with no_recompile():
+        load_kv(root, target, list(range(9)), [5, 6])
 
 
 # --- stale (donated) buffers -----------------------------------------------------------------
