@@ -14,6 +14,12 @@ Core API:
   PackedTower                 - a module's layer rows and other leaves in one buffer per dtype.
   split_layers, SplitLayers   - a module split into its non-layer state and stacked layers.
   precompile                  - compile every bucket of every path ahead of serving.
+  TowerProgram, run_layers    - a family's pure forward compiled with packed state and one
+                                layer scan (the calling convention of every model path).
+  Embeddings                  - the output of every model path: padded rows + host lengths.
+  PlanCache                   - host plans and their packed uploads cached per shape mix.
+  host_array, host_ints,      - host inputs (numpy, lists, torch CPU tensors) validated
+  host_int, check_finite        before any upload: no silent truncation, no NaN leaks.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
 jaxsync.testing, jaxsync.models, jaxsync.kv.
 """
@@ -22,6 +28,13 @@ from jaxsync._device_cache import (
     CacheEntry as CacheEntry,
     DeviceCache as DeviceCache,
     default_cache as default_cache,
+)
+from jaxsync._host import (
+    check_finite as check_finite,
+    host_array as host_array,
+    host_int as host_int,
+    host_ints as host_ints,
+    is_torch_tensor as is_torch_tensor,
 )
 from jaxsync._jit import (
     JitMethod as JitMethod,
@@ -34,13 +47,16 @@ from jaxsync._layers import (
     split_layers as split_layers,
     stack_layers as stack_layers,
 )
+from jaxsync._outputs import Embeddings as Embeddings
 from jaxsync._packing import PackedLeaves as PackedLeaves, PackedTower as PackedTower
 from jaxsync._placement import replicated_near as replicated_near
+from jaxsync._plans import PlanCache as PlanCache
 from jaxsync._precompile import (
     Compiled as Compiled,
     Target as Target,
     precompile as precompile,
 )
+from jaxsync._tower import TowerProgram as TowerProgram, run_layers as run_layers
 from jaxsync._transfer import (
     Packed as Packed,
     async_h2d as async_h2d,

@@ -15,7 +15,7 @@ import jaxsync.testing
 from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
 from jaxsync.kv._pool import _swap_in, _swap_out
 from jaxsync.paths.kv.reference import as_numpy, host_random_cache
-from jaxsync.testing import block_id_pairs, donation_copy, fresh_copy
+from jaxsync.testing import block_id_pairs, donation_copy, fresh_copy, requires_torch
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -43,6 +43,7 @@ def bits(a):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@requires_torch  # its reference is torch
 def test_parity_with_torch_index_select(kind, dtype):
     import torch
 

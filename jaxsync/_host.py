@@ -1,0 +1,87 @@
+"""Host inputs: what every entry point accepts, and the checks that cost no device sync.
+
+Servers hand over processor outputs as numpy arrays, lists or torch CPU tensors. These helpers
+turn them into numpy without importing torch, and refuse what would give a wrong answer that
+looks right (floats or bools where ids are expected, ragged lists, non-finite pixels), before
+any upload or compile.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def is_torch_tensor(x: Any) -> bool:
+    """A torch tensor, detected without importing torch."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _from_torch(x: Any, name: str) -> np.ndarray:
+    if x.device.type != "cpu":
+        raise TypeError(f"{name} is a torch tensor on {x.device}: pass host data (a CPU tensor)")
+    x = x.detach()
+    if str(x.dtype) == "torch.bfloat16":  # numpy has no bfloat16: widen exactly
+        x = x.float()
+    return x.numpy()
+
+
+def host_array(x: Any, *, name: str, dtype: Any = None, ndim: int | None = None) -> np.ndarray:
+    """`x` (numpy, list, tuple, torch CPU tensor) as a numpy array, validated.
+
+    Raises:
+      TypeError: device data (a jax array or a torch tensor off the CPU) where host data is
+        required, or a value numpy would store as objects.
+      ValueError: a ragged nested list, or the wrong rank.
+    """
+    if isinstance(x, jax.Array):
+        raise TypeError(
+            f"{name} must be host data (numpy, list, torch CPU tensor), got a jax array"
+        )
+    if is_torch_tensor(x):
+        arr = _from_torch(x, name)
+    else:
+        try:
+            arr = np.asarray(x)
+        except ValueError as e:  # numpy's "inhomogeneous shape"
+            raise ValueError(f"{name} is ragged (rows of different lengths): {e}") from None
+    if arr.dtype == object:
+        raise TypeError(f"{name} must be numeric, got values numpy stores as objects")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {arr.shape}")
+    return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+def host_ints(x: Any, *, name: str, ndim: int | None = 1, minimum: int | None = 0) -> np.ndarray:
+    """Integer host metadata (ids, lengths, grids) as int64, refusing anything not an integer.
+
+    Floats (even integral ones like 2.0) and bools are `TypeError`: truncating them would pick
+    another block, length or image size without a word.
+    """
+    arr = host_array(x, name=name, ndim=ndim)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        if arr.size or arr.dtype == np.bool_:
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if minimum is not None and arr.size and arr.min() < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {arr.min()}")
+    return arr
+
+
+def host_int(x: Any, *, name: str, minimum: int | None = None) -> int:
+    """One integer setting (a block size, a token count); bools and floats are `TypeError`."""
+    if isinstance(x, bool | np.bool_) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def check_finite(arr: np.ndarray, *, name: str) -> None:
+    """Refuses host floats holding NaN or inf (one item's NaN must never reach the batch)."""
+    if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+        bad = np.argwhere(~np.isfinite(arr))[0].tolist()
+        raise ValueError(f"{name} holds a non-finite value (first at index {bad})")

@@ -1,0 +1,88 @@
+"""The one output container of every model path: padded device rows plus host bookkeeping."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows(offset: int, length: int):
+    """A jitted slice of rows [offset, offset + length): bounds are compile-time constants.
+
+    Eager `x[o : o + n]` (and eager `lax.slice`) upload the start index as a device scalar, an
+    implicit transfer that a transfer guard refuses; inside jit the bounds are static.
+    """
+    return jax.jit(lambda x: x[offset : offset + length])
+
+
+@jax.tree_util.register_pytree_node_class
+class Embeddings:
+    """Per-item embeddings packed in one padded device array, with host-side lengths.
+
+    Attributes:
+      embeddings: [R, D] device rows; rows `offsets[i] : offsets[i] + lengths[i]` belong to item
+        `i` (items in input order, contiguous); rows past the last item are padding.
+      lengths: per-item token counts (host ints; 0 for an empty item).
+      offsets: per-item first row (host ints).
+      extras: optional named device arrays a family also returns (e.g. the tower's hidden
+        states before a merger), laid out by the same rows unless its docstring says otherwise.
+    """
+
+    __slots__ = ("embeddings", "extras", "lengths", "offsets")  # built per call: no instance dict
+
+    def __init__(
+        self,
+        embeddings: jax.Array,
+        lengths: Sequence[int],
+        offsets: Sequence[int] | None = None,
+        extras: dict[str, Any] | None = None,
+    ):
+        self.embeddings = embeddings
+        # Python ints: a numpy integer offset would make `split()` upload a dynamic slice index.
+        self.lengths = tuple(int(n) for n in lengths)
+        if offsets is None:  # contiguous from row 0
+            starts, total = [], 0
+            for n in self.lengths:
+                starts.append(total)
+                total += n
+            offsets = starts
+        self.offsets = tuple(int(o) for o in offsets)
+        self.extras = {} if extras is None else dict(extras)
+
+    def tree_flatten(self):
+        names = tuple(sorted(self.extras))
+        return (self.embeddings, *(self.extras[n] for n in names)), (
+            self.lengths,
+            self.offsets,
+            names,
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        lengths, offsets, names = aux
+        return cls(children[0], lengths, offsets, dict(zip(names, children[1:], strict=True)))
+
+    @property
+    def num_tokens(self) -> int:
+        """Real rows over all items."""
+        return sum(self.lengths)
+
+    def split(self) -> list[jax.Array]:
+        """Per-item device slices `[lengths[i], D]` (no device->host read).
+
+        Each distinct (offset, length) is a small slice program of its own; a consumer that
+        scatters every item's tokens at once should use `embeddings[:num_tokens]` instead.
+        """
+        return [
+            _rows(o, n)(self.embeddings) for o, n in zip(self.offsets, self.lengths, strict=True)
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"Embeddings(rows={tuple(self.embeddings.shape)}, lengths={self.lengths}, "
+            f"extras={sorted(self.extras)})"
+        )
