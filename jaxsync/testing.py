@@ -178,3 +178,106 @@ def __getattr__(name: str):
     if name == "requires_torch":  # built lazily so importing this module does not need pytest
         return _requires_torch()
     raise AttributeError(name)
+
+
+def _copy_leaves(leaves: list) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    global _copy_leaves_jit
+    if _copy_leaves_jit is None:
+        _copy_leaves_jit = jax.jit(lambda xs: [jnp.copy(x) for x in xs])
+    return _copy_leaves_jit(leaves)
+
+
+_copy_leaves_jit = None
+
+
+def fresh_copy(tree: Any, memory_kind: str = "device") -> Any:
+    """An asynchronous copy of a device-resident cache (or `jaxsync.kv.HostPool`) in
+    `memory_kind` ("device" or "pinned_host"), same shardings otherwise, for callers that must
+    keep an input an entry point donates (tests, `jaxsync verify`).
+
+    Copies *from* pinned host are refused: a program reading a whole pinned-host array can block
+    the host until the device queue drains, while device -> pinned transfers do not. Keep the
+    master copy on the device (see `donation_copy`).
+    """
+    import jax
+
+    def on_device(x) -> bool:
+        if isinstance(x, jax.core.Tracer):  # traced by a static scan
+            return jax.typeof(x).memory_space != jax.memory.Space.Host
+        return (x.sharding.memory_kind or "device") == "device"
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not all(map(on_device, leaves)):
+        raise ValueError("fresh_copy copies from device memory only; keep the master on device")
+    if memory_kind == "device":
+        return jax.tree_util.tree_unflatten(treedef, _copy_leaves(leaves))
+    if memory_kind != "pinned_host":
+        raise ValueError(f"memory_kind must be 'device' or 'pinned_host', got {memory_kind!r}")
+    placed = [jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def donation_copy(arg: Any, master: Any, memory_kind: str) -> Any:
+    """For harnesses that call a donating entry point repeatedly with one pinned-host argument
+    `arg`: a fresh copy of its device-resident `master` (same values) in `memory_kind`, or `arg`
+    itself while traced, so that static scans see the entry point's real input."""
+    import jax
+
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(arg)):
+        return arg
+    return fresh_copy(master, memory_kind)
+
+
+def kv_call(fn: Any, *args: Any, impl: str, **kwargs: Any) -> Any:
+    """Calls a kv entry point with `impl` "auto" / "xla", or "kernel": the Pallas kernel "auto"
+    runs on GPUs, here in Pallas' interpreter on any backend (tests of the kernel path)."""
+    if impl != "kernel":
+        return fn(*args, impl=impl, **kwargs)
+    from jaxsync.kv import _pallas
+
+    with _pallas.interpreted("gpu"):
+        return fn(*args, impl="auto", **kwargs)
+
+
+class DispatchCount:
+    """What `count_dispatch` saw: `uploads` (calls of jaxsync.upload_packed / async_h2d) and
+    `compiles` (traces, lowerings and backend compiles, from `jaxsync.check.count_compiles`)."""
+
+    uploads: int = 0
+    compiles: int = 0
+
+
+def count_dispatch():
+    """A context manager counting uploads and compiles made inside it (tests proving that bad
+    input is refused on the host, before anything is uploaded or compiled)."""
+    import contextlib
+
+    import jaxsync
+    from jaxsync.check import count_compiles
+
+    @contextlib.contextmanager
+    def region():
+        seen = DispatchCount()
+        originals = {name: getattr(jaxsync, name) for name in ("upload_packed", "async_h2d")}
+
+        def counted(fn):
+            def wrapper(*args, **kwargs):
+                seen.uploads += 1
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        for name, fn in originals.items():
+            setattr(jaxsync, name, counted(fn))
+        try:
+            with count_compiles() as log:
+                yield seen
+        finally:
+            for name, fn in originals.items():
+                setattr(jaxsync, name, fn)
+            seen.compiles = log.count
+
+    return region()

@@ -2,16 +2,22 @@
 
 Pinned-host swap space comes in two layouts: per-layer caches like the device's (`copy_blocks`,
 fastest device->host) and a block-major `HostPool` (`swap_out` / `swap_in`: one DMA per block for
-all layers, and on GPUs a kernel reading the pinned pool directly; 4x faster host->device than
-per-layer caches on an H200).
+all layers, and on GPUs a kernel reading the pinned pool directly, much faster host->device than
+one DMA per block and layer).
 
-Ports vLLM's `copy_kv_blocks` and the ExampleConnector's KV paths (paths.md §6, §7). Every entry
+Ports vLLM's `copy_kv_blocks` and the ExampleConnector's KV paths. Every entry
 point validates its host metadata before dispatch, uploads ids in one transfer, pads counts to
 buckets (one compiled program per bucket) and handles all layers of a cache in one jitted call.
 """
 
 from jaxsync.kv._copy import Direction as Direction, copy_blocks as copy_blocks
-from jaxsync.kv._layout import Cache as Cache, KVLayout as KVLayout
+from jaxsync.kv._layout import (
+    Cache as Cache,
+    KVLayout as KVLayout,
+    StackedCache as StackedCache,
+    stack_layers as stack_layers,
+    unstack_layers as unstack_layers,
+)
 from jaxsync.kv._pool import (
     HostPool as HostPool,
     host_pool as host_pool,

@@ -1,10 +1,13 @@
 """`copy_blocks`: dst[layer][dst_ids[k]] <- src[layer][src_ids[k]] for every layer, in one program.
 
-Port of vLLM's `copy_kv_blocks` (kv_connector/utils.py) with three changes, all deliberate:
+Port of vLLM's `copy_kv_blocks` (kv_connector/utils.py) with these changes, all deliberate:
 
 * mismatched id-list lengths raise (upstream silently copies nothing), as do out-of-range,
   negative and repeated destination ids, and caches whose layers, block shapes or dtypes differ;
 * device->device is supported next to device->pinned-host ("d2h") and pinned-host->device ("h2d");
+* a copy within one cache (`copy_blocks(c, c, ...)`: copy-on-write, prefix caching) reads every
+  source block before it writes any destination, so a block that is both a source and a
+  destination is copied out with its old contents (as vLLM's copies of distinct blocks);
 * nothing blocks: ids go up in one packed async upload, the copy is dispatched and returns.
 
 Same-memory copies are one gather + one scatter per layer. Ids are padded to a bucket so every
@@ -12,23 +15,20 @@ count in a bucket shares one program: padded source ids are 0 (a harmless read) 
 destination ids are P, P+1, ... (distinct, out of range, dropped by `mode="drop"`), which keeps
 the `unique_indices` promise to XLA true.
 
-Cross-memory copies run a device loop over the bucket (unrolled 8x); padded entries repeat the
-last real pair (an idempotent rewrite, since a dynamic update slice cannot drop). Each iteration
-moves one block per layer with a dynamic slice, a memory-space transfer and a dynamic update
-slice. XLA's host offloader turns these into DMAs of single blocks; a gather/scatter on a
+Cross-memory copies run a device loop over the bucket (unrolled); padded entries repeat the last
+real pair (an idempotent rewrite, since a dynamic update slice cannot drop). Each iteration moves
+one block per layer with a dynamic slice, a memory-space transfer and a dynamic update slice:
+XLA's host offloader turns these into DMAs of single blocks, whereas a gather/scatter on a
 host-memory operand is either rejected by JAX (gather) or run as slow host compute (scatter).
-Measured on an H200 (jax 0.11.2, 2026-11-29, 32 layers x 64 KiB blocks): d2h 85-86% of a large
-pinned transfer; h2d only 22-23% (one small host->device DMA per block and layer). So on GPUs
-h2d runs the Triton copy kernel instead, reading the pinned source caches directly (88-92%; XLA
-hands the host-memory operand to the custom call unchanged), as `swap_in` reads a `HostPool`;
-the loop stays for other backends, odd block shapes and `impl="xla"`.
-Device->device copies use the one-pass Pallas kernel on GPUs (82-96% of a same-size contiguous
-copy at 512-2048 blocks; per shard under `shard_map` for caches split over kv heads, 89-100% of
-the per-GPU ceiling on two H200s), XLA elsewhere (67-73%: a gather and a scatter, two passes).
+One small host->device DMA per block and layer is slow, so on GPUs h2d runs the Pallas copy
+kernel instead, reading the pinned source caches directly (XLA hands the host-memory operand to
+the custom call unchanged), as `swap_in` reads a `HostPool`. Device->device copies on GPUs also
+take the kernel: it copies each block in one pass where XLA's gather + scatter makes two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
 from typing import Any, Literal
 
@@ -37,17 +37,17 @@ import numpy as np
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.kv import _mosaic, _pallas, _pool
+from jaxsync.kv import _pallas, _pool
+from jaxsync.kv._ids import checked_ids, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
+    check_placement,
     check_same_structure,
-    checked_ids,
+    committed,
     memory_kind,
-    padded_ids,
     upload_ids,
 )
-from jaxsync.kv._pallas import copy_pallas
 
 
 Direction = Literal["d2d", "d2h", "h2d"]
@@ -69,6 +69,13 @@ def _copy_same_memory(src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
     return jax.tree.map(one, src, dst)
 
 
+@ft.partial(jax.jit, donate_argnames="cache")
+def _copy_within(cache: Cache, ids: jaxsync.Packed) -> Cache:
+    """`_copy_same_memory(cache, cache, ids)` with the cache passed (and donated) once: every
+    source block is gathered before any destination is written."""
+    return _copy_same_memory.__wrapped__(cache, cache, ids)
+
+
 @ft.partial(jax.jit, donate_argnames="dst", static_argnames="to_host")
 def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: bool) -> Cache:
     src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each, N = bucket
@@ -83,43 +90,89 @@ def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: boo
         return jax.tree.map(one, src, d_tree)
 
     # A static trip count (the bucket): with a trip count read from device memory, XLA:GPU copies
-    # the loop predicate to the host every iteration, which blocked the host on an H200. Padded
-    # entries repeat the last real (src, dst) pair: rewriting the same block is idempotent.
+    # the loop predicate to the host every iteration, which blocks the host. Padded entries repeat
+    # the last real (src, dst) pair: rewriting the same block is idempotent.
     return jax.lax.fori_loop(0, src_ids.shape[0], body, dst, unroll=_pool.UNROLL)
 
 
-def _pallas_fits(leaves: list[jax.Array]) -> bool:
-    """Whether a compiled kernel may copy these leaves."""
-    return _pallas.compiled_plan(leaves) is not None
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What one call runs: the direction, whether src and dst are one cache, and the kernel
+    plan (None: XLA)."""
+
+    direction: str
+    within: bool = False
+    kernel: _pallas.Plan | None = None
 
 
-def _auto_kernel(
-    leaves: list[jax.Array], direction: Direction = "d2d"
-) -> tuple[str, _pallas.Plan | None]:
-    """What "auto" runs, with its kernel plan: the Triton kernel where it fits, device->device
-    or pinned host->device (it reads the pinned source directly); for device->device the Mosaic
-    GPU port on Hopper GPUs once a jax without Triton is installed (as fast on an H200); else
-    XLA (no plan). Device->host is always XLA's DMA loop: the kernel's outputs are device buffers,
-    and the loop reaches 81-88% of a pinned transfer (H200)."""
-    kernel_plan = None if direction == "d2h" else _pallas.compiled_plan(leaves)
-    if kernel_plan is None:
-        return "xla", None
-    if _pallas.TRITON:
-        return "pallas", kernel_plan
-    mosaic = direction == "d2d" and kernel_plan.mosaic and _mosaic.plgpu is not None
-    if mosaic and _hopper(leaves[0]):
-        return "mosaic", kernel_plan
-    return "xla", None
+def _direction(s_leaves: list, d_leaves: list, direction: str | None) -> str:
+    """The copy's direction from the caches' memory kinds, checked against `direction`."""
+    if direction is not None and direction not in ("d2d", "d2h", "h2d"):
+        raise ValueError(f"unknown direction {direction!r}; expected 'd2d', 'd2h' or 'h2d'")
+    kinds = (memory_kind(s_leaves, "src"), memory_kind(d_leaves, "dst"))
+    if kinds not in _DIRECTIONS:
+        raise ValueError(f"unsupported copy {kinds[0]} -> {kinds[1]}; one side must be device")
+    actual = _DIRECTIONS[kinds]
+    if direction is not None and direction != actual:
+        raise ValueError(
+            f"direction {direction!r} given, but the caches' memory kinds say {actual!r}"
+        )
+    return actual
 
 
-def _hopper(leaf: jax.Array) -> bool:
-    """Compute capability >= 9.0 (TMA and the Mosaic GPU backend)."""
-    traced = isinstance(leaf, jax.core.Tracer)
-    device = jax.devices()[0] if traced else next(iter(leaf.devices()))
-    try:
-        return float(device.compute_capability) >= 9.0
-    except (AttributeError, TypeError, ValueError):
-        return False
+def _within(s_leaves: list, d_leaves: list) -> bool:
+    """Whether src and dst are one cache (every leaf the same array). A destination that shares
+    only some arrays with the source, or holds one array twice, would be donated while also
+    read, or donated twice: refused here, before anything is dispatched."""
+    if len({id(x) for x in d_leaves}) != len(d_leaves):
+        raise ValueError("dst holds the same array twice; each layer needs its own buffer")
+    if all(s is d for s, d in zip(s_leaves, d_leaves, strict=True)):
+        return True
+    if {id(x) for x in s_leaves} & {id(x) for x in d_leaves}:
+        raise ValueError(
+            "src and dst share some but not all arrays; pass one cache as both (a copy within "
+            "it) or two caches with distinct arrays"
+        )
+    return False
+
+
+def _program(src: Cache, dst: Cache, direction: str | None, impl: str) -> _Program:
+    """Host checks of the caches and the choice of program, before any upload or compile."""
+    if impl not in ("auto", "xla"):
+        raise ValueError(f"impl must be 'auto' or 'xla', got {impl!r}")
+    s_leaves, s_def = cache_leaves(src, "src")
+    d_leaves, d_def = cache_leaves(dst, "dst")
+    actual = _direction(s_leaves, d_leaves, direction)
+    check_same_structure(src, dst, "src", "dst", flat=(s_leaves, s_def, d_leaves, d_def))
+    check_placement(s_leaves + d_leaves, "src and dst")
+    if _within(s_leaves, d_leaves):  # gather-then-scatter: reads every source before writing
+        return _Program(actual, within=True)
+    kernel = None
+    if impl == "auto" and actual != "d2h":  # d2h: the DMA loop, the kernel writes device memory
+        kernel = _pallas.auto_plan(s_leaves + d_leaves, tpu=actual == "d2d")
+    return _Program(actual, kernel=kernel)
+
+
+def _upload(program: _Program, s_ids: np.ndarray, d_ids: np.ndarray, size: int, num_dst: int,
+            leaf: jax.Array) -> jaxsync.Packed:  # fmt: skip
+    """The ids padded to `size` and uploaded in one transfer next to `leaf`'s devices."""
+    if program.direction == "d2d" or program.kernel is not None:
+        # source 0 (a harmless read), distinct out-of-range destinations (dropped / skipped)
+        fill_src, fill_dst = np.zeros(size), np.arange(num_dst, num_dst + size)
+    else:  # the cross-memory loop has no dropping scatter: repeat the last pair
+        fill_src, fill_dst = np.full(size, s_ids[-1]), np.full(size, d_ids[-1])
+    fields = {"src": padded_ids(s_ids, fill_src), "dst": padded_ids(d_ids, fill_dst)}
+    return upload_ids(fields, leaf)
+
+
+def _dispatch(program: _Program, src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
+    if program.within:
+        return _copy_within(dst, ids)
+    if program.kernel is not None:  # d2d, or h2d with the kernel reading the pinned source
+        return _pallas.copy(src, dst, ids, program.kernel)
+    if program.direction == "d2d":
+        return _copy_same_memory(src, dst, ids)
+    return _copy_cross_memory(src, dst, ids, to_host=program.direction == "d2h")
 
 
 @entry_point
@@ -131,87 +184,49 @@ def copy_blocks(
     *,
     direction: Direction | None = None,
     buckets: tuple[int, ...] | None = None,
-    impl: Literal["auto", "xla", "pallas", "mosaic", "pallas_interpret"] = "auto",
+    impl: Literal["auto", "xla"] = "auto",
 ) -> Cache:
-    """Copies blocks between two paged caches, every layer in one jitted call.
+    """Copies blocks between two paged caches, or within one, every layer in one jitted call.
 
     Args:
       src: `{layer: [Ps, ...]}` (or (k, v) pairs), in device or pinned-host memory.
       dst: same layers, block shapes and dtypes, `[Pd, ...]`; donated: the arrays passed in are
-        consumed and must not be used again; use the returned cache.
+        consumed and must not be used again; use the returned cache. `dst` may be `src` itself
+        (a copy within one cache: every source block is read before any block is written).
       src_ids: host list/ndarray of source block ids.
       dst_ids: host list/ndarray of destination block ids, same length, unique.
       direction: optional "d2d", "d2h" or "h2d", checked against the caches' memory kinds
         (which alone decide what runs).
       buckets: block-count buckets (default: powers of two >= 8).
-      impl: "auto" (default): the one-pass Pallas (Triton) kernel, "pallas" ("mosaic" on
-        Hopper GPUs if this jax has no Triton backend), for
-        device->device copies on GPUs whose (per-device) block dims are powers of two, on one
-        device or per shard when src and dst share a sharding that leaves the block axis whole
-        (H200: 82-96% of a same-size contiguous copy at 512-2048 blocks, against 67-73% for
-        XLA's gather + scatter); else "xla" (portable). Either way sharded caches keep their
-        sharding with no collectives. "mosaic": the same copy through Pallas' Mosaic GPU
-        backend (TMA; Hopper GPUs, opt-in, see `kv._mosaic`). "pallas_interpret" runs the
-        kernel in Pallas' interpreter (tests). Pinned host->device copies on GPUs take the
-        Triton kernel too ("auto" or "pallas"): it reads the pinned source caches directly, as
-        `swap_in` does from a `HostPool` (H200, 64-512 blocks: 88-92% of a pinned transfer,
-        against 22-24% for the DMA loop, `impl="xla"`). Device->host copies run XLA's DMA loop.
+      impl: "auto" (default): on GPUs, the one-pass Pallas copy kernel for device->device and
+        pinned host->device copies whose (per-device) block dims are powers of two, on one
+        device or per shard for caches split over kv heads; on TPUs, a Pallas (Mosaic TPU)
+        kernel moving each block HBM -> HBM by DMA for device->device copies; XLA elsewhere.
+        "xla": XLA's gather + scatter (device->device) or DMA loop (across memories)
+        everywhere. Device->host copies and copies within one cache always run XLA. Sharded
+        caches keep their sharding with no collectives.
 
     Returns:
       The updated destination cache, with dst's shardings and memory kinds. With no ids, `dst`
       itself (nothing is dispatched, nothing donated).
 
     Raises:
-      ValueError: before anything is dispatched (both caches untouched) on mismatched lengths,
-        ids out of [0, P), repeated destination ids, differing layer sets / block shapes /
-        dtypes, an unknown or inconsistent direction, or an unsupported memory-kind pair.
+      TypeError: ids that are not integers (floats, bools), caches that are not dicts of
+        jax.Arrays.
+      ValueError: before anything is uploaded or compiled (both caches untouched) on mismatched
+        lengths, ids out of [0, P), repeated destination ids, differing layer sets / block
+        shapes / dtypes, an unknown or inconsistent direction, an unsupported memory-kind pair,
+        caches on different devices or meshes, deleted (donated) arrays, or a destination that
+        shares some but not all arrays with the source.
     """
-    s_leaves, s_def = cache_leaves(src, "src")
-    d_leaves, d_def = cache_leaves(dst, "dst")
-    kinds = (memory_kind(s_leaves, "src"), memory_kind(d_leaves, "dst"))
-    if direction is not None and direction not in ("d2d", "d2h", "h2d"):
-        raise ValueError(f"unknown direction {direction!r}; expected 'd2d', 'd2h' or 'h2d'")
-    if kinds not in _DIRECTIONS:
-        raise ValueError(f"unsupported copy {kinds[0]} -> {kinds[1]}; one side must be device")
-    actual = _DIRECTIONS[kinds]
-    if direction is not None and direction != actual:
-        raise ValueError(
-            f"direction {direction!r} given, but the caches' memory kinds say {actual!r}"
-        )
-    check_same_structure(src, dst, "src", "dst", flat=(s_leaves, s_def, d_leaves, d_def))
-    if impl not in ("auto", "xla", "pallas", "mosaic", "pallas_interpret"):
-        raise ValueError(
-            f"impl must be 'auto', 'xla', 'pallas', 'mosaic' or 'pallas_interpret', got {impl!r}"
-        )
-    kernel_plan = None  # decided once per call: "auto" hands over the plan it made
-    if impl == "auto":
-        impl, kernel_plan = _auto_kernel(s_leaves + d_leaves, actual)
-    if impl != "xla" and (actual == "d2h" or actual == "h2d" and impl == "mosaic"):
-        also = "" if impl == "mosaic" else " and pinned host->device"
-        raise ValueError(f"impl={impl!r} copies device->device{also} only, not {actual!r}")
-    if impl != "xla":
-        kernel_plan = kernel_plan or _pallas.checked_plan(impl, s_leaves + d_leaves, "copy")
-        if impl == "mosaic" and not (kernel_plan.mosaic and _mosaic.plgpu is not None):
-            raise ValueError(
-                "impl='mosaic' needs Pallas' Mosaic GPU backend and blocks of at least 128 bytes "
-                "per device; use impl='pallas' or 'xla'"
-            )
-    num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
-    s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
-    n = int(s_ids.size)
-    if n == 0:
+    program = _program(src, dst, direction, impl)
+    s_leaves, d_leaves = jax.tree.leaves(src), jax.tree.leaves(dst)
+    num_dst = d_leaves[0].shape[0]
+    s_ids, d_ids = checked_ids(src_ids, dst_ids, s_leaves[0].shape[0], num_dst)
+    if s_ids.size == 0:
         return dst
-    size = jaxsync.bucket(n, buckets)
-    if actual == "d2d" or impl != "xla":  # source 0 (a harmless read), distinct out-of-range
-        fill_src, fill_dst = np.zeros(size), np.arange(num_dst, num_dst + size)  # destinations
-    else:  # the cross-memory loop has no dropping scatter: repeat the last pair
-        fill_src, fill_dst = np.full(size, s_ids[-1]), np.full(size, d_ids[-1])
-    fields = {"src": padded_ids(s_ids, fill_src), "dst": padded_ids(d_ids, fill_dst)}
-    device_leaf = s_leaves[0] if kinds[0] == "device" else d_leaves[0]
-    ids = upload_ids(fields, device_leaf)
-    if impl != "xla":  # d2d, or h2d with the kernel reading the pinned source directly
-        with _pallas.quiet_triton_deprecation():
-            return copy_pallas(src, dst, ids, plan=kernel_plan, backend=_pallas.BACKENDS[impl])
-    if actual == "d2d":
-        return _copy_same_memory(src, dst, ids)
-    return _copy_cross_memory(src, dst, ids, to_host=actual == "d2h")
+    size = jaxsync.bucket(int(s_ids.size), buckets)
+    device_leaf = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
+    ids = _upload(program, s_ids, d_ids, size, num_dst, device_leaf)
+    src, dst = committed(src), committed(dst)
+    return _dispatch(program, src, dst, ids)

@@ -6,14 +6,15 @@ A cache is a pytree `{layer_name: leaf_or_pair}` whose leaves all put the block 
 * separate K/V: a `(k, v)` pair of `[P, K, S, H]` arrays;
 * MLA: `[P, S, L]`, L = kv_lora_rank + rope dim.
 
-(P = blocks, K = kv heads, S = block size, H = head dim, L = latent dim.) Block copies are
-layout-agnostic (dim 0 only); slot-mapping gathers tell attention (4-D leaves, heads on dim 1) from
-MLA (3-D leaves) by rank.
+(P = blocks, K = kv heads, S = block size, H = head dim, L = latent dim.) A `StackedCache`
+holds every layer in one block-major array (or (k, v) pair), `[P, layers, ...]`. Block copies are
+layout-agnostic (dim 0 only); slot-mapping gathers find the token axis S second to last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -25,7 +26,27 @@ import jaxsync
 from jaxsync import replicated_near
 
 
-Cache = dict[str, Any]  # layer name -> [P, ...] array, or a (k, v) pair of them
+@ft.partial(jax.tree_util.register_dataclass, data_fields=["kv"], meta_fields=["layers"])
+@dataclasses.dataclass(frozen=True)
+class StackedCache:
+    """Every layer of a paged KV cache in one array (or one (k, v) pair), block-major.
+
+    Attributes:
+      kv: `[P, L, ...]`: block b of every layer at `kv[b]` (`[P, L, K, S, 2H]` packed,
+        `[P, L, S, Lat]` MLA), or a `(k, v)` pair of `[P, L, K, S, H]`.
+      layers: the L layer names, in the order of axis 1 (the names `save_kv` writes).
+
+    Why block-major: a block copy, swap or inject over all layers is then one gather / scatter
+    on one array, so every entry point runs ONE program whose argument count does not grow with
+    L, and a block of all layers is contiguous (one DMA per block to or from pinned host).
+    Attention reads layer l as the strided view `kv[:, l]`.
+    """
+
+    kv: Any
+    layers: tuple[str, ...]
+
+
+Cache = dict[str, Any] | StackedCache  # layer name -> [P, ...] array or (k, v) pair; or stacked
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +62,8 @@ class KVLayout:
       head_dim: H (attention layouts only).
       latent_dim: L (MLA only).
       dtype: element dtype.
+      stacked: caches made by `random` are `StackedCache`s (all layers in one block-major
+        array per K/V) instead of `{layer: array}` dicts.
     """
 
     kind: Literal["packed", "separate", "mla"]
@@ -50,6 +73,7 @@ class KVLayout:
     head_dim: int = 0
     latent_dim: int = 0
     dtype: Any = jnp.bfloat16
+    stacked: bool = False
 
     def __post_init__(self):
         if self.kind not in ("packed", "separate", "mla"):
@@ -86,8 +110,13 @@ class KVLayout:
                 x = jax.random.randint(k, self.leaf_shape, info.min, info.max, dtype=dt)
             else:
                 x = jax.random.normal(k, self.leaf_shape, jnp.float32).astype(dt)
-            return x if placement is None else jax.device_put(x, placement)
+            # Committed either way: a cache's placement then stays the same across calls (an
+            # entry point's result is committed), so one bucket compiles once.
+            return jax.device_put(x, x.sharding if placement is None else placement)
 
+        if self.stacked:  # the same values as the per-layer cache of this key, stacked
+            per_layer = dataclasses.replace(self, stacked=False)
+            return stack_layers(per_layer.random(layers, key, placement=placement))
         cache = {}
         for i, name in enumerate(layers):
             if self.kind == "separate":
@@ -97,42 +126,52 @@ class KVLayout:
         return cache
 
 
-_copy_leaves = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
+@jax.jit
+def _stack(leaves: list) -> jax.Array:
+    return jnp.stack(leaves, axis=1)
 
 
-def fresh_copy(tree: Any, memory_kind: str = "device") -> Any:
-    """An asynchronous copy of a device-resident cache (or `HostPool`) in `memory_kind`
-    ("device" or "pinned_host"), same shardings otherwise, for callers that must keep an input
-    an entry point donates (tests, `jaxsync verify`).
-
-    Copies *from* pinned host are refused: on an H200 (jax 0.11.2) a program reading a whole
-    pinned-host array blocked the host until the device queue drained, while device -> pinned
-    transfers did not (tools/diagnose_pinned.py). Keep the master copy on the device.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if any(_memory_kind(x) != "device" for x in leaves):
-        raise ValueError("fresh_copy copies from device memory only; keep the master on device")
-    if memory_kind == "device":
-        return jax.tree_util.tree_unflatten(treedef, _copy_leaves(leaves))
-    if memory_kind != "pinned_host":
-        raise ValueError(f"memory_kind must be 'device' or 'pinned_host', got {memory_kind!r}")
-
-    placed = [jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in leaves]
-    return jax.tree_util.tree_unflatten(treedef, placed)
+def stack_layers(cache: dict[str, Any]) -> StackedCache:
+    """A per-layer cache as a `StackedCache` (a copy; setup, not hot path), layers in the
+    dict's order, each layer's sharding kept on its axes (the layer axis unsharded)."""
+    layers = tuple(cache)
+    first = cache[layers[0]]
+    if isinstance(first, tuple | list):
+        kv = tuple(committed(_stack([cache[n][i] for n in layers])) for i in range(2))
+    else:
+        kv = committed(_stack([cache[n] for n in layers]))
+    return StackedCache(kv, layers)
 
 
-def donation_copy(arg: Any, master: Any, memory_kind: str) -> Any:
-    """For harnesses that call a donating entry point repeatedly with one pinned-host argument
-    `arg`: a fresh copy of its device-resident `master` (same values) in `memory_kind`, or `arg`
-    itself while traced, so that static scans see the entry point's real input."""
-    if any(_traced(x) for x in jax.tree.leaves(arg)):
-        return arg
-    return fresh_copy(master, memory_kind)
+_take_layer = jax.jit(lambda x, i: x[:, i], static_argnums=1)
+
+
+def unstack_layers(cache: StackedCache) -> dict[str, Any]:
+    """A `StackedCache` as `{layer: [P, ...]}` (copies; setup and tests)."""
+    take = _take_layer
+    out = {}
+    for i, name in enumerate(cache.layers):
+        out[name] = (
+            take(cache.kv, i)
+            if isinstance(cache.kv, jax.Array)
+            else tuple(take(x, i) for x in cache.kv)
+        )
+    return out
 
 
 def cache_leaves(cache: Cache, what: str) -> tuple[list[jax.Array], Any]:
-    """Flattens a cache, checking that it is a non-empty dict of block-first jax.Arrays."""
-    if not isinstance(cache, dict):
+    """Flattens a cache, checking that it is a non-empty dict (or `StackedCache`) of
+    block-first jax.Arrays."""
+    if isinstance(cache, StackedCache):
+        if not isinstance(cache.kv, jax.Array | tuple):
+            raise TypeError(f"{what}.kv must be an array or a (k, v) pair")
+        for leaf in jax.tree.leaves(cache.kv):
+            if getattr(leaf, "ndim", 0) < 3 or leaf.shape[1] != len(cache.layers):
+                shape = getattr(leaf, "shape", None)
+                raise ValueError(
+                    f"{what}: stacked leaves are [P, {len(cache.layers)}, ...], got {shape}"
+                )
+    elif not isinstance(cache, dict):
         raise TypeError(f"{what} must be a dict layer_name -> array, got {type(cache).__name__}")
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     if not leaves:
@@ -170,6 +209,12 @@ def check_same_structure(
         )
     ):
         return
+    if isinstance(src, StackedCache) != isinstance(dst, StackedCache):
+        raise ValueError(f"{src_name} and {dst_name}: one is a StackedCache, the other is not")
+    if isinstance(src, StackedCache):
+        if src.layers != dst.layers:
+            raise ValueError(f"{src_name} and {dst_name} stack different layers")
+        src, dst = {"stacked": src.kv}, {"stacked": dst.kv}
     if set(src) != set(dst):
         only_s, only_d = sorted(set(src) - set(dst)), sorted(set(dst) - set(src))
         raise ValueError(
@@ -191,50 +236,17 @@ def check_same_structure(
                 )
 
 
-def host_ids(ids: Any, name: str) -> np.ndarray:
-    """Block or slot ids as a 1-D int64 host array; rejects device arrays (a readback)."""
-    if isinstance(ids, jax.Array):
-        raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
-    arr = np.asarray(ids)
-    if arr.size == 0:
-        return np.zeros((0,), np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D list of ints, got shape {arr.shape} {arr.dtype}")
-    return arr.astype(np.int64)
+def committed(tree: Any) -> Any:
+    """`tree` with every uncommitted array committed to where it already is (no copy).
 
-
-def check_range(ids: np.ndarray, limit: int, name: str) -> None:
-    """0 <= ids < limit. Negative ids are refused: jnp indexing would wrap them silently."""
-    if ids.size and (ids.min() < 0 or ids.max() >= limit):
-        bad = ids[(ids < 0) | (ids >= limit)]
-        raise ValueError(f"{name} must lie in [0, {limit}); got {bad[:8].tolist()}")
-
-
-def check_unique(ids: np.ndarray, name: str) -> None:
-    """Duplicate scatter targets would make the result depend on XLA's write order."""
-    ordered = np.sort(ids)
-    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-    if repeated.size:
-        raise ValueError(f"{name} must be unique; repeated: {np.unique(repeated)[:8].tolist()}")
-
-
-def padded_ids(ids: np.ndarray, fill: Any) -> np.ndarray:
-    """`fill` (the bucket's length of padding ids) as int32, its head replaced by `ids`."""
-    out = np.array(fill, np.int32)
-    out[: ids.size] = ids
-    return out
-
-
-def checked_ids(src_ids: Any, dst_ids: Any, num_src: int, num_dst: int) -> tuple[np.ndarray, ...]:
-    """Block-id pairs of a copy, validated on the host: same length, in range, dst unique."""
-    s, d = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
-    if s.size != d.size:
-        # Upstream silently does nothing here; a caller with such lists has a bug.
-        raise ValueError(f"src_ids has {s.size} ids but dst_ids has {d.size}")
-    check_range(s, num_src, "src_ids")
-    check_range(d, num_dst, "dst_ids")
-    check_unique(d, "dst_ids")
-    return s, d
+    jit keys its cache on whether an argument is committed, and an entry point returns committed
+    arrays: without this, the second call of a bucket on a cache made by `jnp.zeros` (or any
+    uncommitted array) would compile again. Committed arrays, the steady state, pass through."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if all(_traced(x) or x.committed for x in leaves):
+        return tree
+    placed = [x if _traced(x) or x.committed else jax.device_put(x, x.sharding) for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def _traced(leaf: jax.Array) -> bool:
@@ -252,8 +264,7 @@ def upload_ids(fields: dict[str, np.ndarray], leaf: jax.Array) -> jaxsync.Packed
     """One packed upload of a call's host ids, placed for the cache `leaf` belongs to.
 
     Straight to device memory: staging the ids in pinned host memory instead (the program moving
-    them) halved the upload's host time on an H200 but made the whole copy_blocks call slower,
-    1.42 against 1.21 ms (jax 0.11.2, 512 blocks, 2026-11-29, docs/benchmarks.md)."""
+    them) halves the upload's host time but makes the whole copy_blocks call slower on GPUs."""
     return jaxsync.upload_packed(fields, placement=index_placement(leaf))
 
 
@@ -276,3 +287,13 @@ def memory_kind(leaves: Sequence[jax.Array], what: str) -> str:
     if kind not in ("device", "pinned_host"):
         raise ValueError(f"{what} lives in memory kind {kind!r}; supported: device, pinned_host")
     return kind
+
+
+def check_placement(leaves: list[jax.Array], what: str) -> None:
+    """All leaves on one set of devices: a program cannot read a cache on other devices than it
+    writes (XLA would reject it at dispatch, after the upload). Raises ValueError."""
+    shardings = {x.sharding for x in leaves if not isinstance(x, jax.core.Tracer)}
+    sets = {frozenset(s.device_set) for s in shardings}
+    if len(sets) > 1:
+        named = sorted(sorted(str(d) for d in ds) for ds in sets)
+        raise ValueError(f"{what} live on different devices: {named}")

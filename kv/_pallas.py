@@ -1,33 +1,31 @@
 """The Pallas block-copy kernel: `copy_blocks` device->device and pinned host->device on GPUs, and
-`swap_in` from a `HostPool` (`copy_leaf`; "auto" takes it where `compiled_plan` allows).
+`swap_in` from a `HostPool` (`copy_leaf`; "auto" takes it where `auto_plan` allows).
 
-Why: XLA runs the block copy as a gather and a scatter, two passes over the copied bytes, and on
-an H200 reached about half of a contiguous copy (see docs/benchmarks.md). This kernel copies each
-block straight from the source cache into the donated destination in one pass. Grid
-`(blocks, row_tiles)`: each program moves a `[1, tile_rows, cols]` slab of one layer's
+Why: XLA runs the block copy as a gather and a scatter, two passes over the copied bytes. This
+kernel copies each block straight from the source cache into the donated destination in one
+pass. Grid `(blocks, row_tiles)`: each program moves a `[1, tile_rows, cols]` slab of one layer's
 `[P, rows, cols]` view. Padded entries carry out-of-range destination ids and are skipped.
 
-Status (H200, jax 0.11.2, 2026-11-29). The first compiled runs "failed parity", but the failure
-was a warning: the test suite turns warnings into errors, and Pallas warns on every GPU lowering
-(first that `pallas_call` for Mosaic GPU is deprecated, then, once the kernel was pinned to
-Triton, that Pallas' Triton backend is deprecated). `tools/diagnose_pallas.py` compared the
-compiled Triton kernel with the XLA copy block by block on the H200: no block differs. Copies
-now run with that one warning silenced (`quiet_triton_deprecation`).
+Pallas warns on every Triton lowering (its Triton backend is deprecated); copies run with that
+one warning silenced (`quiet_triton_deprecation`), since test suites that turn warnings into
+errors would otherwise fail a correct copy.
 
 Sharded caches: `pallas_call` has no sharding rule, so `plan` runs the kernel per shard under
 `shard_map` when src and dst share one NamedSharding that leaves the block axis whole (caches
 split over kv heads). Every device copies its slice of every block with the replicated ids; no
-collective. Two H200s, 2026-11-29: 89-100% of the per-GPU copy ceiling at 512-2048 blocks.
+collective.
 
 The kernel is pinned to Triton (`pltriton.CompilerParams()`): it relies on un-blocked refs being
 global-memory pointers, each program loading and storing one slab. Pallas' default GPU backend
-since jax 0.10 (Mosaic GPU) stages un-blocked refs through shared memory instead. Pallas says it
-will remove its Triton backend; the Mosaic GPU port exists (`kv._mosaic`, `impl="mosaic"`,
-opt-in), as fast on an H200 but slower to compile.
+(Mosaic GPU) stages un-blocked refs through shared memory instead.
+
+`INTERPRET` (private, for tests): runs the kernel in Pallas' interpreter wherever "auto" looks
+for a kernel, so CPU tests exercise the kernel path `copy_blocks` / `swap_in` take on GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools as ft
 import math
@@ -38,22 +36,38 @@ from jax.experimental import pallas as pl
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxsync
-from jaxsync.check._static import quiet_triton_deprecation  # noqa: F401 (re-exported)
-from jaxsync.kv import _mosaic
+from jaxsync.check._static import quiet_triton_deprecation
+from jaxsync.kv import _tpu
 from jaxsync.kv._layout import Cache
 
 
-try:  # Pallas plans to drop its Triton backend: without it "auto" takes kv._mosaic on Hopper
+try:  # Pallas plans to drop its Triton backend: without it "auto" copies through XLA on GPUs
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - depends on the installed jax
     pltriton = None
 
 TRITON = pltriton is not None
-"""Whether this jax has Pallas' Triton backend (the default GPU kernel)."""
+"""Whether this jax has Pallas' Triton backend (the GPU kernel)."""
 
 ALLOW_COMPILED = True
-"""Compiled (non-interpret) use of the kernels, Triton or Mosaic GPU; a switch to turn them off
-if a GPU misbehaves ("auto" then copies through XLA)."""
+"""Compiled (non-interpret) use of the kernels; a switch to turn them off if a device
+misbehaves ("auto" then copies through XLA)."""
+
+INTERPRET: str | None = None
+"""Private test switch: "gpu" ("tpu") makes "auto" run the GPU (TPU) kernel in Pallas'
+interpreter on any backend (where `plan` accepts the caches)."""
+
+
+@contextlib.contextmanager
+def interpreted(kind: str = "gpu"):
+    """Private, for tests: within the block, "auto" runs the `kind` kernel in Pallas'
+    interpreter on any backend (see `INTERPRET`)."""
+    global INTERPRET
+    before, INTERPRET = INTERPRET, kind
+    try:
+        yield
+    finally:
+        INTERPRET = before
 
 
 _TILE_ELEMENTS = 4096  # per program: 8 KiB of bf16, few registers per thread
@@ -103,9 +117,12 @@ def copy_leaf(
 ) -> jax.Array:
     """d[dst_ids[k]] <- s[src_ids[k]] for one leaf `d: [Pd, *block]`. With `leaf`, `s` is a
     block-major pool `[Ps, L, *block]` and its leaf-th slot of each block is read (`_pool`'s
-    host->device swap: the Triton kernel then reads pinned host memory directly)."""
-    if backend == "mosaic":
-        return _mosaic.copy_leaf(s, d, src_ids, dst_ids)
+    host->device swap: the Triton kernel then reads pinned host memory directly).
+
+    backend: "triton" (compiled, GPUs), "interpret" (Pallas' interpreter, any backend), or
+    "tpu" / "tpu_interpret" (the Mosaic TPU DMA kernel of `_tpu`, device->device only)."""
+    if backend in ("tpu", "tpu_interpret"):
+        return _tpu.copy_leaf(s, d, src_ids, dst_ids, interpret=backend == "tpu_interpret")
     rows, cols, tile = slab(d.shape)
     s3 = s.reshape(s.shape[0], -1, cols)  # [Ps, rows] or, for a pool, [Ps, L * rows]
     d3 = d.reshape(d.shape[0], rows, cols)
@@ -130,7 +147,7 @@ class Plan:
 
     mesh: Any = None  # jax.sharding.Mesh / AbstractMesh, None on one device
     spec: PartitionSpec | None = None  # every leaf's spec, block axis unsharded
-    mosaic: bool = False  # the Mosaic GPU port can copy these (per-device) blocks too
+    backend: str = "triton"  # "triton" / "tpu" (compiled), "interpret" / "tpu_interpret"
 
 
 def _local_shape(shape: tuple[int, ...], mesh: Any, spec: tuple) -> tuple[int, ...] | None:
@@ -163,14 +180,11 @@ def _leaf_sharding(leaf: jax.Array) -> tuple[Any, tuple] | str | None:
     return mesh, tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
 
 
-def plan(leaves: list[jax.Array]) -> Plan | str:
+def plan(leaves: list[jax.Array], backend: str = "triton") -> Plan | str:
     """The kernel's `Plan` for these leaves (all of src and dst), or why it cannot run them."""
     placements = {_leaf_sharding(x) for x in leaves}
     if _AUTO in placements:
-        return (
-            "traced caches on a mesh with Auto axes carry no sharding in their type; inside jit "
-            "use impl='auto' (XLA there) or 'xla', or give the mesh Explicit axes"
-        )
+        return "traced caches on a mesh with Auto axes carry no sharding in their type"
     if None in placements or len(placements) != 1:
         return "src and dst leaves must share one placement (a NamedSharding or one device)"
     ((mesh, spec),) = placements
@@ -179,66 +193,47 @@ def plan(leaves: list[jax.Array]) -> Plan | str:
     # Each distinct (shape, itemsize) once: a cache's layers share a few at most.
     kinds = {(tuple(x.shape), x.dtype.itemsize) for x in leaves}
     local = {(_local_shape(shape, mesh, spec) if mesh else shape, size) for shape, size in kinds}
-    bad = sorted((shape for shape, _ in local if shape is None or slab(shape) is None), key=repr)
+    tiled = not backend.startswith("tpu")  # the TPU kernel moves whole blocks by DMA
+    bad = sorted(
+        (shape for shape, _ in local if shape is None or tiled and slab(shape) is None), key=repr
+    )
     if bad:
         return f"needs power-of-two (per-device) block dims; got leaf shapes {bad}"
-    mosaic = all(_mosaic.view(shape[1:], size) is not None for shape, size in local)
-    return Plan(mesh, PartitionSpec(*spec) if mesh else None, mosaic)
+    return Plan(mesh, PartitionSpec(*spec) if mesh else None, backend)
 
 
-def compiled_plan(leaves: list[jax.Array]) -> Plan | None:
-    """The kernel plan when a compiled kernel may run on these leaves (compiled kernels on, a
-    GPU, a `plan` for them), else None."""
-    if not ALLOW_COMPILED or platform(leaves[0]) != "gpu":
+def auto_plan(leaves: list[jax.Array], *, tpu: bool = False) -> Plan | None:
+    """The kernel plan "auto" runs on these leaves (all of src and dst), or None for XLA.
+
+    GPUs: the compiled Triton kernel (compiled kernels on, a `plan` for them). TPUs, where the
+    caller allows it (`tpu`: device->device copies), the Mosaic TPU DMA kernel; never a GPU
+    kernel there. The private `INTERPRET` switch runs either kernel interpreted anywhere."""
+    where = "gpu" if INTERPRET == "gpu" else "tpu" if INTERPRET == "tpu" else None
+    where = where or (platform(leaves[0]) if ALLOW_COMPILED else None)
+    if where == "gpu" and (INTERPRET == "gpu" or TRITON):
+        backend = "interpret" if INTERPRET == "gpu" else "triton"
+    elif where == "tpu" and tpu:
+        backend = "tpu_interpret" if INTERPRET == "tpu" else "tpu"
+    else:
         return None
-    kernel_plan = plan(leaves)
+    kernel_plan = plan(leaves, backend)
     return kernel_plan if isinstance(kernel_plan, Plan) else None
 
 
-def checked_plan(impl: str, leaves: list[jax.Array], what: str) -> Plan:
-    """The kernel plan for an explicit `impl` ("pallas", "mosaic" or "pallas_interpret") on
-    these leaves (all of src and dst), or a ValueError saying why it cannot run (`what`: "copy",
-    "swap into"), raised before anything is dispatched. Shared by `copy_blocks` and `swap_in`."""
-    if impl in ("pallas", "mosaic"):  # compiled kernels
-        if not ALLOW_COMPILED:
-            raise ValueError(
-                f"impl={impl!r} is switched off (jaxsync.kv._pallas.ALLOW_COMPILED); use impl='xla'"
-            )
-        if impl == "pallas" and not TRITON:
-            raise ValueError(
-                "impl='pallas' needs Pallas' Triton backend, which this jax lacks; use "
-                "impl='xla' (or 'mosaic' for device->device copies on Hopper GPUs)"
-            )
-        if platform(leaves[0]) != "gpu":
-            raise ValueError(
-                f"impl={impl!r} compiles a GPU kernel, not one for {platform(leaves[0])!r}; "
-                "use impl='xla' or 'pallas_interpret'"
-            )
-    kernel_plan = plan(leaves)
-    if not isinstance(kernel_plan, Plan):
-        raise ValueError(f"impl={impl!r} cannot {what} these caches: {kernel_plan}")
-    return kernel_plan
-
-
-BACKENDS = {"pallas": "triton", "pallas_interpret": "interpret", "mosaic": "mosaic"}
-"""`impl` name -> the `backend` of `copy_leaf` / `copy_pallas`."""
-
-
-@ft.partial(jax.jit, donate_argnames="dst", static_argnames=("plan", "backend"))
-def copy_pallas(
-    src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan = Plan(), backend: str = "triton"
-) -> Cache:
-    """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids), for
-    device caches; `src` may also be in pinned host memory (h2d: the Triton kernel reads it
-    directly, as `_pool._swap_in_kernel` does).
-
-    backend: "triton" (the GPU default), "mosaic" (`kv._mosaic`, Hopper, opt-in) or "interpret"
-    (Pallas' interpreter, any backend; tests)."""
-
+@ft.partial(jax.jit, donate_argnames="dst", static_argnames="plan")
+def _copy_pallas(src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan) -> Cache:
     def local(src, dst, src_ids, dst_ids):
-        return jax.tree.map(lambda s, d: copy_leaf(s, d, src_ids, dst_ids, backend), src, dst)
+        return jax.tree.map(lambda s, d: copy_leaf(s, d, src_ids, dst_ids, plan.backend), src, dst)
 
     return per_shard(local, plan, src, dst, ids)
+
+
+def copy(src: Cache, dst: Cache, ids: jaxsync.Packed, kernel_plan: Plan) -> Cache:
+    """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids), for
+    device caches; `src` may also be in pinned host memory (h2d: the kernel reads it directly,
+    as `_pool`'s kernel swap does)."""
+    with quiet_triton_deprecation():  # Pallas warns whenever the Triton kernel is lowered
+        return _copy_pallas(src, dst, ids, kernel_plan)
 
 
 def per_shard(

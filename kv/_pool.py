@@ -1,17 +1,12 @@
 """Block-major pinned-host swap space: `HostPool`, `host_pool`, `swap_out`, `swap_in`.
 
 Why a second host layout. `copy_blocks` between per-layer caches moves one DMA per block *and*
-layer: at 32 layers x 64 KiB blocks that is 16384 small DMAs for 512 blocks, and host->device
-reached only 12.6 GB/s on an H200 against a 55.2 GB/s single transfer (tools/explore_swap.py,
-jax 0.11.2, 2026-11-29). A `HostPool` stores host block b of *every* leaf contiguously,
-`[P_host, L, *block]` (L = leaves of the cache in its flattened order: sorted layer names, k
-before v), so one DMA moves a block of all layers: 512 DMAs of 2 MiB, 40.5 GB/s in the same run.
-With the loop unrolled (`UNROLL`) the `jaxsync bench` kv rows read 80-83% (swap_out) and 75-80%
-(swap_in) of a large pinned transfer (H200, 2026-11-29, docs/benchmarks.md). swap_in's ceiling
-there: XLA reads pinned memory at a device-held offset with an SM kernel, not the copy engine, at
-most two at a time, and such reads cap near 48-50 of 55 GB/s even at 32 MiB each. So on GPUs
-swap_in reads the pool from a Triton kernel instead, every block in flight at once: 86-91% of
-torch's pinned transfer (jaxsync bench, H200, 16:22 UTC).
+layer: at 32 layers x 64 KiB blocks that is 16384 small DMAs for 512 blocks, far below the
+bandwidth of one large pinned transfer. A `HostPool` stores host block b of *every* leaf
+contiguously, `[P_host, L, *block]` (L = leaves of the cache in its flattened order: sorted layer
+names, k before v), so one DMA moves a block of all layers. On GPUs XLA reads pinned memory at a
+device-held offset with an SM kernel, a few at a time, so swap_in reads the pool from a Pallas
+kernel instead, every block in flight at once (see docs/benchmarks.md for measured figures).
 
 * `swap_out`: one gather per leaf on the device into a staging buffer `[N, L, *block]`, then one
   DMA per block into the (donated) pool.
@@ -38,21 +33,20 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas
+from jaxsync.kv._ids import checked_ids, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
-    checked_ids,
+    check_placement,
+    committed,
     memory_kind,
-    padded_ids,
     upload_ids,
 )
 
 
 UNROLL = 8
-"""DMA-loop iterations per unrolled step, read at trace time. H200, 512 blocks x 2 MiB
-(tools/explore_swap.py --unroll): 8 gave swap_out 45.4 / swap_in 42.9 GB/s and 1.4 / 2.3 ms
-host-blocked, against 41.2 / 40.5 GB/s and 4.0 / 4.1 ms at 1 (55.2 GB/s single transfer); 16, 32
-and 64 gave no more (swap_in 42.7 / 41.7 / 42.6 GB/s, a later run)."""
+"""DMA-loop iterations per unrolled step, read at trace time: unrolling lets consecutive block
+DMAs overlap; beyond 8 the swaps measured no faster."""
 
 
 @ft.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["treedef"])
@@ -115,6 +109,8 @@ def _check(pool: HostPool, cache: Cache) -> list[jax.Array]:
     """Validates the pair on the host; returns the cache's leaves."""
     if not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a HostPool (see host_pool), got {type(pool).__name__}")
+    if not isinstance(pool.blocks, jax.core.Tracer) and pool.blocks.is_deleted():
+        raise ValueError("the pool was donated (deleted); use the HostPool swap_out returned")
     leaves, treedef = cache_leaves(cache, "cache")
     if memory_kind(leaves, "cache") != "device":
         raise ValueError("the cache must live in device memory")
@@ -128,6 +124,7 @@ def _check(pool: HostPool, cache: Cache) -> list[jax.Array]:
             f"pool blocks {pool.blocks.shape[2:]} {pool.blocks.dtype} differ from the cache's "
             f"{block} {dtype}"
         )
+    check_placement([pool.blocks, *leaves], "the pool and the cache")
     return leaves
 
 
@@ -146,8 +143,8 @@ def _swap_out(leaves: list[jax.Array], pool: jax.Array, ids: jaxsync.Packed) -> 
 
 def _staging_sharding(leaf: jax.Array) -> NamedSharding | None:
     """`[N, L, *block]` sharded like the cache leaf's block axes (explicit mesh axes type-check
-    the loop's update against it). Taken from the device leaf, not the pool: under jax 0.11.2 on
-    two H200s, zeros placed like the pinned-host pool came out unsharded."""
+    the loop's update against it). Taken from the device leaf, not the pool: zeros placed like the
+    pinned-host pool came out unsharded on multi-GPU hosts."""
     sharding = jax.typeof(leaf).sharding
     if sharding.mesh.empty:
         return None
@@ -175,16 +172,9 @@ def _swap_in(pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed) -> l
     ]
 
 
-_ONE_DEVICE = _pallas.Plan()
-
-
-@ft.partial(jax.jit, donate_argnames="leaves", static_argnames=("backend", "plan"))
+@ft.partial(jax.jit, donate_argnames="leaves", static_argnames="plan")
 def _swap_in_kernel(
-    pool: jax.Array,
-    leaves: list[jax.Array],
-    ids: jaxsync.Packed,
-    backend: str,
-    plan: _pallas.Plan = _ONE_DEVICE,
+    pool: jax.Array, leaves: list[jax.Array], ids: jaxsync.Packed, plan: _pallas.Plan
 ) -> list[jax.Array]:
     """`_swap_in` as one Pallas kernel per leaf that reads its blocks straight out of the pool:
     XLA hands the Triton call the pinned-host buffer itself (the optimized HLO passes the `S(5)`
@@ -195,28 +185,13 @@ def _swap_in_kernel(
 
     def local(pool, leaves, src_ids, dst_ids):
         return [
-            _pallas.copy_leaf(pool, x, src_ids, dst_ids, backend, leaf=i)
+            _pallas.copy_leaf(pool, x, src_ids, dst_ids, plan.backend, leaf=i)
             for i, x in enumerate(leaves)
         ]
 
     spec = plan.spec
     pool_spec = None if spec is None else PartitionSpec(spec[0], None, *spec[1:])  # _pool_sharding
     return _pallas.per_shard(local, plan, pool, leaves, ids, src_spec=pool_spec)
-
-
-def _swap_in_impl(impl: str, leaves: list[jax.Array]) -> tuple[str, _pallas.Plan | None]:
-    """The program `swap_in` runs, with its kernel plan: "xla" (DMA loop + scatter, no plan),
-    "triton" or "interpret"."""
-    if impl not in ("auto", "xla", "pallas", "pallas_interpret"):
-        raise ValueError(
-            f"impl must be 'auto', 'xla', 'pallas' or 'pallas_interpret', got {impl!r}"
-        )
-    if impl == "xla":
-        return "xla", None
-    if impl == "auto":
-        kernel_plan = _pallas.compiled_plan(leaves) if _pallas.TRITON else None
-        return ("xla", None) if kernel_plan is None else ("triton", kernel_plan)
-    return _pallas.BACKENDS[impl], _pallas.checked_plan(impl, leaves, "swap into")
 
 
 @entry_point
@@ -250,7 +225,7 @@ def swap_out(
         "dst": padded_ids(d, np.full(size, d[-1])),
     }
     ids = upload_ids(fields, leaves[0])
-    return HostPool(_swap_out(leaves, pool.blocks, ids), pool.treedef)
+    return HostPool(_swap_out(committed(leaves), pool.blocks, ids), pool.treedef)
 
 
 @entry_point
@@ -261,7 +236,7 @@ def swap_in(
     dst_ids: Any,
     *,
     buckets: tuple[int, ...] | None = None,
-    impl: Literal["auto", "xla", "pallas", "pallas_interpret"] = "auto",
+    impl: Literal["auto", "xla"] = "auto",
 ) -> Cache:
     """cache[dst_ids[k]] <- pool[src_ids[k]] for every layer.
 
@@ -272,18 +247,18 @@ def swap_in(
       src_ids / dst_ids: host lists of pool and cache block ids, same length, dst unique.
       buckets: block-count buckets (default: powers of two >= 8).
       impl: "auto" (default): on a GPU, for caches whose (per-device) block dims are powers of
-        two, on one device or split over kv heads, "pallas": one Triton kernel per layer reading
-        the blocks straight out of pinned host memory (H200, 512 blocks: 86-92% of a large
-        pinned transfer, against 78-80% for the DMA loop); elsewhere "xla": one DMA per block
-        into a staging buffer, then one scatter per layer. "pallas_interpret" runs the kernel in
-        Pallas' interpreter (tests).
+        two, on one device or split over kv heads, one Pallas kernel per layer reading the
+        blocks straight out of pinned host memory (every block in flight at once); elsewhere
+        "xla": one DMA per block into a staging buffer, then one scatter per layer.
 
     Raises:
       ValueError / TypeError: before anything is dispatched, as `swap_out`, and on an `impl`
         that cannot run here.
     """
+    if impl not in ("auto", "xla"):
+        raise ValueError(f"impl must be 'auto' or 'xla', got {impl!r}")
     leaves = _check(pool, cache)
-    backend, kernel_plan = _swap_in_impl(impl, leaves)
+    kernel_plan = None if impl == "xla" else _pallas.auto_plan(leaves)
     num_dst = leaves[0].shape[0]
     s, d = checked_ids(src_ids, dst_ids, pool.num_blocks, num_dst)
     if s.size == 0:
@@ -292,9 +267,10 @@ def swap_in(
     sentinels = np.arange(num_dst, num_dst + size)  # dropped by the scatter
     fields = {"src": padded_ids(s, np.full(size, s[-1])), "dst": padded_ids(d, sentinels)}
     ids = upload_ids(fields, leaves[0])
-    if backend == "xla":
+    leaves = committed(leaves)
+    if kernel_plan is None:
         out = _swap_in(pool.blocks, leaves, ids)
     else:
-        with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns when the kernel is lowered
-            out = _swap_in_kernel(pool.blocks, leaves, ids, backend=backend, plan=kernel_plan)
+        with _pallas.quiet_triton_deprecation():  # Pallas warns whenever the kernel is lowered
+            out = _swap_in_kernel(pool.blocks, leaves, ids, kernel_plan)
     return jax.tree_util.tree_unflatten(pool.treedef, out)

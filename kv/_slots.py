@@ -20,14 +20,13 @@ import numpy as np
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.kv._ids import check_range, check_unique, host_ids, host_int, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
-    check_range,
-    check_unique,
-    host_ids,
+    check_placement,
+    committed,
     memory_kind,
-    padded_ids,
     upload_ids,
 )
 
@@ -54,6 +53,8 @@ def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.nda
     >>> slot_mapping_for([3, 1], 4, 8).tolist(), slot_mapping_for([3], 4, 0).tolist()
     ([12, 13, 14, 15], [])
     """
+    block_size = host_int(block_size, "block_size")
+    num_tokens = host_int(num_tokens, "num_tokens")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if num_tokens < 0:
@@ -68,19 +69,25 @@ def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.nda
     return (ids[:needed, None] * block_size + offsets[None, :]).reshape(-1)
 
 
-def _split(leaf: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    block_size = leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1]
-    return slots // block_size, slots % block_size  # [T], [T]
+def _index(leaf: jax.Array, slots: jax.Array) -> tuple:
+    """Where slots live in a leaf whose token axis S is second to last (`[P, K, S, X]`,
+    `[P, S, L]`, stacked `[P, L, K, S, X]` / `[P, L, S, Lat]`): (block, ..., offset)."""
+    block_size = leaf.shape[-2]
+    middle = (slice(None),) * (leaf.ndim - 3)  # kv heads and / or layers, kept whole
+    return (slots // block_size, *middle, slots % block_size)
+
+
+def row_shape(leaf_shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """Per-token rows cut from a leaf: `[T, K, X]`, `[T, L]` or stacked `[T, L, K, X]`."""
+    return (rows, *leaf_shape[1:-2], leaf_shape[-1])
 
 
 @jax.jit
 def _extract(caches: Cache, ids: jaxsync.Packed) -> Cache:
     slots = ids["slots"]  # [T]
 
-    def one(leaf):
-        b, s = _split(leaf, slots)
-        index = (b, slice(None), s) if leaf.ndim == 4 else (b, s)
-        return leaf.at[index].get(mode="fill", fill_value=0)  # [T, K, X] or [T, L]
+    def one(leaf):  # -> row_shape(leaf.shape, T)
+        return leaf.at[_index(leaf, slots)].get(mode="fill", fill_value=0)
 
     return jax.tree.map(one, caches)
 
@@ -90,33 +97,32 @@ def _inject(caches: Cache, kv: Cache, ids: jaxsync.Packed) -> Cache:
     slots = ids["slots"]  # [T]
 
     def one(leaf, rows):
-        b, s = _split(leaf, slots)
-        index = (b, slice(None), s) if leaf.ndim == 4 else (b, s)
-        return leaf.at[index].set(rows, mode="drop", unique_indices=True)
+        return leaf.at[_index(leaf, slots)].set(rows, mode="drop", unique_indices=True)
 
     return jax.tree.map(one, caches, kv)
 
 
-def _prepare(caches: Cache, slot_mapping: Any, buckets, *, unique: bool):
-    """Validates caches and slots on the host; returns (leaves, n, padded upload fields)."""
+def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name="slot_mapping"):
+    """Validates caches and slots on the host; returns (leaves, n, bucket, padded upload
+    fields). `name`: what the slots are called in errors."""
     leaves, _ = cache_leaves(caches, "caches")
     for leaf in leaves:
-        if leaf.ndim not in (3, 4):
+        if leaf.ndim not in (3, 4, 5):
             raise ValueError(
-                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves, got "
-                f"shape {leaf.shape}"
+                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves (with a "
+                f"layer axis after P if stacked), got shape {leaf.shape}"
             )
         if memory_kind([leaf], "caches") != "device":
             raise ValueError("extract_kv / inject_kv work on device-memory caches")
-    sizes = {leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1] for leaf in leaves}
+    sizes = {leaf.shape[-2] for leaf in leaves}
     if len(sizes) != 1:
         raise ValueError(f"layers disagree on the block size: {sorted(sizes)}")
     (block_size,) = sizes
     num_slots = leaves[0].shape[0] * block_size
-    slots = host_ids(slot_mapping, "slot_mapping")
-    check_range(slots, num_slots, "slot_mapping")
+    slots = host_ids(slot_mapping, name)
+    check_range(slots, num_slots, name)
     if unique:
-        check_unique(slots, "slot_mapping")
+        check_unique(slots, name)
     n = int(slots.size)
     size = jaxsync.bucket(n, buckets)
     if num_slots + size > np.iinfo(np.int32).max:
@@ -133,7 +139,7 @@ def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-    kept = (None, spec[1], spec[3]) if leaf.ndim == 4 else (None, spec[2])
+    kept = (None, *spec[1:-2], spec[-1])  # as row_shape: blocks and offsets become tokens
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
 
 
@@ -152,8 +158,8 @@ def extract_kv(
       `{layer: [N, K, X] | [N, L]}` with N = bucket(T) >= T: rows T.. are zero padding (the
       padded length keeps one program per bucket; slice `[:T]` on the host after reading back).
     """
-    leaves, _, _, fields = _prepare(caches, slot_mapping, buckets, unique=False)
-    return _extract(caches, upload_ids(fields, leaves[0]))
+    leaves, _, _, fields = check_slots(caches, slot_mapping, buckets, unique=False)
+    return _extract(committed(caches), upload_ids(fields, leaves[0]))
 
 
 @entry_point
@@ -176,7 +182,7 @@ def inject_kv(
       ValueError: before dispatch on bad slots or kv rows whose structure, shape or dtype do not
         match the caches.
     """
-    leaves, n, size, fields = _prepare(caches, slot_mapping, buckets, unique=True)
+    leaves, n, size, fields = check_slots(caches, slot_mapping, buckets, unique=True)
     treedef = jax.tree_util.tree_structure(caches)
     kv_leaves, kv_def = jax.tree_util.tree_flatten(kv)
     if kv_def != treedef:
@@ -184,12 +190,15 @@ def inject_kv(
     for leaf, rows in zip(leaves, kv_leaves, strict=True):
         if not isinstance(rows, jax.Array):
             raise TypeError("kv rows must be jax.Arrays (load_kv uploads host data)")
-        want = (size, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (size, leaf.shape[2])
+        if not isinstance(rows, jax.core.Tracer) and rows.is_deleted():
+            raise ValueError("kv holds a deleted (donated) array")
+        want = row_shape(leaf.shape, size)
         if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
             raise ValueError(
                 f"kv rows must be {want} {leaf.dtype} for {n} slots (bucket {size}), "
                 f"got {tuple(rows.shape)} {rows.dtype}"
             )
+    check_placement(leaves + kv_leaves, "caches and kv rows")
     if n == 0:
         return caches
-    return _inject(caches, kv, upload_ids(fields, leaves[0]))
+    return _inject(committed(caches), committed(kv), upload_ids(fields, leaves[0]))

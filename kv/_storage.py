@@ -5,7 +5,7 @@ tensor "kv_cache" (`[T, K, X]` attention rows or `[T, L]` MLA rows); a separate-
 "k_cache" and "v_cache". The key hashes the kept tokens (the first `(n - 1) // S * S`, see
 `slot_mapping_for`) as int64 bytes, like upstream's `token_ids.numpy().tobytes()`.
 
-Loading lands on each cache's own device or sharding (upstream post-#51458 hard-coded "cuda") and
+Loading lands on each cache's own device or sharding (upstream hard-codes "cuda") and
 never waits on the device: files are read on the host, padded to the slot bucket in fresh host
 buffers, uploaded with explicit async puts and injected by one jitted call.
 """
@@ -19,24 +19,53 @@ from typing import Any
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.kv._layout import Cache, cache_leaves
-from jaxsync.kv._slots import extract_kv, inject_kv, row_sharding, slot_mapping_for
+from jaxsync.kv._ids import check_range, host_ids
+from jaxsync.kv._layout import Cache, StackedCache, cache_leaves
+from jaxsync.kv._slots import (
+    check_slots,
+    extract_kv,
+    inject_kv,
+    row_shape,
+    row_sharding,
+    slot_mapping_for,
+)
+
+
+def _key_hashes(mm_hashes: Any) -> list[str]:
+    """The multimodal hashes as a list, refusing what upstream's `"-".join` would mis-key: a
+    plain string (joined character by character), non-strings, empty hashes and hashes holding
+    the separator (`["a", "b"]`, `["a-b"]` and `"ab"` would share a folder), or NUL (token ids
+    below 2**56 end in NUL bytes, so a hash without NUL cannot pass for token bytes)."""
+    if isinstance(mm_hashes, str | bytes) or not isinstance(mm_hashes, list | tuple):
+        raise TypeError(f"mm_hashes must be a list of str, got {type(mm_hashes).__name__}")
+    for h in mm_hashes:
+        if not isinstance(h, str):
+            raise TypeError(f"mm_hashes must hold str, got {type(h).__name__} {h!r}")
+        if not h or "-" in h or "\0" in h:
+            raise ValueError(f"mm hash {h!r} is empty or holds '-' or NUL: it would mis-key")
+    return list(mm_hashes)
 
 
 def kv_folder(root: str | os.PathLike, token_ids: Any, mm_hashes: Sequence[str] = ()) -> str:
-    """The folder that holds a request's KV: `root/<md5 hex of token bytes + mm hashes>`.
+    """The folder that holds a request's KV: `root/<md5 hex of token bytes + mm hashes>`, as
+    upstream keys it (int64 token bytes, then the hashes joined by "-").
+
+    Raises:
+      TypeError: token ids that are not ints (floats, bools), mm_hashes not a list of str.
+      ValueError: nested token ids, or a hash upstream's key would confuse with another list.
 
     >>> os.path.basename(kv_folder("/tmp", [1, 2, 3]))
     'aa341a15f5ade44faafbe190f98c2587'
     """
-    data = np.asarray(token_ids, dtype=np.int64).tobytes()
-    if mm_hashes:
-        data += "-".join(mm_hashes).encode("utf-8")
+    data = host_ids(token_ids, "token_ids").tobytes()
+    hashes = _key_hashes(mm_hashes)
+    if hashes:
+        data += "-".join(hashes).encode("utf-8")
     try:
         digest = hashlib.md5(data, usedforsecurity=False).hexdigest()
     except ValueError:  # FIPS builds refuse md5 even for non-security use; upstream falls back too
@@ -46,29 +75,73 @@ def kv_folder(root: str | os.PathLike, token_ids: Any, mm_hashes: Sequence[str] 
 
 def _block_size(caches: Cache) -> int:
     leaves, _ = cache_leaves(caches, "caches")
-    leaf = leaves[0]
-    return leaf.shape[2] if leaf.ndim == 4 else leaf.shape[1]
+    return leaves[0].shape[-2]
 
 
-def _tensor_names(value: Any, layer: str) -> list[str]:
-    if isinstance(value, jax.Array):
+def _layers(caches: Cache) -> dict[str, list]:
+    """`{layer: [leaf-like per tensor]}` as files store them; a stacked cache's layer l is
+    `kv[:, l]` (only shape, dtype and placement are read: no slicing happens here)."""
+    if not isinstance(caches, StackedCache):
+        return {n: [v] if isinstance(v, jax.Array) else list(v) for n, v in caches.items()}
+    leaves = [caches.kv] if isinstance(caches.kv, jax.Array) else list(caches.kv)
+    per_layer = [jax.ShapeDtypeStruct((x.shape[0], *x.shape[2:]), x.dtype) for x in leaves]
+    return dict.fromkeys(caches.layers, per_layer)
+
+
+def _per_layer_rows(rows: Any, caches: Cache) -> dict[str, list[np.ndarray]]:
+    """Host rows of `extract_kv` by layer (a stacked cache's `[N, L, ...]` split on axis 1)."""
+    if not isinstance(caches, StackedCache):
+        return {n: [v] if isinstance(v, np.ndarray) else list(v) for n, v in rows.items()}
+    leaves = [rows.kv] if isinstance(rows.kv, np.ndarray) else list(rows.kv)
+    return {n: [x[:, i] for x in leaves] for i, n in enumerate(caches.layers)}
+
+
+def _tensor_names(leaves: list, layer: str) -> list[str]:
+    """The tensors of one layer's file: "kv_cache", or "k_cache" and "v_cache"."""
+    if len(leaves) == 1:
         return ["kv_cache"]
-    if isinstance(value, tuple | list) and len(value) == 2:
+    if len(leaves) == 2:
         return ["k_cache", "v_cache"]
     raise ValueError(f"layer {layer!r} must be an array or a (k, v) pair")
 
 
 def _check_layer_names(caches: Cache) -> None:
-    for name in caches:
-        if not name or "/" in name or os.sep in name or name in (".", ".."):
+    for name in caches.layers if isinstance(caches, StackedCache) else caches:
+        if not isinstance(name, str):
+            raise TypeError(f"layer names must be str, got {type(name).__name__} {name!r}")
+        if not name or "/" in name or os.sep in name or "\0" in name or name in (".", ".."):
             raise ValueError(f"layer name {name!r} cannot be a file name")
 
 
-def _plan(caches: Cache, token_ids: Any, block_ids: Any, root, mm_hashes):
+def _plan(caches: Cache, token_ids: Any, block_ids: Any, root, mm_hashes, buckets=None):
+    """Host checks and the request's slots and folder, before any file, upload or compile:
+    caches, layer names, ids (ints), block ids inside the cache, slots unique, the key."""
     _check_layer_names(caches)
-    tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    slots = slot_mapping_for(block_ids, _block_size(caches), int(tokens.size))
+    tokens = host_ids(token_ids, "token_ids")
+    block_size = _block_size(caches)
+    num_blocks = jax.tree.leaves(caches)[0].shape[0]
+    check_range(host_ids(block_ids, "block_ids"), num_blocks, "block_ids")  # the whole table
+    slots = slot_mapping_for(block_ids, block_size, int(tokens.size))
+    check_slots(caches, slots, buckets, unique=True, name="slots of block_ids")
     return slots, kv_folder(root, tokens[: slots.size], mm_hashes)
+
+
+def _writable_folder(folder: str) -> None:
+    """Creates `folder` (an OSError such as NotADirectoryError if its parent is a file) and
+    checks it is writable, before anything is gathered or read back."""
+    os.makedirs(folder, exist_ok=True)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write KV files into {folder}")
+
+
+def _read(path: str, name: str) -> np.ndarray:
+    """One stored tensor; a file that is not valid safetensors (truncated, corrupt) or lacks
+    the tensor is a ValueError naming it."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file with {name!r}: {e}") from e
 
 
 def save_kv(
@@ -94,15 +167,19 @@ def save_kv(
 
     Returns:
       The folder written, or None when no whole block is kept (nothing to save).
+
+    Raises (before anything is gathered or read back):
+      TypeError / ValueError: as `load_kv`, for ids, hashes, caches and layer names.
+      OSError: the folder cannot be created or written (e.g. NotADirectoryError when `root` is
+        a file, PermissionError).
     """
     slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes)
     if slots.size == 0:
         return None
+    _writable_folder(folder)
     rows = jax.device_get(extract_kv(caches, slots))  # explicit: the one readback, all layers
-    os.makedirs(folder, exist_ok=True)
-    for layer, value in rows.items():
-        arrays = value if isinstance(value, tuple | list) else (value,)
-        names = _tensor_names(caches[layer], layer)
+    for layer, arrays in _per_layer_rows(rows, caches).items():
+        names = _tensor_names(arrays, layer)
         tensors = {
             k: np.ascontiguousarray(a[: slots.size]) for k, a in zip(names, arrays, strict=True)
         }
@@ -131,38 +208,56 @@ def load_kv(
     Returns:
       The updated caches (`caches` itself when no whole block is kept).
 
-    Raises:
+    Raises (all before anything is uploaded or compiled; caches untouched):
+      TypeError: token or block ids that are not ints, mm_hashes not a list of str.
+      ValueError: block ids outside the cache or repeated, a hash that would mis-key (see
+        `kv_folder`), a file that is not valid safetensors (truncated, corrupt, missing a
+        tensor), or a stored tensor whose shape or dtype does not fit the cache.
       FileNotFoundError: a layer file is missing.
-      ValueError: a stored tensor's shape or dtype does not fit the cache (caches untouched).
     """
-    slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes)
+    slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes, buckets)
     n = int(slots.size)
     if n == 0:
         return caches
     size = jaxsync.bucket(n, buckets)
-    host: dict[str, Any] = {}
-    for layer, value in caches.items():
+    host: dict[str, list[np.ndarray]] = {}
+    for layer, leaves in _layers(caches).items():
         path = os.path.join(folder, f"{layer}.safetensors")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no saved KV for layer {layer!r}: {path}")
-        leaves = [value] if isinstance(value, jax.Array) else list(value)
-        rows = []
-        with safe_open(path, framework="numpy") as f:
-            for name, leaf in zip(_tensor_names(value, layer), leaves, strict=True):
-                stored = f.get_tensor(name)
-                want = (n, leaf.shape[1], leaf.shape[3]) if leaf.ndim == 4 else (n, leaf.shape[2])
-                if stored.shape != want or stored.dtype != leaf.dtype:
-                    raise ValueError(
-                        f"{path}:{name} is {stored.shape} {stored.dtype}, cache needs {want} "
-                        f"{leaf.dtype}"
-                    )
-                # A fresh buffer nobody mutates afterwards, so the async put may alias it.
-                padded = np.zeros((size, *want[1:]), stored.dtype)
-                padded[:n] = stored
-                rows.append((padded, row_sharding(leaf)))
-        host[layer] = rows
+        host[layer] = []
+        for name, leaf in zip(_tensor_names(leaves, layer), leaves, strict=True):
+            stored = _read(path, name)
+            want = row_shape(leaf.shape, n)
+            if stored.shape != want or stored.dtype != leaf.dtype:
+                raise ValueError(
+                    f"{path}:{name} is {stored.shape} {stored.dtype}, cache needs {want} "
+                    f"{leaf.dtype}"
+                )
+            host[layer].append(stored)
+    return inject_kv(caches, _upload_rows(caches, host, n, size), slots, buckets=buckets)
+
+
+def _upload_rows(caches: Cache, host: dict[str, list[np.ndarray]], n: int, size: int) -> Cache:
+    """The checked rows padded to the bucket in fresh host buffers (nobody mutates them after,
+    so the async put may alias them) and uploaded, one put per cache leaf, each on its leaf's
+    row sharding; a stacked cache's layers are stacked on the host first."""
+
+    def put(rows: np.ndarray, leaf: jax.Array) -> jax.Array:
+        padded = np.zeros((size, *rows.shape[1:]), rows.dtype)
+        padded[:n] = rows
+        return jaxsync.async_h2d(padded, placement=row_sharding(leaf), copy=False)
+
+    if isinstance(caches, StackedCache):
+        leaves = [caches.kv] if isinstance(caches.kv, jax.Array) else list(caches.kv)
+        stacked = [
+            np.stack([host[n][i] for n in caches.layers], axis=1) for i in range(len(leaves))
+        ]
+        puts = [put(rows, x) for rows, x in zip(stacked, leaves, strict=True)]
+        return StackedCache(puts[0] if len(puts) == 1 else tuple(puts), caches.layers)
     kv = {}
-    for layer, rows in host.items():  # uploads only after every file was checked
-        puts = [jaxsync.async_h2d(a, placement=s, copy=False) for a, s in rows]  # fresh buffers
-        kv[layer] = puts[0] if isinstance(caches[layer], jax.Array) else type(caches[layer])(puts)
-    return inject_kv(caches, kv, slots, buckets=buckets)
+    for layer, value in caches.items():
+        leaves = [value] if isinstance(value, jax.Array) else list(value)
+        puts = [put(rows, x) for rows, x in zip(host[layer], leaves, strict=True)]
+        kv[layer] = puts[0] if isinstance(value, jax.Array) else type(value)(puts)
+    return kv

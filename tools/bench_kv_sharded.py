@@ -3,8 +3,8 @@
 Per GPU, measured in one process with `jaxsync.bench._timing.measure` (device time from queued
 back-to-back calls, host-blocked time with ~30 ms of work queued):
 
-* d2d `copy_blocks`, default impl ("auto": the Pallas kernel per shard under shard_map on GPUs),
-  impl="mosaic" on Hopper and impl="xla", against a per-GPU device copy ceiling (every GPU
+* d2d `copy_blocks`, default impl ("auto": the Pallas kernel per shard under shard_map on GPUs)
+  and impl="xla", against a per-GPU device copy ceiling (every GPU
   copying 1 GiB at once);
 * `swap_out` / `swap_in` through a `HostPool` sharded like the cache, and `copy_blocks` from
   per-layer pinned caches sharded the same way (h2d layers), against a per-GPU pinned
@@ -34,8 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure  # noqa: E402
 from jaxsync.kv import KVLayout, copy_blocks, host_pool, swap_in, swap_out  # noqa: E402
-from jaxsync.kv._copy import _hopper  # noqa: E402
-from jaxsync.kv._layout import fresh_copy  # noqa: E402
+from jaxsync.testing import fresh_copy  # noqa: E402
 
 
 def _pinned_ceiling(mesh, nbytes_per_gpu: int, to_host: bool) -> float:
@@ -129,8 +128,6 @@ def main() -> None:
         host_ids = [(s, rng.choice(args.host_blocks, count, replace=False)) for s, _ in ids]
         d2d, out, back, h2d = _closures(src, state, ids, host_ids)
         cases = [("d2d", "auto", d2d("auto"), ceiling, 2), ("d2d", "xla", d2d("xla"), ceiling, 2)]
-        if _hopper(src["layer00"]):  # the Mosaic GPU port, per shard too
-            cases.append(("d2d", "mosaic", d2d("mosaic"), ceiling, 2))
         if count <= args.host_blocks // 2:
             swaps = (("d2h pool", "pool", out, True), ("h2d pool", "auto", back("auto"), False),
                      ("h2d pool", "xla", back("xla"), False), ("h2d layers", "auto", h2d("auto"),

@@ -15,9 +15,8 @@ import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
-from jaxsync.kv._layout import donation_copy, fresh_copy
-from jaxsync.kv._reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
-from jaxsync.testing import block_id_pairs, requires_torch
+from jaxsync.paths.kv.reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
+from jaxsync.testing import block_id_pairs, donation_copy, fresh_copy, requires_torch
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -95,7 +94,8 @@ BAD = [
     ("duplicate dst", dict(src_ids=[0, 1], dst_ids=[2, 2]), "dst_ids must be unique"),
     ("length mismatch", dict(src_ids=[0, 1], dst_ids=[2]), "has 2 ids but dst_ids has 1"),
     ("2-D ids", dict(src_ids=[[0]], dst_ids=[[1]]), "1-D list of ints"),
-    ("float ids", dict(src_ids=[0.5], dst_ids=[1]), "1-D list of ints"),
+    ("float ids", dict(src_ids=[0.5], dst_ids=[1]), "src_ids must hold ints"),
+    ("bool ids", dict(src_ids=[True], dst_ids=[1]), "src_ids must hold ints"),
     ("unknown direction", dict(direction="h2h"), "unknown direction"),
     ("wrong direction", dict(direction="d2h"), "caches' memory kinds say 'd2d'"),
 ]
@@ -103,11 +103,12 @@ BAD = [
 
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_raises_before_dispatch(case):
-    _, kwargs, message = case
+    name, kwargs, message = case
     src, dst = make("packed", 13, np.float32, 0, DEV), make("packed", 13, np.float32, 1, DEV)
     before = snapshot(dst), snapshot(src)
     args = dict(src_ids=[0], dst_ids=[1]) | kwargs
-    with pytest.raises(ValueError, match=re.escape(message)):
+    error = TypeError if name in ("float ids", "bool ids") else ValueError
+    with pytest.raises(error, match=re.escape(message)):
         copy_blocks(src, dst, **args)
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((src, dst)))
     assert_bits_equal((snapshot(dst), snapshot(src)), before)

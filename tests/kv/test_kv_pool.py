@@ -13,10 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
-from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._pool import _swap_in, _swap_out
-from jaxsync.kv._reference import as_numpy, host_random_cache
-from jaxsync.testing import block_id_pairs, requires_torch
+from jaxsync.paths.kv.reference import as_numpy, host_random_cache
+from jaxsync.testing import block_id_pairs, donation_copy, fresh_copy, requires_torch
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -48,7 +47,7 @@ def bits(a):
 def test_parity_with_torch_index_select(kind, dtype):
     import torch
 
-    from jaxsync.kv._reference import to_torch
+    from jaxsync.paths.kv.reference import to_torch
 
     cache = make(kind, 13, DTYPES[dtype], 0)
     src_ids, pool_ids, back_ids = [12, 0, 5, 5, 7], [3, 10, 0, 4, 9], [1, 2, 6, 8, 11]
@@ -96,7 +95,8 @@ BAD = [
     (dict(src_ids=[-1], dst_ids=[0]), "src_ids must lie in"),
     (dict(src_ids=[0, 1], dst_ids=[2, 2]), "dst_ids must be unique"),
     (dict(src_ids=[0, 1], dst_ids=[2]), "has 2 ids but dst_ids has 1"),
-    (dict(src_ids=[0.5], dst_ids=[1]), "1-D list of ints"),
+    (dict(src_ids=[0.5], dst_ids=[1]), "src_ids must hold ints"),
+    (dict(src_ids=[[0]], dst_ids=[[1]]), "1-D list of ints"),
 ]
 
 
@@ -106,9 +106,10 @@ def test_bad_ids_raise_before_dispatch(case):
     cache = make()
     pool = swap_out(cache, host_pool(cache, 9), [1, 2, 3], [0, 1, 2])
     before = leaves_np(cache), as_numpy(pool.blocks)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    error = TypeError if "must hold ints" in message else ValueError
+    with pytest.raises(error, match=re.escape(message)):
         swap_out(cache, pool, **kwargs)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(error, match=re.escape(message)):
         swap_in(pool, cache, **kwargs)
     assert not pool.blocks.is_deleted()
     assert not any(x.is_deleted() for x in jax.tree.leaves(cache))

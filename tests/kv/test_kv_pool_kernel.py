@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, _pallas, _pool, host_pool, swap_in, swap_out
-from jaxsync.kv._layout import fresh_copy
-from jaxsync.kv._reference import as_numpy, host_random_cache
+from jaxsync.paths.kv.reference import as_numpy, host_random_cache
+from jaxsync.testing import fresh_copy, kv_call
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -41,7 +41,7 @@ def bits(cache):
 
 def swapped(pool, kind, src, dst, impl, seed=7):
     target = host_random_cache(layout(kind), LAYERS, seed, DEV)
-    return bits(swap_in(pool, target, src, dst, impl=impl))
+    return bits(kv_call(swap_in, pool, target, src, dst, impl=impl))
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
@@ -53,7 +53,7 @@ def swapped(pool, kind, src, dst, impl, seed=7):
 def test_kernel_equals_dma_loop(kind, ids):
     pool = filled_pool(kind)
     want = swapped(pool, kind, *ids, impl="xla")
-    got = swapped(pool, kind, *ids, impl="pallas_interpret")
+    got = swapped(pool, kind, *ids, impl="kernel")
     for a, b in zip(got, want, strict=True):
         assert np.array_equal(a, b)
     before = bits(host_random_cache(layout(kind), LAYERS, 7, DEV))
@@ -68,15 +68,16 @@ def test_kernel_equals_dma_loop_on_many_random_id_sets():
         n = int(rng.integers(1, 14))
         src, dst = rng.integers(0, 29, n), rng.permutation(13)[:n]
         want = swapped(pool, "packed", src, dst, impl="xla")
-        got = swapped(pool, "packed", src, dst, impl="pallas_interpret")
+        got = swapped(pool, "packed", src, dst, impl="kernel")
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), (src, dst)
 
 
 def test_auto_takes_the_kernel_on_one_gpu_only(monkeypatch):
     leaves = jax.tree.leaves(host_random_cache(layout("packed"), LAYERS, 0, DEV))
 
-    def choice(leaves, impl="auto"):
-        return _pool._swap_in_impl(impl, leaves)[0]
+    def choice(leaves):
+        plan = _pallas.auto_plan(leaves)
+        return "xla" if plan is None else plan.backend
 
     assert choice(leaves) == ("triton" if jax.default_backend() == "gpu" else "xla")
     monkeypatch.setattr(_pallas, "platform", lambda leaf: "gpu")
@@ -87,11 +88,10 @@ def test_auto_takes_the_kernel_on_one_gpu_only(monkeypatch):
     mesh = jaxsync.testing.device_mesh("h")
     sharded = jax.tree.leaves(HEADS.random(LAYERS, jax.random.key(0), placement=SHARD(mesh)))
     assert choice(sharded) == "triton"  # per shard
-    assert _pool._swap_in_impl("auto", sharded)[1].mesh is not None
+    assert _pallas.auto_plan(sharded).mesh is not None
     by_block = jax.device_put(jnp.zeros((8, 2, 4, 16)), NamedSharding(mesh, P("h")))
     assert choice([by_block]) == "xla"  # blocks split over devices: a shard cannot read a pool
-    with pytest.raises(ValueError, match="block axis"):
-        choice([by_block], "pallas_interpret")
+    assert "block axis" in _pallas.plan([by_block])
     monkeypatch.setattr(_pallas, "TRITON", False)  # a jax without Pallas' Triton backend
     assert choice(leaves) == "xla"
     monkeypatch.setattr(_pallas, "TRITON", True)
@@ -107,11 +107,9 @@ def SHARD(mesh):  # noqa: N802 - reads like the constant it stands for
     return NamedSharding(mesh, P(None, "h"))
 
 
-@pytest.mark.parametrize(
-    "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
-)
+@pytest.mark.parametrize("impl", ["kernel", pytest.param("auto", marks=pytest.mark.gpu)])
 def test_sharded_kernel_runs_per_shard_without_collectives(impl):
-    if impl == "pallas" and jax.default_backend() != "gpu":
+    if impl == "auto" and jax.default_backend() != "gpu":
         pytest.skip("the compiled (Triton) kernel needs GPUs")
     mesh = jaxsync.testing.device_mesh("h")
     cache = HEADS.random(LAYERS, jax.random.key(0), placement=SHARD(mesh))
@@ -119,36 +117,29 @@ def test_sharded_kernel_runs_per_shard_without_collectives(impl):
     src, dst = [3, 1, 4, 9, 0], [0, 5, 7, 11, 2]
     want = swap_in(pool, HEADS.random(LAYERS, jax.random.key(1), placement=SHARD(mesh)), src,
                    dst, impl="xla")  # fmt: skip
-    got = swap_in(pool, HEADS.random(LAYERS, jax.random.key(1), placement=SHARD(mesh)), src, dst,
-                  impl=impl)  # fmt: skip
+    got = kv_call(swap_in, pool, HEADS.random(LAYERS, jax.random.key(1), placement=SHARD(mesh)),
+                  src, dst, impl=impl)  # fmt: skip
     for name in LAYERS:
         assert got[name].sharding.is_equivalent_to(SHARD(mesh), 4)
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
     leaves = jax.tree.leaves(cache)
-    backend, plan = _pool._swap_in_impl(impl, leaves)
+    plan = _pallas.plan(leaves, "triton" if impl == "auto" else "interpret")
     ids = jaxsync.upload_packed(
         {"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)},
         placement=NamedSharding(mesh, P()),
     )
     with _pallas.quiet_triton_deprecation():
-        hlo = _pool._swap_in_kernel.lower(pool.blocks, leaves, ids, backend, plan).as_text()
+        hlo = _pool._swap_in_kernel.lower(pool.blocks, fresh_copy(leaves), ids, plan).as_text()
     assert not [c for c in ("all-gather", "all-to-all", "collective-permute") if c in hlo]
 
 
 def test_refusals_raise_before_dispatch_and_donate_nothing():
     pool = filled_pool("packed")
     cache = host_random_cache(layout("packed"), LAYERS, 3, DEV)
-    with pytest.raises(ValueError, match="impl must be"):
-        swap_in(pool, cache, [0], [1], impl="mosaic")
-    if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="compiles a GPU kernel|Triton backend"):
-            swap_in(pool, cache, [0], [1], impl="pallas")
-    odd_layout = KVLayout(kind="packed", num_blocks=5, block_size=4, num_kv_heads=2, head_dim=3)
-    odd = host_random_cache(odd_layout, LAYERS, 0, DEV)
-    odd_pool = swap_out(odd, host_pool(odd, 5), [0], [0])
-    with pytest.raises(ValueError, match="power-of-two"):
-        swap_in(odd_pool, odd, [0], [1], impl="pallas_interpret")
-    assert not any(x.is_deleted() for x in jax.tree.leaves(cache) + jax.tree.leaves(odd))
+    for impl in ("mosaic", "pallas", "pallas_interpret"):
+        with pytest.raises(ValueError, match="impl must be 'auto' or 'xla'"):
+            swap_in(pool, cache, [0], [1], impl=impl)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(cache))
 
 
 def test_kernel_lowers_to_one_triton_call_per_layer_reading_the_pool_for_cuda():
@@ -159,7 +150,7 @@ def test_kernel_lowers_to_one_triton_call_per_layer_reading_the_pool_for_cuda():
     ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
     # quiet: jax >= 0.11 warns on every Triton lowering; abstract_gpu: the CUDA target, GPU-less
     with _pallas.quiet_triton_deprecation(), jaxsync.testing.abstract_gpu():
-        traced = _pool._swap_in_kernel.trace(pool.blocks, leaves, ids, backend="triton")
+        traced = _pool._swap_in_kernel.trace(pool.blocks, leaves, ids, _pallas.Plan())
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == len(LAYERS)
     assert "annotate_device_placement" not in text  # no memory-space transfer of the pool
@@ -178,12 +169,12 @@ def test_compiled_kernel_equals_dma_loop_and_passes_every_proof_on_gpu():
     for n in (1, 37, 300, 512):
         src, dst = rng.integers(0, 512, n), rng.permutation(512)[:n]
         target = host_random_cache(big, names, 1, DEV)
-        got = bits(swap_in(pool, fresh_copy(target), src, dst, impl="pallas"))
+        got = bits(swap_in(pool, fresh_copy(target), src, dst, impl="auto"))
         want = bits(swap_in(pool, target, src, dst, impl="xla"))
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), n
     small = filled_pool("packed", num_blocks=13)
     master = host_random_cache(layout("packed"), LAYERS, 2, DEV)
-    assert _pool._swap_in_impl("auto", jax.tree.leaves(master))[0] == "triton"
+    assert _pallas.auto_plan(jax.tree.leaves(master)).backend == "triton"
 
     def step(pool, cache, src_ids, dst_ids):  # swap_in donates the cache: a fresh copy per call
         return swap_in(pool, fresh_copy(cache), src_ids, dst_ids)

@@ -12,16 +12,15 @@ import jaxsync
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, inject_kv, slot_mapping_for
-from jaxsync.kv._layout import fresh_copy
-from jaxsync.kv._reference import (
+from jaxsync.kv._slots import _extract, _inject
+from jaxsync.paths.kv.reference import (
     as_numpy,
     host_random_cache,
     to_numpy,
     torch_extract,
     torch_inject,
 )
-from jaxsync.kv._slots import _extract, _inject
-from jaxsync.testing import requires_torch
+from jaxsync.testing import fresh_copy, requires_torch
 
 
 LAYERS = ("a", "b")

@@ -13,9 +13,8 @@ from safetensors.numpy import load_file
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, kv_folder, load_kv, save_kv, slot_mapping_for
-from jaxsync.kv._layout import fresh_copy
-from jaxsync.kv._reference import as_numpy, to_numpy, torch_extract
-from jaxsync.testing import requires_torch
+from jaxsync.paths.kv.reference import as_numpy, to_numpy, torch_extract
+from jaxsync.testing import fresh_copy, requires_torch
 
 
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-import jaxsync.kv._verify  # noqa: F401  (registers)
+import jaxsync.paths.kv  # noqa: F401  (registers)
 from jaxsync import registry
 from jaxsync.testing import requires_torch
 
@@ -48,3 +48,14 @@ def test_bench_timing_handles_a_donating_chain():
     case = registry._benches["kv"]("cpu", "tiny")[0]
     row = measure(case.jax_fn, _Side("jax"), repeat=2)
     assert row["device_ms"] >= 0 and row["blocked_ms"] > 0
+
+
+def test_the_product_imports_neither_torch_nor_the_harness():
+    import pathlib
+    import re
+
+    import jaxsync.kv
+
+    for path in pathlib.Path(jaxsync.kv.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(torch|jaxsync\.paths)\b", text, re.M), path

@@ -25,10 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsync.kv import _pallas
-from jaxsync.kv._copy import _hopper, copy_blocks
-from jaxsync.kv._layout import KVLayout
-from jaxsync.kv._pool import host_pool, swap_in, swap_out
+from jaxsync.kv import KVLayout, _pallas, copy_blocks, host_pool, swap_in, swap_out
 from jaxsync.registry import BenchCase, register_bench
 
 
@@ -90,7 +87,7 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
     """Copy (d2d) and swap (d2h, h2d) cases of `size` on `device` ("cuda"/"cpu")."""
     import torch
 
-    from jaxsync.kv._reference import to_torch
+    from jaxsync.paths.kv.reference import to_torch
 
     cfg = SIZES[size]
     layout: KVLayout = cfg["layout"]
@@ -149,12 +146,8 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
             name = f"kv.copy_blocks {direction} {count} blocks ({size})"
             cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
             if direction == "d2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
-                # On a GPU the default ("auto") is the Pallas kernel: XLA's copy on the same ids,
-                # and on Hopper the Mosaic GPU port.
-                others = ["xla"] + (["mosaic"] if _hopper(jax.tree.leaves(src)[0]) else [])
-                cases += [
-                    _impl_case(name, impl, s_cache, state, id_sets, nbytes) for impl in others
-                ]
+                # On a GPU the default ("auto") is the Pallas kernel: XLA's copy on the same ids
+                cases.append(_impl_case(name, "xla", s_cache, state, id_sets, nbytes))
             if direction == "h2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
                 # The default there is the kernel reading the per-layer pinned caches directly:
                 # the DMA loop on the same ids

@@ -1,9 +1,9 @@
-"""Registers the kv paths for `jaxsync verify` (and, through `_bench`, for `jaxsync bench`).
+"""Registers the kv paths for `jaxsync verify` (and, through `bench`, for `jaxsync bench`).
 
 Every case uses a tiny random cache built in-process (no checkpoint). The entry points donate their
 destination cache, while `verify` calls a path several times with the same arguments, so each
 registered callable first makes its own (asynchronous, device-side) copy of the destination.
-Parity compares bit patterns with the PyTorch reference in `_reference` (metric "mismatches").
+Parity compares bit patterns with the PyTorch reference in `reference` (metric "mismatches").
 """
 
 from __future__ import annotations
@@ -15,13 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxsync.kv._bench  # noqa: F401  (registers the "kv" bench family)
-from jaxsync.kv._copy import copy_blocks
-from jaxsync.kv._layout import KVLayout, donation_copy, fresh_copy
-from jaxsync.kv._pool import HostPool, host_pool, swap_in, swap_out
-from jaxsync.kv._slots import extract_kv, inject_kv, slot_mapping_for
-from jaxsync.kv._storage import load_kv, save_kv
+import jaxsync.paths.kv.bench  # noqa: F401  (registers the "kv" bench family)
+from jaxsync.kv import (
+    HostPool,
+    KVLayout,
+    copy_blocks,
+    extract_kv,
+    host_pool,
+    inject_kv,
+    load_kv,
+    save_kv,
+    slot_mapping_for,
+    swap_in,
+    swap_out,
+)
 from jaxsync.registry import Parity, PathCase, register_path
+from jaxsync.testing import donation_copy, fresh_copy
 
 
 _LAYERS = ("l0", "l1", "l2")
@@ -46,7 +55,7 @@ def _placement(kind: str) -> jax.sharding.Sharding:
 
 
 def _mismatches(actual, expected) -> int:
-    from jaxsync.kv._reference import as_numpy, to_numpy
+    from jaxsync.paths.kv.reference import as_numpy, to_numpy
 
     bad = 0
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
@@ -66,7 +75,7 @@ def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
         return copy_blocks(src, donation_copy(dst, master, dst_kind), src_ids, dst_ids)
 
     def parity() -> Parity:
-        from jaxsync.kv._reference import torch_copy_blocks
+        from jaxsync.paths.kv.reference import torch_copy_blocks
 
         bad = 0
         for s_ids, d_ids in _IDS:
@@ -103,7 +112,7 @@ def _pool_parity(step, leaf_of, layout_name: str) -> Parity:
     checked blocks of leaf i out of the result)."""
     import torch
 
-    from jaxsync.kv._reference import to_torch
+    from jaxsync.paths.kv.reference import to_torch
 
     bad = 0
     for s_ids, d_ids in _IDS:
@@ -122,7 +131,7 @@ def _pool_src():
 
 @register_path("kv.swap_out_pool", "device cache -> block-major pinned-host HostPool")
 def _build_pool_out(checkpoint: str | None) -> PathCase:
-    from jaxsync.kv._reference import as_numpy
+    from jaxsync.paths.kv.reference import as_numpy
 
     src = _pool_src()
     pool = host_pool(src, 13)
@@ -172,7 +181,7 @@ def _build_extract(checkpoint: str | None) -> PathCase:
     }
 
     def parity() -> Parity:
-        from jaxsync.kv._reference import torch_extract
+        from jaxsync.paths.kv.reference import torch_extract
 
         bad = 0
         for slots in _SLOTS:
@@ -199,7 +208,7 @@ def _build_inject(checkpoint: str | None) -> PathCase:
         return inject_kv(fresh_copy(cache), rows, slots)
 
     def parity() -> Parity:
-        from jaxsync.kv._reference import as_numpy, torch_inject
+        from jaxsync.paths.kv.reference import as_numpy, torch_inject
 
         bad = 0
         for slots in _SLOTS:
@@ -225,7 +234,7 @@ def _build_load(checkpoint: str | None) -> PathCase:
         return load_kv(root, fresh_copy(caches), tokens, blocks)
 
     def parity() -> Parity:
-        from jaxsync.kv._reference import torch_extract
+        from jaxsync.paths.kv.reference import torch_extract
 
         bad = 0
         for (tokens, saved_blocks), new_blocks in zip(

@@ -1,0 +1,85 @@
+"""Host-side checks of block and slot ids, run by every kv entry point before dispatch: ints
+only (never truncated), 1-D, in range, unique where they are scatter targets; and their padding
+to a bucket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def host_ids(ids: Any, name: str) -> np.ndarray:
+    """Block or slot ids as a 1-D int64 host array.
+
+    Raises TypeError on device arrays (a readback), strings, and elements that are not integers
+    (floats, bools: never truncated); ValueError on nested or ragged lists."""
+    if isinstance(ids, jax.Array):
+        raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
+    if isinstance(ids, np.ndarray):
+        arr = ids
+    elif isinstance(ids, list | tuple | range):
+        types = set(map(type, ids))  # one C-level pass: bools would pass np.asarray as ints
+        if not types <= {int}:
+            _check_element_types(types, name)
+        arr = np.asarray(ids)
+    else:
+        raise TypeError(f"{name} must be a list or 1-D ndarray of ints, got {type(ids).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of ints, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros((0,), np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold ints, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _check_element_types(types: set, name: str) -> None:
+    for t in types:
+        if issubclass(t, list | tuple | np.ndarray):
+            raise ValueError(f"{name} must be a 1-D list of ints, got nested (or ragged) sequences")
+    for t in types:
+        if issubclass(t, bool | np.bool_) or not issubclass(t, int | np.integer):
+            raise TypeError(f"{name} must hold ints, got {t.__name__}")
+
+
+def host_int(value: Any, name: str) -> int:
+    """A Python or numpy integer as int; TypeError on bools, floats and anything else."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_range(ids: np.ndarray, limit: int, name: str) -> None:
+    """0 <= ids < limit. Negative ids are refused: jnp indexing would wrap them silently."""
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)]
+        raise ValueError(f"{name} must lie in [0, {limit}); got {bad[:8].tolist()}")
+
+
+def check_unique(ids: np.ndarray, name: str) -> None:
+    """Duplicate scatter targets would make the result depend on XLA's write order."""
+    ordered = np.sort(ids)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size:
+        raise ValueError(f"{name} must be unique; repeated: {np.unique(repeated)[:8].tolist()}")
+
+
+def padded_ids(ids: np.ndarray, fill: Any) -> np.ndarray:
+    """`fill` (the bucket's length of padding ids) as int32, its head replaced by `ids`."""
+    out = np.array(fill, np.int32)
+    out[: ids.size] = ids
+    return out
+
+
+def checked_ids(src_ids: Any, dst_ids: Any, num_src: int, num_dst: int) -> tuple[np.ndarray, ...]:
+    """Block-id pairs of a copy, validated on the host: same length, in range, dst unique."""
+    s, d = host_ids(src_ids, "src_ids"), host_ids(dst_ids, "dst_ids")
+    if s.size != d.size:
+        # Upstream silently does nothing here; a caller with such lists has a bug.
+        raise ValueError(f"src_ids has {s.size} ids but dst_ids has {d.size}")
+    check_range(s, num_src, "src_ids")
+    check_range(d, num_dst, "dst_ids")
+    check_unique(d, "dst_ids")
+    return s, d

@@ -1,0 +1,194 @@
+"""Stacked caches (`KVLayout(stacked=True)`, block-major `[P, L, ...]`): one program per entry
+point with a jit argument count independent of the layer count, bit-exact with the per-layer
+layout for every entry point, sharded over kv heads too."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxsync
+import jaxsync.testing
+from jaxsync.check import no_recompile
+from jaxsync.kv import (
+    KVLayout,
+    StackedCache,
+    _copy,
+    _pool,
+    _slots,
+    copy_blocks,
+    extract_kv,
+    host_pool,
+    inject_kv,
+    load_kv,
+    save_kv,
+    stack_layers,
+    swap_in,
+    swap_out,
+    unstack_layers,
+)
+from jaxsync.testing import fresh_copy, kv_call
+
+
+DEV = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+HOST = DEV.with_memory_kind("pinned_host")
+KINDS = {
+    "packed": dict(kind="packed", num_kv_heads=2, head_dim=3, dtype=jnp.bfloat16),
+    "separate": dict(kind="separate", num_kv_heads=2, head_dim=4, dtype=jnp.float32),
+    "mla": dict(kind="mla", latent_dim=5, dtype=jnp.float16),
+}
+LAYERS = ("l0", "l1", "l2")
+
+
+def layout(kind, stacked, num_blocks=11):
+    return KVLayout(num_blocks=num_blocks, block_size=4, stacked=stacked, **KINDS[kind])
+
+
+def pair(kind, seed, num_blocks=11, placement=None):
+    """The same random cache in both layouts."""
+    stacked = layout(kind, True, num_blocks).random(
+        LAYERS, jax.random.key(seed), placement=placement
+    )
+    return stacked, unstack_layers(stacked)
+
+
+def bits(tree):
+    return [np.asarray(x).view(np.uint8) for x in jax.tree.leaves(tree)]
+
+
+def assert_same(stacked, per_layer):
+    """A stacked result equals the per-layer one bit for bit."""
+    if isinstance(stacked, StackedCache):
+        stacked = unstack_layers(stacked)
+    for a, b in zip(bits(stacked), bits(per_layer), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def stacked_rows_as_layers(rows: StackedCache) -> dict:
+    """Rows `[N, L, ...]` of a stacked cache as per-layer rows `[N, ...]`."""
+    return {n: jax.tree.map(lambda x, i=i: x[:, i], rows.kv) for i, n in enumerate(rows.layers)}
+
+
+def test_layout_and_stack_round_trip():
+    stacked, per_layer = pair("separate", 0)
+    assert isinstance(stacked, StackedCache) and stacked.layers == LAYERS
+    assert stacked.kv[0].shape == (11, 3, 2, 4, 4)  # [P, L, K, S, H]
+    assert_same(stack_layers(per_layer), per_layer)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d", "within"])
+@pytest.mark.parametrize("impl", ["auto", "xla", "kernel"])
+def test_copy_blocks_parity(kind, direction, impl):
+    src_ids, dst_ids = [3, 0, 10, 4], [7, 2, 0, 3]
+    s_st, s_pl = pair(kind, 0)
+    d_st, d_pl = pair(kind, 1)
+    if direction == "within":
+        s_st, s_pl, d_st, d_pl = d_st, d_pl, d_st, d_pl
+    if direction == "d2h":
+        d_st, d_pl = fresh_copy(d_st, "pinned_host"), fresh_copy(d_pl, "pinned_host")
+    if direction == "h2d":
+        s_st, s_pl = fresh_copy(s_st, "pinned_host"), fresh_copy(s_pl, "pinned_host")
+    want = copy_blocks(s_pl, d_pl, src_ids, dst_ids, impl="xla")
+    got = kv_call(copy_blocks, s_st, d_st, src_ids, dst_ids, impl=impl)
+    if direction == "d2h":
+        got, want = fresh_copy_to_device(got), fresh_copy_to_device(want)
+    assert_same(got, want)
+
+
+def fresh_copy_to_device(tree):
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), tree)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_slot_paths_and_storage_parity(kind, tmp_path):
+    s_st, s_pl = pair(kind, 0)
+    slots = [5, 0, 17, 43, 12, 9, 2]
+    rows_st, rows_pl = extract_kv(s_st, slots), extract_kv(s_pl, slots)
+    assert_same(stacked_rows_as_layers(rows_st), rows_pl)
+    d_st, d_pl = pair(kind, 1)
+    assert_same(inject_kv(d_st, rows_st, slots), inject_kv(d_pl, rows_pl, slots))
+    tokens, blocks = list(range(13)), [6, 2, 9, 4]
+    folder_st = save_kv(tmp_path / "st", s_st, tokens, blocks)
+    folder_pl = save_kv(tmp_path / "pl", s_pl, tokens, blocks)
+    for layer in LAYERS:  # the same files: a stacked cache saves what per-layer ones do
+        a = (tmp_path / "st" / folder_st.split("/")[-1] / f"{layer}.safetensors").read_bytes()
+        b = (tmp_path / "pl" / folder_pl.split("/")[-1] / f"{layer}.safetensors").read_bytes()
+        assert a == b
+    d_st, d_pl = pair(kind, 2)
+    loaded_st = load_kv(tmp_path / "pl", d_st, tokens, [1, 8, 3, 0])  # files of per-layer caches
+    loaded_pl = load_kv(tmp_path / "pl", d_pl, tokens, [1, 8, 3, 0])
+    assert_same(loaded_st, loaded_pl)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("impl", ["auto", "kernel"])
+def test_pool_swaps_parity(kind, impl):
+    s_st, s_pl = pair(kind, 0)
+    pool_st = swap_out(s_st, host_pool(s_st, 6), [3, 0, 10], [5, 1, 2])
+    pool_pl = swap_out(s_pl, host_pool(s_pl, 6), [3, 0, 10], [5, 1, 2])
+    d_st, d_pl = pair(kind, 1)
+    got = kv_call(swap_in, pool_st, d_st, [5, 1, 2], [4, 9, 0], impl=impl)
+    assert_same(got, swap_in(pool_pl, d_pl, [5, 1, 2], [4, 9, 0], impl="xla"))
+
+
+def _main_args(lowered) -> int:
+    """The number of arguments of the lowered program's entry function."""
+    signature = re.search(r"func\.func public @main\((.*?)\)\s*(->|\{)", lowered.as_text(), re.S)
+    return signature.group(1).count("%arg")
+
+
+def _copy_args(num_layers: int, stacked: bool, kind="packed") -> int:
+    names = tuple(f"layer{i:02d}" for i in range(num_layers))
+    cache = layout(kind, stacked, 16).random(names, jax.random.key(0))
+    ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
+    return _main_args(_copy._copy_same_memory.trace(cache, fresh_copy(cache), ids).lower())
+
+
+def test_jit_argument_count_does_not_grow_with_layers():
+    counts = {(n, s): _copy_args(n, s) for n in (4, 32) for s in (False, True)}
+    assert counts[(32, True)] == counts[(4, True)] <= 6, counts  # src, dst, ids
+    assert counts[(32, False)] > counts[(4, False)], counts  # negative control: per-layer grows
+    assert _copy_args(32, True, "separate") <= 6  # (k, v): 2 + 2 + ids
+
+
+def test_every_stacked_entry_point_is_one_program_of_few_arguments():
+    names = tuple(f"layer{i:02d}" for i in range(32))
+    cache = layout("packed", True, 16).random(names, jax.random.key(0))
+    ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
+    slots = jaxsync.upload_packed({"slots": np.arange(8, dtype=np.int32)})
+    pool = host_pool(cache, 4)
+    rows = extract_kv(cache, [0, 1])
+    programs = {
+        "copy": _copy._copy_same_memory.trace(cache, fresh_copy(cache), ids),
+        "within": _copy._copy_within.trace(cache, ids),
+        "extract": _slots._extract.trace(cache, slots),
+        "inject": _slots._inject.trace(cache, rows, slots),
+        "swap_out": _pool._swap_out.trace(jax.tree.leaves(cache), pool.blocks, ids),
+        "swap_in": _pool._swap_in.trace(pool.blocks, jax.tree.leaves(cache), ids),
+    }
+    for name, traced in programs.items():
+        assert _main_args(traced.lower()) <= 6, name
+
+
+@pytest.mark.parametrize("impl", ["auto", "kernel"])
+def test_stacked_caches_sharded_over_kv_heads(impl):
+    mesh = jaxsync.testing.device_mesh("h")
+    heads = KVLayout(kind="packed", num_blocks=12, block_size=4, num_kv_heads=8, head_dim=4,
+                     dtype=jnp.float32, stacked=True)  # fmt: skip
+    shard = NamedSharding(mesh, P(None, "h"))  # per layer: [P, K, S, X] split over kv heads
+    src = heads.random(LAYERS, jax.random.key(0), placement=shard)
+    dst = heads.random(LAYERS, jax.random.key(1), placement=shard)
+    assert src.kv.sharding.spec[2] == "h"  # [P, L, K, S, X]: still split over kv heads
+    want = copy_blocks(unstack_layers(src), unstack_layers(dst), [3, 0, 11], [7, 2, 0], impl="xla")
+    got = kv_call(copy_blocks, src, dst, [3, 0, 11], [7, 2, 0], impl=impl)
+    assert got.kv.sharding.is_equivalent_to(src.kv.sharding, 5)
+    assert_same(got, want)
+    rows = extract_kv(got, [1, 2, 3])
+    got = inject_kv(got, rows, [40, 41, 42])
+    with no_recompile():
+        got = inject_kv(got, rows, [44, 45])
+        extract_kv(got, [5])
