@@ -213,6 +213,8 @@ class Qwen3OmniAudioEncoder:
         on_host = not isinstance(features, jax.Array)
         if on_host:
             features = jaxsync.host_array(features, name="features")
+        elif getattr(features, "is_deleted", bool)():  # a tracer has no buffer to lose
+            raise ValueError("features were deleted (donated to another program, or freed)")
         planned = self._planned(features, feature_lens)
         if on_host:
             jaxsync.check_finite(features, name="features")

@@ -184,15 +184,19 @@ def forward(
       rows: [W * Q, O] embeddings; row r < sum(tokens) is token r of the concatenated audios,
         later rows are zero.
       finite: [W * Q] bool, by the same rows: False on every row of an audio with a NaN or inf
-        in its frames (a window holds one audio, so the flag of its windows is the audio's);
-        padding rows are True.
+        in its frames; padding rows are True.
     """
     x, window_finite = tower.embed(features, meta)
     x = jaxsync.run_layers(tower.layers, x, meta["window_lens"])
+    # One flag per audio: the AND over its windows, by its rank among the non-empty audios
+    # (padding windows carry the out-of-range rank W: dropped, and read back as True).
+    ranks, windows = meta["window_ranks"], window_finite.shape[0]
+    audio_finite = jax.ops.segment_min(window_finite.astype(jnp.int32), ranks, windows) > 0
+    window_flag = jnp.take(audio_finite, ranks, mode="fill", fill_value=True)  # [W]
     # out_src holds each row's flat window-layout position; the padding sentinel W * Q falls
     # past the last window and reads True
     window = meta["out_src"] // tower.cfg.window_tokens
-    finite = jnp.take(window_finite, window, mode="fill", fill_value=True)
+    finite = jnp.take(window_flag, window, mode="fill", fill_value=True)
     return tower.head(x, meta), finite
 
 

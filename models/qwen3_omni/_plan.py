@@ -128,6 +128,8 @@ class ChunkPlan:
       audio_offsets: [A] first output row of each audio.
       window_counts: [A] attention windows per audio.
       window_lens: [W] valid tokens of each window slot (0 for padding windows).
+      window_ranks: [W] rank of each window's audio among the non-empty audios (segment ids
+        of the per-audio finite flags); `W` for padding windows.
       token_windows: [T] window of each output token (segment ids; upstream `cu_seqlens`).
       slot_starts, slot_lens, slot_tokens: [S] per-slot chunk start / frames / tokens (0 if empty).
       out_src: [W * window_tokens] flat window-layout position of each output row; padding rows
@@ -148,6 +150,7 @@ class ChunkPlan:
     audio_offsets: np.ndarray
     window_counts: np.ndarray
     window_lens: np.ndarray
+    window_ranks: np.ndarray
     token_windows: np.ndarray
     slot_starts: np.ndarray
     slot_lens: np.ndarray
@@ -174,6 +177,7 @@ class ChunkPlan:
             "slot_lens",
             "slot_tokens",
             "window_lens",
+            "window_ranks",
             "out_src",
             "conv_limits",
         )
@@ -241,6 +245,9 @@ def plan_chunks(
     out_src[: t.size] = first_window[audio_of_token] * win_tok + t
     token_windows = first_window[audio_of_token] + t // win_tok
     window_lens = np.bincount(token_windows, minlength=bucket)
+    window_ranks = np.full(bucket, bucket, np.int64)
+    nonempty = windows > 0
+    window_ranks[:num_windows] = np.repeat(np.arange(int(nonempty.sum())), windows[nonempty])
 
     longest = int(chunk_lens.max()) if chunk_lens.size else 0
     conv_limits = np.array([_conv1(longest), _conv1(_conv1(longest))], np.int64)
@@ -255,6 +262,7 @@ def plan_chunks(
         audio_offsets=offsets,
         window_counts=windows,
         window_lens=window_lens,
+        window_ranks=window_ranks,
         token_windows=token_windows,
         slot_starts=slot_starts,
         slot_lens=slot_lens,
