@@ -397,3 +397,51 @@ def test_load_state_takes_new_weights_without_recompiling():
     with pytest.raises(ValueError, match="same parameter structure"):
         enc.load_state(_deep(3))
     np.testing.assert_array_equal(enc(x, lens).embeddings, after.embeddings)
+
+
+# ---------------------------------------------------------------- processor outputs
+
+
+@pytest.mark.parametrize("return_tensors", ["np", "pt"])
+def test_processor_outputs_go_straight_in(random_encoder, return_tensors):
+    # The Qwen3-Omni processor's audio path: WhisperFeatureExtractor with the processor's
+    # audio kwargs (padding to the longest, no truncation, the frame mask), the mask renamed
+    # to feature_attention_mask. Built locally from its class with explicit arguments.
+    transformers = pytest.importorskip("transformers")
+    if return_tensors == "pt":
+        pytest.importorskip("torch")
+    fe = transformers.WhisperFeatureExtractor(
+        feature_size=ref.TINY.num_mel_bins,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
+    rng = np.random.default_rng(0)
+    seconds = (0.37, 2.53, 0.011, 1.0)  # 37, 253, 1 and 100 mel frames
+    audio = [rng.standard_normal(int(s * 16000)).astype(np.float32) * 0.1 for s in seconds]
+    batch = fe(
+        audio,
+        sampling_rate=16000,
+        padding=True,
+        truncation=False,
+        return_attention_mask=True,
+        return_tensors=return_tensors,
+    )
+    feats, mask = batch["input_features"], batch.pop("attention_mask")
+    out = random_encoder(input_features=feats, feature_attention_mask=mask)
+
+    # the same batch by hand: each audio's real frames (a prefix), concatenated in time
+    feats_np, mask_np = np.asarray(feats), np.asarray(mask)
+    lens = [int(m.sum()) for m in mask_np]
+    assert all(m[:n].all() and not m[n:].any() for m, n in zip(mask_np, lens, strict=True))
+    concat = np.concatenate([f[:, :n] for f, n in zip(feats_np, lens, strict=True)], axis=1)
+    want = random_encoder(concat, lens)
+    assert out.lengths == want.lengths
+    assert out.lengths == tuple(q3.feat_extract_output_lengths(lens).tolist())
+    np.testing.assert_array_equal(np.asarray(out.embeddings), np.asarray(want.embeddings))
+    features, feature_lens = q3.features_from_processor(feats, mask)
+    np.testing.assert_array_equal(features, concat)
+    assert feature_lens.tolist() == lens
