@@ -445,3 +445,55 @@ def test_processor_outputs_go_straight_in(random_encoder, return_tensors):
     features, feature_lens = q3.features_from_processor(feats, mask)
     np.testing.assert_array_equal(features, concat)
     assert feature_lens.tolist() == lens
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, (jax.sharding.AxisType.Auto,) * len(names))
+
+
+def test_data_parallel_inputs_with_replicated_weights():
+    lens = [333, 0, 77, 250, 1, 260, 7]  # 928 frames -> bucket 1024, divisible by 8
+    x = q3.pad_features(ref.random_features(ref.TINY, lens), lens)
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    want = q3.Qwen3OmniAudioEncoder(tower)(x, lens)
+    mesh = _mesh((8,), ("data",))
+    replicated = jax.NamedSharding(mesh, jax.P())
+    _, state = nnx.split(tower)
+    nnx.update(tower, jax.tree.map(lambda w: jax.device_put(w, replicated), state))
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    assert enc.program.num_state_args == 1  # replicated state still packs
+    frames = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
+    for features in (frames, x):  # device features split over the mesh; host features
+        out = enc(features, lens)
+        assert out.embeddings.sharding.device_set == set(mesh.devices.flat)
+        np.testing.assert_allclose(out.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out.extras["finite"], want.extras["finite"])
+    with no_recompile():  # the plan and its upload follow the features' placement: cached
+        enc(frames, lens)
+    off_mesh = jaxsync.async_h2d(x)  # one device: not where the weights are
+    with pytest.raises(ValueError, match="same devices"):
+        enc(off_mesh, lens)
+
+
+def test_weights_sharded_over_a_model_axis(tmp_path):
+    pytest.importorskip("torch")
+    ckpt = ref.save_hf_encoder(
+        ref.build_hf_encoder(ref.TINY), tmp_path / "model.safetensors", "thinker.audio_tower."
+    )
+    lens = [120, 0, 31, 250]
+    x = q3.pad_features(ref.random_features(ref.TINY, lens), lens)
+    want = q3.Qwen3OmniAudioEncoder(q3.load_model(ckpt, ref.TINY))(x, lens)
+    mesh = _mesh((4, 2), ("data", "model"))
+    tower = q3.load_model(ckpt, ref.TINY, mesh=mesh)
+    q = tower.layers[0].self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == jax.P(None, "model")  # 42 columns split in 2
+    assert not q.sharding.is_fully_replicated
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    assert enc.program.num_state_args > 1  # sharded state passes leaf by leaf
+    features = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
+    for inputs in (features, x):
+        out = enc(inputs, lens)
+        np.testing.assert_allclose(out.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
