@@ -57,6 +57,10 @@ class Qwen3OmniAudioEncoder:
         four sizes per octave); coarser buckets mean fewer programs and more padding.
       plan_cache_size: length mixes whose plan and uploads are kept (least recently used).
 
+    Attributes:
+      program: the `jaxsync.TowerProgram` (`program.lower(features, meta)` for inspection).
+      plans: the `jaxsync.PlanCache` of plans and their uploads (`len()`, `clear()`).
+
     Usage: `Qwen3OmniAudioEncoder(load_model(ckpt))(features, [310, 0, 99])`, or with the
     processor's outputs: `encoder(input_features=..., feature_attention_mask=...)`.
     """
@@ -85,7 +89,7 @@ class Qwen3OmniAudioEncoder:
         self.window_buckets = window_buckets
         self.program = jaxsync.TowerProgram(tower, forward, layers="layers")
         self._weights_at(tower)
-        self._plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
+        self.plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
 
     def _weights_at(self, tower: Qwen3OmniAudioTower) -> None:
         leaf = jax.tree.leaves(tower)[0]
@@ -155,7 +159,7 @@ class Qwen3OmniAudioEncoder:
             lens = tuple(check_feature_lens(feature_lens).tolist())  # the same key
         where = getattr(features, "sharding", None)
         key = (features.shape, features.dtype, where, lens)
-        return self._plans.get(key, lambda: self._build(features, lens))
+        return self.plans.get(key, lambda: self._build(features, lens))
 
     def _build(self, features: Any, lens: tuple[int, ...]) -> _Planned:
         if not jnp.issubdtype(features.dtype, jnp.floating):
@@ -213,7 +217,7 @@ class Qwen3OmniAudioEncoder:
         on_host = not isinstance(features, jax.Array)
         if on_host:
             features = jaxsync.host_array(features, name="features")
-        elif getattr(features, "is_deleted", bool)():  # a tracer has no buffer to lose
+        elif not isinstance(features, jax.core.Tracer) and features.is_deleted():
             raise ValueError("features were deleted (donated to another program, or freed)")
         planned = self._planned(features, feature_lens)
         if on_host:

@@ -289,7 +289,7 @@ def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
     enc(g, [1, 1])
     with pytest.raises(TypeError, match="integers"):  # ... nor bools (True == 1, same hash)
         enc(g, [True, 1])
-    assert len(enc._plans) == 3
+    assert len(enc.plans) == 3
 
 
 def test_plan_cache_is_bounded(monkeypatch):
@@ -303,7 +303,7 @@ def test_plan_cache_is_bounded(monkeypatch):
     enc(ref.random_features(ref.TINY, [30]), [30])  # kept
     assert uploads == []
     enc(ref.random_features(ref.TINY, [20]), [20])  # evicted: planned and uploaded again
-    assert uploads == [1] and len(enc._plans) == 2
+    assert uploads == [1] and len(enc.plans) == 2
 
 
 def test_plan_cache_under_threads():
@@ -325,7 +325,7 @@ def test_plan_cache_under_threads():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for k, got in pool.map(run, range(48)):
             np.testing.assert_array_equal(got, want[k])
-    assert len(enc._plans) <= 2
+    assert len(enc.plans) <= 2
 
 
 # ---------------------------------------------------------------- program, server, load_state
