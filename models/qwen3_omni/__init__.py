@@ -2,26 +2,35 @@
 
 The per-audio mel lengths are host metadata: chunking, attention windows and the output gather are
 planned in numpy (`plan_chunks`), uploaded in one packed transfer, and the encoder runs as one
-jitted program per (frame bucket, window bucket). Nothing is read back from the device.
+compiled program per (frame bucket, window bucket). Nothing is read back from the device.
 
-Host time per call (H200, TFRT client, released size; docs/benchmarks.md): 0.09-0.13 ms when the
-length mix was seen before (`AudioEncoder` caches 64 plans and their uploads), about 1.0 ms for
-a new mix (the numpy plan and one packed upload; 0.99 against 1.25 ms before the direct upload).
+Public API:
+  Qwen3OmniAudioEncoder   - host entry: `encoder(features, feature_lens)` or
+                            `encoder(input_features=..., feature_attention_mask=...)` (the
+                            processor's outputs) -> `jaxsync.Embeddings` (+ `extras["finite"]`).
+  load_model, PARTITION_RULES - the tower from a checkpoint (dtype kept or cast, mesh placement).
+  Qwen3OmniAudioConfig    - the config (`from_hf_config`: HF object, dict or directory).
+  Qwen3OmniAudioTower, forward - the NNX module and its pure forward for a server's own jit:
+                            `forward(nnx.merge(graphdef, state), features, meta)`.
+  plan_chunks, ChunkPlan  - the host planner; `plan.fields` go up in one `upload_packed`.
+  features_from_processor - the processor's [B, F, T] + [B, T] mask as `(features, lens)`.
+  pad_features, frame_bucket, FRAME_BUCKETS, WINDOW_BUCKETS - shape buckets.
+  feat_extract_output_lengths, conv3_out_len, TOKENS_PER_FULL_CHUNK, sinusoid_table - the
+                            upstream formulas and constants.
+  audio_rules, find_prefix, PREFIXES - the checkpoint key mapping.
 """
 
 from jaxsync.models.qwen3_omni._config import (
+    TOKENS_PER_FULL_CHUNK as TOKENS_PER_FULL_CHUNK,
     Qwen3OmniAudioConfig as Qwen3OmniAudioConfig,
     conv3_out_len as conv3_out_len,
 )
-from jaxsync.models.qwen3_omni._model import (
-    AudioEmbeddings as AudioEmbeddings,
-    AudioEncoder as AudioEncoder,
-    pad_features as pad_features,
-)
+from jaxsync.models.qwen3_omni._entry import Qwen3OmniAudioEncoder as Qwen3OmniAudioEncoder
 from jaxsync.models.qwen3_omni._modules import (
     AudioAttention as AudioAttention,
     AudioEncoderLayer as AudioEncoderLayer,
     Qwen3OmniAudioTower as Qwen3OmniAudioTower,
+    forward as forward,
     sinusoid_table as sinusoid_table,
 )
 from jaxsync.models.qwen3_omni._plan import (
@@ -30,12 +39,15 @@ from jaxsync.models.qwen3_omni._plan import (
     ChunkPlan as ChunkPlan,
     check_feature_lens as check_feature_lens,
     feat_extract_output_lengths as feat_extract_output_lengths,
+    features_from_processor as features_from_processor,
     frame_bucket as frame_bucket,
+    pad_features as pad_features,
     plan_chunks as plan_chunks,
 )
 from jaxsync.models.qwen3_omni._weights import (
+    PARTITION_RULES as PARTITION_RULES,
     PREFIXES as PREFIXES,
     audio_rules as audio_rules,
     find_prefix as find_prefix,
-    load_audio_encoder as load_audio_encoder,
+    load_model as load_model,
 )

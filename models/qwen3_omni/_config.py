@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from jaxsync import host_int
 from jaxsync.hfconfig import as_dict, unhandled_fields
 
 
@@ -84,11 +85,13 @@ class Qwen3OmniAudioConfig:
 
     def __post_init__(self) -> None:
         ints = (*_MODELLED_FIELDS[:5], *_MODELLED_FIELDS[6:])
-        for name in ints:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(
-                    f"Qwen3OmniAudioConfig.{name} must be >= 1, got {getattr(self, name)}"
-                )
+        for name in ints:  # bools and floats (even 2.0) are TypeError: never truncated
+            host_int(getattr(self, name), name=f"Qwen3OmniAudioConfig.{name}", minimum=1)
+        if not isinstance(self.activation_function, str):
+            raise TypeError(
+                "Qwen3OmniAudioConfig.activation_function must be a str, got "
+                f"{type(self.activation_function).__name__}"
+            )
         if self.d_model % self.encoder_attention_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by encoder_attention_heads "
@@ -141,16 +144,18 @@ class Qwen3OmniAudioConfig:
         return conv3_out_len(self.num_mel_bins)
 
     @classmethod
-    def from_hf_config(cls, hf_cfg: Any) -> Qwen3OmniAudioConfig:
-        """Builds the config from an HF audio-encoder config (object or dict).
+    def from_hf_config(cls, src: Any) -> Qwen3OmniAudioConfig:
+        """Builds the config from an HF audio-encoder config: an object, a dict, a `config.json`
+        path or a checkpoint directory holding one.
 
         A full `Qwen3OmniMoeConfig` or thinker config is accepted too: its `audio_config` is used.
 
         Raises:
           ValueError: a field that changes the computation and is not modelled differs from the
             HF default, or a modelled value is invalid.
+          TypeError: a non-integer (a bool, a float such as 2.0) where an integer is expected.
         """
-        cfg = as_dict(hf_cfg)
+        cfg = as_dict(src)
         if "thinker_config" in cfg:
             cfg = as_dict(cfg["thinker_config"])
         if "audio_config" in cfg:

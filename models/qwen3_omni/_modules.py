@@ -8,14 +8,16 @@ Shapes: S = chunk slots, W = attention-window slots, Q = token slots per window,
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 import jaxsync
-from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
+from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
 
 
 _LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
@@ -37,12 +39,15 @@ def activation(name: str):
     return _ACTIVATIONS[name]
 
 
+@functools.cache
 def sinusoid_table(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
     """[length, channels] `[sin | cos]` table, float32 like HF's `SinusoidsPositionEmbedding`."""
     increment = np.log(max_timescale) / (channels // 2 - 1)
     inv = np.exp(np.float32(-increment) * np.arange(channels // 2, dtype=np.float32))
     scaled = np.arange(length, dtype=np.float32)[:, None] * inv[None, :]
-    return np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1).astype(np.float32)
+    table = np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1).astype(np.float32)
+    table.setflags(write=False)  # cached and shared: nobody may edit it
+    return table
 
 
 class AudioAttention(nnx.Module):
@@ -90,7 +95,7 @@ class Qwen3OmniAudioTower(nnx.Module):
 
     Args:
       cfg: the encoder config.
-      rngs: initialisation randomness (weights usually come from `load_audio_encoder`).
+      rngs: initialisation randomness (weights usually come from `load_model`).
       dtype: computation dtype.
       param_dtype: parameter dtype.
     """
@@ -120,31 +125,19 @@ class Qwen3OmniAudioTower(nnx.Module):
         self.act = activation(cfg.activation_function)
 
     def __call__(
-        self,
-        features: Float[Array, "F T"],
-        positions: Float[Array, "13 D"],
-        meta: jaxsync.Packed,
-    ) -> Float[Array, "WQ O"]:
-        """Encodes one planned batch: `head(layers(embed(...)))`.
-
-        Args:
-          features: [F, T] mel features, all audios concatenated in time (T may be padded).
-          positions: [13, D] sinusoidal table rows (positions restart in every chunk).
-          meta: the plan's `device_fields()` in one upload.
-
-        Returns:
-          [W * Q, O] embeddings; row r < sum(tokens) is token r of the concatenated audios,
-          later rows are zero.
-        """
-        x = self.embed(features, positions, meta)
-        for layer in self.layers:  # `AudioEncoder(scan_layers=True)` runs these as one scan
-            x = layer(x, meta["window_lens"])
-        return self.head(x, meta)
+        self, features: Float[Array, "F T"], meta: jaxsync.Packed
+    ) -> tuple[Float[Array, "WQ O"], Bool[Array, " WQ"]]:
+        """`forward(self, features, meta)`."""
+        return forward(self, features, meta)
 
     def embed(
-        self, features: Float[Array, "F T"], positions: Float[Array, "13 D"], meta: jaxsync.Packed
-    ) -> Float[Array, "W Q D"]:
-        """The part before the layers: chunk gather, conv stem, positions, window layout."""
+        self, features: Float[Array, "F T"], meta: jaxsync.Packed
+    ) -> tuple[Float[Array, "W Q D"], Bool[Array, " W"]]:
+        """The part before the layers: chunk gather, conv stem, positions, window layout.
+
+        Also returns whether each window's own frames are all finite (a window holds one
+        audio's chunks, so a non-finite value stays inside its audio's windows).
+        """
         cfg = self.cfg
         chunk, num_frames = cfg.chunk_len, features.shape[1]
         starts, lens = meta["slot_starts"], meta["slot_lens"]  # [S]
@@ -156,6 +149,8 @@ class Qwen3OmniAudioTower(nnx.Module):
             x = jnp.take(features.T, frame, axis=0, mode="fill", fill_value=0)  # [S, 100, F]
         else:  # a batch of empty audios: jnp.take cannot gather from an empty axis
             x = jnp.zeros((*frame.shape, features.shape[0]), features.dtype)
+        windows = meta["window_lens"].shape[0]
+        window_finite = jnp.isfinite(x).reshape(windows, -1).all(axis=1)  # [W]
         x = x.astype(self.dtype)[..., None]  # [S, 100, F, 1]: time is the conv's "height"
 
         limits = meta["conv_limits"]
@@ -163,16 +158,46 @@ class Qwen3OmniAudioTower(nnx.Module):
         x = _mask_time(_gelu(self.conv2d2(x)), limits[1])  # [S, 25, F/4, C]
         x = _gelu(self.conv2d3(x))  # [S, 13, F/8, C]
         x = self.conv_out(x)  # [S, 13, D]
-        x = x + positions[None, : x.shape[1], :].astype(x.dtype)
-
-        windows = meta["window_lens"].shape[0]
-        return x.reshape(windows, cfg.window_tokens, cfg.d_model)  # [W, Q, D]
+        # positions restart in every chunk: a compile-time constant, not a jit argument
+        positions = sinusoid_table(TOKENS_PER_FULL_CHUNK, cfg.d_model)
+        x = x + jnp.asarray(positions[: x.shape[1]], x.dtype)[None]
+        return x.reshape(windows, cfg.window_tokens, cfg.d_model), window_finite  # [W, Q, D]
 
     def head(self, x: Float[Array, "W Q D"], meta: jaxsync.Packed) -> Float[Array, "WQ O"]:
         """The part after the layers: output projection and the gather into token order."""
         x = self.proj2(self.act(self.proj1(self.ln_post(x))))  # [W, Q, O]
         flat = x.reshape(-1, self.cfg.output_dim)
         return jnp.take(flat, meta["out_src"], axis=0, mode="fill", fill_value=0)
+
+
+def forward(
+    tower: Qwen3OmniAudioTower, features: Float[Array, "F T"], meta: jaxsync.Packed
+) -> tuple[Float[Array, "WQ O"], Bool[Array, " WQ"]]:
+    """The pure forward of one planned batch; callable inside any jit, scan or shard_map.
+
+    Args:
+      tower: the module (a server passes `nnx.merge(graphdef, state)` from inside its jit).
+      features: [F, T] mel features, all audios concatenated in time (T may be padded).
+      meta: the plan's `fields` in one `jaxsync.upload_packed`.
+
+    Returns:
+      rows: [W * Q, O] embeddings; row r < sum(tokens) is token r of the concatenated audios,
+        later rows are zero.
+      finite: [W * Q] bool, by the same rows: False on every row of an audio with a NaN or inf
+        in its frames; padding rows are True.
+    """
+    x, window_finite = tower.embed(features, meta)
+    x = jaxsync.run_layers(tower.layers, x, meta["window_lens"])
+    # One flag per audio: the AND over its windows, by its rank among the non-empty audios
+    # (padding windows carry the out-of-range rank W: dropped, and read back as True).
+    ranks, windows = meta["window_ranks"], window_finite.shape[0]
+    audio_finite = jax.ops.segment_min(window_finite.astype(jnp.int32), ranks, windows) > 0
+    window_flag = jnp.take(audio_finite, ranks, mode="fill", fill_value=True)  # [W]
+    # out_src holds each row's flat window-layout position; the padding sentinel W * Q falls
+    # past the last window and reads True
+    window = meta["out_src"] // tower.cfg.window_tokens
+    finite = jnp.take(window_flag, window, mode="fill", fill_value=True)
+    return tower.head(x, meta), finite
 
 
 def _gelu(x: jax.Array) -> jax.Array:

@@ -19,7 +19,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 import jaxsync
@@ -63,28 +62,55 @@ def check_feature_lens(feature_lens: Any) -> np.ndarray:
     """Validates host lengths: a 1-D sequence of non-negative integers; returns int64.
 
     Raises:
-      TypeError: device data (reading it would be a device->host sync) or a non-integer dtype.
-      ValueError: not 1-D, or a negative length.
+      TypeError: device data (reading it would be a device->host sync), floats or bools.
+      ValueError: not 1-D, ragged, or a negative length.
     """
-    if isinstance(feature_lens, jax.Array):
-        raise TypeError(
-            "feature_lens must be host data (list / numpy); reading a jax.Array would be a "
-            "device->host sync"
-        )
     if isinstance(feature_lens, list | tuple) and any(
         isinstance(n, bool | np.bool_) for n in feature_lens
-    ):  # numpy would read a mixed list [True, 5] as the ints [1, 5]
-        raise TypeError(f"feature_lens must be integers, got {feature_lens!r}")
-    lens = np.asarray(feature_lens)
-    if lens.size == 0:
-        lens = lens.astype(np.int64)
-    if lens.dtype == np.bool_ or not np.issubdtype(lens.dtype, np.integer):
-        raise TypeError(f"feature_lens must be integers, got dtype {lens.dtype}")
-    if lens.ndim != 1:
-        raise ValueError(f"feature_lens must be 1-D (one length per audio), got shape {lens.shape}")
-    if lens.size and lens.min() < 0:
-        raise ValueError(f"feature_lens must be >= 0, got {lens.tolist()}")
-    return lens.astype(np.int64)
+    ):  # numpy reads a mixed list [True, 5] as the ints [1, 5]
+        raise TypeError(f"feature_lens must hold integers, got {feature_lens!r}")
+    return jaxsync.host_ints(feature_lens, name="feature_lens")
+
+
+def features_from_processor(
+    input_features: Any, feature_attention_mask: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """The processor's padded batch as the encoder's `(features, feature_lens)`, on the host.
+
+    The Qwen3-Omni processor (`WhisperFeatureExtractor`) returns each audio's log-mel frames
+    padded to the longest, with a mask of its real frames; upstream keeps the masked frames
+    (`input_features.permute(0, 2, 1)[mask.bool()].permute(1, 0)`), as this does.
+
+    Args:
+      input_features: [B, F, T] float features (numpy or a torch CPU tensor).
+      feature_attention_mask: [B, T] 0/1 (or bool) frame mask, same container kinds.
+
+    Returns:
+      features: [F, sum(lens)] float32, the audios' real frames concatenated in time.
+      feature_lens: [B] int64 real frames per audio.
+
+    Raises:
+      TypeError: device data, a non-float feature dtype, or a mask that is not integer/bool.
+      ValueError: wrong ranks, mismatched B or T, a mask value other than 0/1, non-finite
+        features in a real frame.
+    """
+    feats = jaxsync.host_array(input_features, name="input_features", ndim=3)
+    if not np.issubdtype(feats.dtype, np.floating):
+        raise TypeError(f"input_features must be floating point, got dtype {feats.dtype}")
+    mask = jaxsync.host_array(feature_attention_mask, name="feature_attention_mask", ndim=2)
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.integer):
+        raise TypeError(f"feature_attention_mask must be integer or bool, got dtype {mask.dtype}")
+    if mask.shape != (feats.shape[0], feats.shape[2]):
+        raise ValueError(
+            f"feature_attention_mask has shape {mask.shape}, expected (batch, frames) = "
+            f"{(feats.shape[0], feats.shape[2])} from input_features {feats.shape}"
+        )
+    if mask.size and not np.isin(mask, (0, 1)).all():
+        raise ValueError("feature_attention_mask must hold only 0 and 1")
+    keep = mask.astype(bool)
+    features = np.ascontiguousarray(feats.transpose(0, 2, 1)[keep].T, np.float32)  # [F, sum]
+    jaxsync.check_finite(features, name="input_features")
+    return features, keep.sum(axis=1).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +128,8 @@ class ChunkPlan:
       audio_offsets: [A] first output row of each audio.
       window_counts: [A] attention windows per audio.
       window_lens: [W] valid tokens of each window slot (0 for padding windows).
+      window_ranks: [W] rank of each window's audio among the non-empty audios (segment ids
+        of the per-audio finite flags); `W` for padding windows.
       token_windows: [T] window of each output token (segment ids; upstream `cu_seqlens`).
       slot_starts, slot_lens, slot_tokens: [S] per-slot chunk start / frames / tokens (0 if empty).
       out_src: [W * window_tokens] flat window-layout position of each output row; padding rows
@@ -122,6 +150,7 @@ class ChunkPlan:
     audio_offsets: np.ndarray
     window_counts: np.ndarray
     window_lens: np.ndarray
+    window_ranks: np.ndarray
     token_windows: np.ndarray
     slot_starts: np.ndarray
     slot_lens: np.ndarray
@@ -137,9 +166,21 @@ class ChunkPlan:
         """Real output tokens (sum over audios)."""
         return int(self.audio_tokens.sum())
 
-    def device_fields(self) -> dict[str, np.ndarray]:
-        """The int32 arrays the device program reads (one `upload_packed` call)."""
-        names = ("slot_starts", "slot_lens", "slot_tokens", "window_lens", "out_src", "conv_limits")
+    @property
+    def fields(self) -> dict[str, np.ndarray]:
+        """The int32 arrays the device program reads (one `upload_packed` call).
+
+        Empty audios leave no trace in them: a batch with and without them shares uploads.
+        """
+        names = (
+            "slot_starts",
+            "slot_lens",
+            "slot_tokens",
+            "window_lens",
+            "window_ranks",
+            "out_src",
+            "conv_limits",
+        )
         return {n: getattr(self, n).astype(np.int32) for n in names}
 
 
@@ -165,7 +206,7 @@ def plan_chunks(
     """
     lens = check_feature_lens(feature_lens)
     total = int(lens.sum())
-    num_frames = total if num_frames is None else int(num_frames)
+    num_frames = total if num_frames is None else jaxsync.host_int(num_frames, name="num_frames")
     if num_frames not in (total, frame_bucket(total)):
         raise ValueError(
             f"feature_lens sum to {total} frames but the features have {num_frames}; expected "
@@ -204,6 +245,9 @@ def plan_chunks(
     out_src[: t.size] = first_window[audio_of_token] * win_tok + t
     token_windows = first_window[audio_of_token] + t // win_tok
     window_lens = np.bincount(token_windows, minlength=bucket)
+    window_ranks = np.full(bucket, bucket, np.int64)
+    nonempty = windows > 0
+    window_ranks[:num_windows] = np.repeat(np.arange(int(nonempty.sum())), windows[nonempty])
 
     longest = int(chunk_lens.max()) if chunk_lens.size else 0
     conv_limits = np.array([_conv1(longest), _conv1(_conv1(longest))], np.int64)
@@ -218,6 +262,7 @@ def plan_chunks(
         audio_offsets=offsets,
         window_counts=windows,
         window_lens=window_lens,
+        window_ranks=window_ranks,
         token_windows=token_windows,
         slot_starts=slot_starts,
         slot_lens=slot_lens,
@@ -228,3 +273,14 @@ def plan_chunks(
         num_windows=num_windows,
         window_bucket=bucket,
     )
+
+
+def pad_features(features: Any, feature_lens: Any) -> np.ndarray:
+    """Host helper: zero-pads [F, sum(lens)] features to [F, frame_bucket(sum(lens))] float32."""
+    feats = jaxsync.host_array(features, name="features", ndim=2)
+    total = int(check_feature_lens(feature_lens).sum())
+    if feats.shape[-1] != total:
+        raise ValueError(f"features have {feats.shape[-1]} frames, feature_lens sum to {total}")
+    out = np.zeros((feats.shape[0], frame_bucket(total)), np.float32)
+    out[:, :total] = feats
+    return out

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
@@ -19,8 +21,10 @@ from safetensors import safe_open
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower
 from jaxsync.weights import (
+    PartitionRules,
     Rule,
     WeightError,
+    checkpoint_dtype,
     checkpoint_files,
     compose,
     linear,
@@ -69,11 +73,15 @@ def find_prefix(checkpoint: str | Path) -> str:
     """
     found = set()
     for file in checkpoint_files(checkpoint):
-        with safe_open(str(file), framework="numpy") as f:
-            for key in f.keys():
-                m = _PREFIX_RE.fullmatch(key)
-                if m:
-                    found.add(m.group(1) or "")
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                keys = list(f.keys())
+        except Exception as e:  # safetensors raises its own errors for a corrupt header
+            raise WeightError(f"cannot read the tensor names of {file}: {e}") from e
+        for key in keys:
+            m = _PREFIX_RE.fullmatch(key)
+            if m:
+                found.add(m.group(1) or "")
     if len(found) != 1:
         raise WeightError(
             f"expected one audio encoder in {checkpoint} under one of {PREFIXES}; "
@@ -82,38 +90,71 @@ def find_prefix(checkpoint: str | Path) -> str:
     return found.pop()
 
 
-def load_audio_encoder(
-    cfg: Qwen3OmniAudioConfig,
+PARTITION_RULES: PartitionRules = (
+    # Megatron-style: q/k/v and fc1 split their outputs over "model", out_proj and fc2 their
+    # inputs, so each layer needs one all-reduce after attention and one after the MLP.
+    (r"layers\.\d+\.self_attn\.(q|k|v)_proj\.kernel", (None, "model")),
+    (r"layers\.\d+\.self_attn\.(q|k|v)_proj\.bias", ("model",)),
+    (r"layers\.\d+\.fc1\.kernel", (None, "model")),
+    (r"layers\.\d+\.fc1\.bias", ("model",)),
+    (r"layers\.\d+\.self_attn\.out_proj\.kernel", ("model", None)),
+    (r"layers\.\d+\.fc2\.kernel", ("model", None)),
+)
+"""Parameter path regex -> mesh axes (`jaxsync.weights.load_weights`); the rest is replicated.
+Axes the mesh lacks, or a "model" axis that does not divide a dimension, leave it replicated."""
+
+
+def load_model(
     checkpoint: str | Path,
+    cfg: Qwen3OmniAudioConfig | None = None,
     *,
-    prefix: str | None = None,
-    dtype=jnp.float32,
-    param_dtype=None,
-    allow_cast: bool = True,
+    dtype: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    partition_rules: PartitionRules = PARTITION_RULES,
 ) -> Qwen3OmniAudioTower:
     """Loads the audio encoder from a Qwen3-Omni (or standalone encoder) checkpoint.
 
     Args:
-      cfg: the encoder config.
-      checkpoint: a `.safetensors` file, a sharded index, or a directory holding either.
-      prefix: the encoder's key prefix (see `PREFIXES`); None detects it.
-      dtype: computation dtype.
-      param_dtype: parameter dtype; defaults to `dtype`.
-      allow_cast: convert float tensors to `param_dtype` (e.g. a bf16 file into fp32).
+      checkpoint: a `.safetensors` file, a sharded index, or a directory holding either (and,
+        for `cfg=None`, its `config.json`). The key prefix is detected (`PREFIXES`).
+      cfg: the encoder config; None reads it with `Qwen3OmniAudioConfig.from_hf_config`.
+      dtype: None keeps the checkpoint's float dtype (a bf16 checkpoint loads at bf16); a
+        float dtype casts every weight to it and computes in it.
+      mesh: places each parameter as it is read, by `partition_rules` (unmatched: replicated).
+      partition_rules: `[(regex, axes), ...]` over the tower's parameter paths.
 
     Raises:
-      jaxsync.weights.WeightError: a missing, unknown or mis-shaped encoder tensor.
+      jaxsync.weights.WeightError: a missing, unknown, mis-shaped or unreadable encoder tensor.
+      ValueError / TypeError: an invalid or unsupported config.
     """
-    prefix = find_prefix(checkpoint) if prefix is None else prefix
-    if prefix not in PREFIXES:
-        raise ValueError(f"prefix {prefix!r} is not one of {PREFIXES}")
-    param_dtype = dtype if param_dtype is None else param_dtype
+    if cfg is None:
+        cfg = Qwen3OmniAudioConfig.from_hf_config(_config_source(checkpoint))
+    elif not isinstance(cfg, Qwen3OmniAudioConfig):
+        raise TypeError(f"cfg must be a Qwen3OmniAudioConfig or None, got {type(cfg).__name__}")
+    prefix = find_prefix(checkpoint)
+    # The position table is a non-persistent buffer, derived from the config; tolerate it.
+    select = "^" + re.escape(prefix) + r"(?!positional_embedding\.)"
+    if dtype is None:
+        dtype = checkpoint_dtype(checkpoint, select=select, strip=prefix)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a float dtype, got {dtype}")
     return load_weights(
-        lambda: Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype),
+        lambda: Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype),
         checkpoint,
         audio_rules(cfg),
-        # The position table is a non-persistent buffer, derived from the config; tolerate it.
-        select="^" + re.escape(prefix) + r"(?!positional_embedding\.)",
+        select=select,
         strip=prefix,
-        allow_cast=allow_cast,
+        dtype=dtype,
+        mesh=mesh,
+        partition_rules=partition_rules if mesh is not None else None,
     )
+
+
+def _config_source(checkpoint: str | Path) -> Path:
+    """The `config.json` next to (or in) a checkpoint path."""
+    path = Path(checkpoint)
+    path = path if path.is_dir() else path.parent
+    if not (path / "config.json").is_file():
+        raise ValueError(f"cfg=None needs a config.json in {path}; pass cfg explicitly")
+    return path

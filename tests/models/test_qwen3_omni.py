@@ -1,5 +1,7 @@
-"""Qwen3-Omni audio encoder without torch: the host planner against upstream's formulas (written
-out here independently), config validation, bad input, and the `jaxsync verify` registration."""
+"""Qwen3-Omni audio encoder entry without torch models: the host planner against upstream's
+formulas (written out here independently), config validation, plan caching, the compiled program's
+argument count, the pure forward in a server jit, `load_state`, processor outputs, sharding and
+the `jaxsync verify` registration."""
 
 import jax
 import numpy as np
@@ -7,8 +9,9 @@ import pytest
 from flax import nnx
 
 import jaxsync
+from jaxsync.check import no_recompile
 from jaxsync.models import qwen3_omni as q3
-from jaxsync.models.qwen3_omni import _reference as ref
+from jaxsync.paths.qwen3_omni import reference as ref
 
 
 # ---------------------------------------------------------------- upstream formulas (spec §5)
@@ -119,8 +122,8 @@ def test_planner_random_batches_with_empty_audios(seed):
         np.testing.assert_array_equal(plan_cu_seqlens(plan), cu)
         # empty audios are invisible to the device: same uploads as without them
         bare = q3.plan_chunks(nonzero, cfg)
-        for k, v in plan.device_fields().items():
-            np.testing.assert_array_equal(v, bare.device_fields()[k], err_msg=k)
+        for k, v in plan.fields.items():
+            np.testing.assert_array_equal(v, bare.fields[k], err_msg=k)
     assert (plan.audio_tokens[lens == 0] == 0).all()
 
     # Every slot gathers exactly its chunk's frames; every output row is the right token.
@@ -150,7 +153,7 @@ def test_planner_random_batches_with_empty_audios(seed):
 def test_buckets_share_programs():
     plans = [q3.plan_chunks(m, ref.TINY) for m in _verify().ONE_BUCKET_MIXES]
     assert len({(q3.frame_bucket(int(p.feature_lens.sum())), p.window_bucket) for p in plans}) == 1
-    assert len({tuple((k, v.shape) for k, v in p.device_fields().items()) for p in plans}) == 1
+    assert len({tuple((k, v.shape) for k, v in p.fields.items()) for p in plans}) == 1
     # at most 25% padding beyond 8 windows / 128 frames
     for n in range(9, 5000):
         assert jaxsync.bucket(n, q3.WINDOW_BUCKETS) <= 1.25 * n
@@ -189,7 +192,7 @@ def test_from_hf_config_dict_is_strict():
 
 @pytest.fixture(scope="module")
 def random_encoder():
-    return q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    return q3.Qwen3OmniAudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
 
 
 BAD_CASES = (
@@ -214,7 +217,7 @@ def _bad_case(name):
         "padding not the bucket": (np.zeros((22, 151), np.float32), [120, 30], ValueError, "160"),
         "wrong mel bins": (np.zeros((128, 150), np.float32), [120, 30], ValueError, "mel bins"),
         "features 1-D": (np.zeros(150, np.float32), [150], ValueError, "num_mel_bins, frames"),
-        "lengths 2-D": (f, [[120, 30]], ValueError, "1-D"),
+        "lengths 2-D": (f, [[120, 30]], ValueError, "rank 1"),
         "float lengths": (f, [120.0, 30.0], TypeError, "integers"),
         "device lengths": (f, jax.numpy.array([120, 30]), TypeError, "host data"),
     }[name]
@@ -233,9 +236,8 @@ def test_bad_input_raises_before_any_upload(random_encoder, case, monkeypatch):
         random_encoder(features, lens)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_empty_batch_and_all_empty_audios(scan):
-    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)), scan_layers=scan)
+def test_empty_batch_and_all_empty_audios(random_encoder):
+    enc = random_encoder
     for lens in ([], [0, 0, 0]):
         out = enc(np.zeros((22, 0), np.float32), lens)
         assert out.lengths == tuple(0 for _ in lens) and out.num_tokens == 0
@@ -247,9 +249,9 @@ def test_empty_batch_and_all_empty_audios(scan):
 
 
 def _verify():
-    from jaxsync.models.qwen3_omni import _verify
+    from jaxsync.paths.qwen3_omni import verify
 
-    return _verify
+    return verify
 
 
 def test_registered_for_verify():
@@ -262,15 +264,20 @@ def test_registered_for_verify():
     assert "qwen3_omni" in registry._benches
 
 
-def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
-    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
-    f = ref.random_features(ref.TINY, [120, 30])
-    first = np.asarray(enc(f, [120, 30]).embeddings)
+def _count_uploads(monkeypatch):
     uploads = []
     real = jaxsync.upload_packed
     monkeypatch.setattr(
         jaxsync, "upload_packed", lambda *a, **k: uploads.append(1) or real(*a, **k)
     )
+    return uploads
+
+
+def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
+    enc = q3.Qwen3OmniAudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    f = ref.random_features(ref.TINY, [120, 30])
+    first = np.asarray(enc(f, [120, 30]).embeddings)
+    uploads = _count_uploads(monkeypatch)
     again = enc(f, np.array([120, 30], np.int32))  # same mix, other host container: a hit
     np.testing.assert_array_equal(np.asarray(again.embeddings), first)
     assert uploads == []
@@ -282,27 +289,31 @@ def test_repeated_length_mix_reuses_plan_and_upload(monkeypatch):
     enc(g, [1, 1])
     with pytest.raises(TypeError, match="integers"):  # ... nor bools (True == 1, same hash)
         enc(g, [True, 1])
-    assert (f.shape, (120, 30)) in enc._plans and (f.shape, (30, 120)) in enc._plans
+    assert len(enc.plans) == 3
 
 
 def test_plan_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(q3._model, "PLAN_CACHE_SIZE", 2)
-    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    enc = q3.Qwen3OmniAudioEncoder(
+        q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)), plan_cache_size=2
+    )
     for n in (10, 20, 10, 30):  # the hit on 10 makes 20 the least recently used
         enc(ref.random_features(ref.TINY, [n]), [n])
-    assert [lens for _, lens in enc._plans] == [(10,), (30,)]
-    enc(ref.random_features(ref.TINY, [30]), np.array([30]))  # a numpy-path hit counts too
-    enc(ref.random_features(ref.TINY, [40]), [40])
-    assert [lens for _, lens in enc._plans] == [(30,), (40,)]
+    uploads = _count_uploads(monkeypatch)
+    enc(ref.random_features(ref.TINY, [10]), np.array([10]))  # kept (a numpy-path hit)
+    enc(ref.random_features(ref.TINY, [30]), [30])  # kept
+    assert uploads == []
+    enc(ref.random_features(ref.TINY, [20]), [20])  # evicted: planned and uploaded again
+    assert uploads == [1] and len(enc.plans) == 2
 
 
-def test_plan_cache_under_threads(monkeypatch):
+def test_plan_cache_under_threads():
     # Hits take no lock; evictions (cache of 2, 4 mixes) race with them. Every call must still
     # get its own mix's plan: outputs equal the single-threaded ones, the cache stays bounded.
     import concurrent.futures
 
-    monkeypatch.setattr(q3._model, "PLAN_CACHE_SIZE", 2)
-    enc = q3.AudioEncoder(q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
+    enc = q3.Qwen3OmniAudioEncoder(
+        q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)), plan_cache_size=2
+    )
     mixes = [[120, 30], [30, 120], [7], [99, 0, 1]]
     feats = [jaxsync.async_h2d(q3.pad_features(ref.random_features(ref.TINY, m), m)) for m in mixes]
     want = [np.asarray(enc(f, m).embeddings) for f, m in zip(feats, mixes, strict=True)]
@@ -314,4 +325,175 @@ def test_plan_cache_under_threads(monkeypatch):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for k, got in pool.map(run, range(48)):
             np.testing.assert_array_equal(got, want[k])
-    assert len(enc._plans) <= 2
+    assert len(enc.plans) <= 2
+
+
+# ---------------------------------------------------------------- program, server, load_state
+
+
+def _deep(layers):
+    cfg = q3.Qwen3OmniAudioConfig(**{**ref.TINY.__dict__, "encoder_layers": layers})
+    return q3.Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0))
+
+
+def _device_inputs(lens, seed=0):
+    x = q3.pad_features(ref.random_features(ref.TINY, lens, seed=seed), lens)
+    return jaxsync.async_h2d(x), list(lens)
+
+
+@pytest.mark.parametrize("layers", [1, 7])
+def test_main_program_takes_three_arguments_at_any_depth(layers):
+    enc = q3.Qwen3OmniAudioEncoder(_deep(layers))
+    x, lens = _device_inputs([120, 0, 31])
+    meta = jaxsync.upload_packed(enc.plan(x.shape, lens).fields)
+    # one packed state buffer (one weight dtype) + the features + the packed plan fields
+    assert enc.program.num_state_args == 1
+    assert len(jax.tree.leaves(enc.program.lower(x, meta).args_info)) == 3
+    assert enc.program.num_layers == layers
+
+
+def test_pure_forward_in_a_server_jit_equals_the_entry_with_no_recompiles():
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    graphdef, state = nnx.split(tower)
+
+    @jax.jit
+    def step(state, x, meta):  # a server's own step: weights are arguments
+        return q3.forward(nnx.merge(graphdef, state), x, meta)
+
+    inputs = [_device_inputs(m, seed=i) for i, m in enumerate(_verify().ONE_BUCKET_MIXES)]
+    metas = [jaxsync.upload_packed(q3.plan_chunks(lens, ref.TINY).fields) for _, lens in inputs]
+    for (x, lens), meta in zip(inputs[:1], metas, strict=False):  # warm-up: one compile each
+        step(state, x, meta), enc(x, lens)
+    with no_recompile():
+        for (x, lens), meta in zip(inputs, metas, strict=True):
+            rows, finite = step(state, x, meta)
+            out = enc(x, lens)
+            np.testing.assert_allclose(rows, out.embeddings, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(finite, out.extras["finite"])
+    # new weights through nnx.update reach the server's step without a recompile
+    halved = jax.tree.map(lambda w: w * 0.5, state)
+    nnx.update(tower, halved)
+    x, lens = inputs[0]
+    with no_recompile():
+        new_rows, _ = step(nnx.state(tower), x, metas[0])
+    assert not np.allclose(new_rows, enc(x, lens).embeddings)  # the entry keeps its snapshot
+
+
+def test_load_state_takes_new_weights_without_recompiling():
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    x, lens = _device_inputs([120, 30])
+    before = np.asarray(enc(x, lens).embeddings)
+    _, state = nnx.split(tower)
+    nnx.update(tower, jax.tree.map(lambda w: w * 0.5, state))
+    np.testing.assert_array_equal(enc(x, lens).embeddings, before)  # a snapshot until then
+    with no_recompile():
+        enc.load_state(tower)
+        after = enc(x, lens)
+    fresh = q3.Qwen3OmniAudioEncoder(tower)(x, lens)
+    np.testing.assert_array_equal(after.embeddings, fresh.embeddings)
+    assert not np.allclose(after.embeddings, before)
+    with pytest.raises(ValueError, match="same parameter structure"):
+        enc.load_state(_deep(3))
+    np.testing.assert_array_equal(enc(x, lens).embeddings, after.embeddings)
+
+
+# ---------------------------------------------------------------- processor outputs
+
+
+@pytest.mark.parametrize("return_tensors", ["np", "pt"])
+def test_processor_outputs_go_straight_in(random_encoder, return_tensors):
+    # The Qwen3-Omni processor's audio path: WhisperFeatureExtractor with the processor's
+    # audio kwargs (padding to the longest, no truncation, the frame mask), the mask renamed
+    # to feature_attention_mask. Built locally from its class with explicit arguments.
+    transformers = pytest.importorskip("transformers")
+    if return_tensors == "pt":
+        pytest.importorskip("torch")
+    fe = transformers.WhisperFeatureExtractor(
+        feature_size=ref.TINY.num_mel_bins,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
+    rng = np.random.default_rng(0)
+    seconds = (0.37, 2.53, 0.011, 1.0)  # 37, 253, 1 and 100 mel frames
+    audio = [rng.standard_normal(int(s * 16000)).astype(np.float32) * 0.1 for s in seconds]
+    batch = fe(
+        audio,
+        sampling_rate=16000,
+        padding=True,
+        truncation=False,
+        return_attention_mask=True,
+        return_tensors=return_tensors,
+    )
+    feats, mask = batch["input_features"], batch.pop("attention_mask")
+    out = random_encoder(input_features=feats, feature_attention_mask=mask)
+
+    # the same batch by hand: each audio's real frames (a prefix), concatenated in time
+    feats_np, mask_np = np.asarray(feats), np.asarray(mask)
+    lens = [int(m.sum()) for m in mask_np]
+    assert all(m[:n].all() and not m[n:].any() for m, n in zip(mask_np, lens, strict=True))
+    concat = np.concatenate([f[:, :n] for f, n in zip(feats_np, lens, strict=True)], axis=1)
+    want = random_encoder(concat, lens)
+    assert out.lengths == want.lengths
+    assert out.lengths == tuple(q3.feat_extract_output_lengths(lens).tolist())
+    np.testing.assert_array_equal(np.asarray(out.embeddings), np.asarray(want.embeddings))
+    features, feature_lens = q3.features_from_processor(feats, mask)
+    np.testing.assert_array_equal(features, concat)
+    assert feature_lens.tolist() == lens
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, (jax.sharding.AxisType.Auto,) * len(names))
+
+
+def test_data_parallel_inputs_with_replicated_weights():
+    lens = [333, 0, 77, 250, 1, 260, 7]  # 928 frames -> bucket 1024, divisible by 8
+    x = q3.pad_features(ref.random_features(ref.TINY, lens), lens)
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    want = q3.Qwen3OmniAudioEncoder(tower)(x, lens)
+    mesh = _mesh((8,), ("data",))
+    replicated = jax.NamedSharding(mesh, jax.P())
+    _, state = nnx.split(tower)
+    nnx.update(tower, jax.tree.map(lambda w: jax.device_put(w, replicated), state))
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    assert enc.program.num_state_args == 1  # replicated state still packs
+    frames = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
+    for features in (frames, x):  # device features split over the mesh; host features
+        out = enc(features, lens)
+        assert out.embeddings.sharding.device_set == set(mesh.devices.flat)
+        np.testing.assert_allclose(out.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out.extras["finite"], want.extras["finite"])
+    with no_recompile():  # the plan and its upload follow the features' placement: cached
+        enc(frames, lens)
+    off_mesh = jaxsync.async_h2d(x)  # one device: not where the weights are
+    with pytest.raises(ValueError, match="same devices"):
+        enc(off_mesh, lens)
+
+
+def test_weights_sharded_over_a_model_axis(tmp_path):
+    pytest.importorskip("torch")
+    ckpt = ref.save_hf_encoder(
+        ref.build_hf_encoder(ref.TINY), tmp_path / "model.safetensors", "thinker.audio_tower."
+    )
+    lens = [120, 0, 31, 250]
+    x = q3.pad_features(ref.random_features(ref.TINY, lens), lens)
+    want = q3.Qwen3OmniAudioEncoder(q3.load_model(ckpt, ref.TINY))(x, lens)
+    mesh = _mesh((4, 2), ("data", "model"))
+    tower = q3.load_model(ckpt, ref.TINY, mesh=mesh)
+    q = tower.layers[0].self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == jax.P(None, "model")  # 42 columns split in 2
+    assert not q.sharding.is_fully_replicated
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    assert enc.program.num_state_args > 1  # sharded state passes leaf by leaf
+    features = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
+    for inputs in (features, x):
+        out = enc(inputs, lens)
+        np.testing.assert_allclose(out.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)

@@ -1,9 +1,10 @@
 """Qwen3-Omni audio encoder vs transformers' `Qwen3OmniMoeAudioEncoder`: tiny random models,
-weights through the production loader (`load_audio_encoder`), fp32 and bf16 parity, empty audios,
-padding invariance, sync-freedom and the loader's key handling."""
+weights through the production loader (`load_model`), fp32 and bf16 parity, empty audios,
+padding invariance, sync-freedom, the pure forward in a server jit and the loader's key handling."""
 
 import copy
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -16,12 +17,13 @@ pytestmark = requires_torch
 torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import jaxsync  # noqa: E402
 from jaxsync.check import assert_sync_free  # noqa: E402
 from jaxsync.models import qwen3_omni as q3  # noqa: E402
-from jaxsync.models.qwen3_omni import _reference as ref, _verify as ver  # noqa: E402
+from jaxsync.paths.qwen3_omni import reference as ref, verify as ver  # noqa: E402
 from jaxsync.weights import WeightError, to_numpy_state  # noqa: E402
 
 
@@ -34,20 +36,15 @@ def tiny(tmp_path_factory):
     ckpt = ref.save_hf_encoder(
         model, tmp_path_factory.mktemp("qwen3_omni") / "model.safetensors", "thinker.audio_tower."
     )
-    return dict(
-        model=model,
-        ckpt=ckpt,
-        enc=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), scan_layers=False),
-        # the same weights, layers stacked and run by one lax.scan, one argument per leaf
-        scan=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights=None),
-        # the default: the same, own leaves flat and layer leaves in one [L, S] buffer per dtype
-        rows=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt)),
-        # the state as one flat buffer per dtype
-        flat=q3.AudioEncoder(q3.load_audio_encoder(CFG, ckpt), pack_weights="flat"),
-    )
+    tower = q3.load_model(ckpt, CFG)
+    return dict(model=model, ckpt=ckpt, tower=tower, enc=q3.Qwen3OmniAudioEncoder(tower))
 
 
-ENCODERS = ("enc", "scan", "rows", "flat")
+def _server_step(tower):
+    """The pure forward in a plain jit, as a server runs it: NNX state leaves, a layer loop."""
+    graphdef, state = nnx.split(tower)
+    step = jax.jit(lambda state, x, meta: q3.forward(nnx.merge(graphdef, state), x, meta))
+    return step, state
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -59,10 +56,9 @@ def _run(enc, lens, seed, *, pad=True):
 # ---------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("which", ENCODERS)
 @pytest.mark.parametrize("lens", ver.PARITY_MIXES, ids=str)
-def test_fp32_parity(tiny, lens, which):
-    x, out = _run(tiny[which], lens, seed=sum(lens))
+def test_fp32_parity(tiny, lens):
+    x, out = _run(tiny["enc"], lens, seed=sum(lens))
     want = ref.reference_outputs(tiny["model"], x, lens)
     got = out.split()
     assert list(out.lengths) == [w.shape[0] for w in want]
@@ -73,37 +69,17 @@ def test_fp32_parity(tiny, lens, which):
     assert not np.asarray(out.embeddings[out.num_tokens :]).any(), "padding rows must be zero"
 
 
-def test_scanned_layers_equal_the_layer_loop_bitwise(tiny):
-    # Bitwise on XLA:CPU: each scan step runs the same float32 ops on the same values as the
-    # unrolled layer; only the weights' source differs (an exact dynamic slice of the stacked
-    # arrays). A GPU compiler fuses the two programs differently: there, 1e-5 relative.
-    # per layer 6 Linear + 2 LayerNorm (2 leaves each); own: 3 convs, ln_post, proj1, proj2 (2
-    # each) and conv_out's kernel
-    per_layer, own = 16, 13
-    assert len(tiny["enc"]._leaves) == own + per_layer * CFG.encoder_layers
-    assert len(tiny["scan"]._leaves) == own + per_layer
+def test_entry_program_equals_the_pure_forward_in_a_server_jit(tiny):
+    # Bitwise on XLA:CPU: the entry's program scans the packed layer rows, the server's jit
+    # loops over the layers; each step runs the same float32 ops on the same values. A GPU
+    # compiler fuses the two programs differently: there, 1e-5 relative.
+    step, state = _server_step(tiny["tower"])
+    assert tiny["enc"].program.num_state_args == 1  # every tiny weight is float32: one buffer
     for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES + ver.ONE_BUCKET_MIXES):
-        want = tiny["enc"](x, lens).embeddings
-        assert_same_math(tiny["scan"](x, lens).embeddings, want)
-
-
-def test_packed_weights_equal_the_unpacked_bitwise(tiny):
-    assert tiny["rows"].pack_weights == "rows" and tiny["enc"].pack_weights is None  # "auto"
-    assert len(tiny["flat"]._leaves) == 1  # every tiny weight is float32: one buffer
-    # "rows": one [L + k, S] buffer, the 16 layer leaves in rows, the 13 own leaves after them
-    (rows,) = tiny["rows"]._leaves
-    per_layer = sum(x.size for x in tiny["scan"]._leaves[13:]) // CFG.encoder_layers
-    own = sum(x.size for x in tiny["scan"]._leaves[:13])
-    assert rows.shape == (CFG.encoder_layers + -(-own // per_layer), per_layer)
-    for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES):
-        want = tiny["scan"](x, lens).embeddings
-        assert_same_math(tiny["flat"](x, lens).embeddings, want)
-        assert_same_math(tiny["rows"](x, lens).embeddings, want)
-    with pytest.raises(ValueError, match="pack_weights"):
-        q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), pack_weights="big")
-    with pytest.raises(ValueError, match="needs scan_layers=True"):
-        q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), pack_weights="rows",
-                        scan_layers=False)  # fmt: skip
+        out = tiny["enc"](x, lens)
+        rows, finite = step(state, x, jaxsync.upload_packed(tiny["enc"].plan(x.shape, lens).fields))
+        assert_same_math(out.embeddings, rows)
+        np.testing.assert_array_equal(np.asarray(out.extras["finite"]), np.asarray(finite))
 
 
 def test_upstream_batch_dependence_is_reproduced(tiny):
@@ -124,7 +100,7 @@ def test_padding_invariance(tiny):
     _, padded = _run(tiny["enc"], lens, seed=7)
     _, unpadded = _run(tiny["enc"], lens, seed=7, pad=False)
     np.testing.assert_array_equal(np.asarray(padded.embeddings), np.asarray(unpadded.embeddings))
-    wide = q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"]), window_buckets=(16,))
+    wide = q3.Qwen3OmniAudioEncoder(tiny["tower"], window_buckets=(16,))
     _, more_windows = _run(wide, lens, seed=7)
     assert more_windows.embeddings.shape[0] > padded.embeddings.shape[0]
     assert_close(
@@ -144,7 +120,7 @@ def test_bf16_parity(tiny):
     lens = ver.PARITY_MIXES[0]
     x = ref.random_features(CFG, lens, seed=11)
     want = np.concatenate(ref.reference_outputs(tiny["model"], x, lens))
-    enc = q3.AudioEncoder(q3.load_audio_encoder(CFG, tiny["ckpt"], dtype=jnp.bfloat16))
+    enc = q3.Qwen3OmniAudioEncoder(q3.load_model(tiny["ckpt"], CFG, dtype=jnp.bfloat16))
     out = enc(jaxsync.async_h2d(q3.pad_features(x, lens)), lens)
     ours = rel_err(out.embeddings[: out.num_tokens], want)
     hf_bf16 = copy.deepcopy(tiny["model"]).to(torch.bfloat16)
@@ -157,10 +133,9 @@ def test_bf16_parity(tiny):
 # ---------------------------------------------------------------- sync-freedom
 
 
-@pytest.mark.parametrize("which", ENCODERS)
-def test_sync_free_and_one_program_for_five_mixes(tiny, which):
+def test_sync_free_and_one_program_for_five_mixes(tiny):
     inputs = ver.padded_inputs(CFG, ver.ONE_BUCKET_MIXES)
-    report = assert_sync_free(tiny[which], *inputs[0], inputs=inputs[1:])
+    report = assert_sync_free(tiny["enc"], *inputs[0], inputs=inputs[1:])
     assert report.compiles == 0
     print(report)
 
@@ -193,13 +168,13 @@ def test_prefix_detection(tiny, tmp_path, prefix):
 
 def test_loader_keys(tiny, tmp_path):
     model = tiny["model"]
-    want = to_numpy_state(q3.load_audio_encoder(CFG, tiny["ckpt"]))
+    want = to_numpy_state(q3.load_model(tiny["ckpt"], CFG))
     # HF 5.x in-memory names, plus the (non-persistent) position buffer some exports carry
     state = _state(model, "thinker.model.audio_tower.")
     state["thinker.model.audio_tower.positional_embedding.positional_embedding"] = np.zeros((3, 3))
     state["thinker.model.language_model.embed.weight"] = np.zeros((3, 3))  # another module
     save_file(state, str(tmp_path / "a.safetensors"))
-    got = to_numpy_state(q3.load_audio_encoder(CFG, tmp_path / "a.safetensors"))
+    got = to_numpy_state(q3.load_model(tmp_path / "a.safetensors", CFG))
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -208,18 +183,21 @@ def test_loader_keys(tiny, tmp_path):
     del missing["thinker.audio_tower.layers.1.fc2.bias"]
     save_file(missing, str(tmp_path / "b.safetensors"))
     with pytest.raises(WeightError, match="layers.1.fc2.bias"):
-        q3.load_audio_encoder(CFG, tmp_path / "b.safetensors")
-    unknown = {**_state(model, "thinker.audio_tower."), "thinker.audio_tower.extra.w": np.ones(2)}
+        q3.load_model(tmp_path / "b.safetensors", CFG)
+    unknown = {
+        **_state(model, "thinker.audio_tower."),
+        "thinker.audio_tower.extra.w": np.ones(2, np.float32),
+    }
     save_file(unknown, str(tmp_path / "c.safetensors"))
     with pytest.raises(WeightError, match="extra.w"):
-        q3.load_audio_encoder(CFG, tmp_path / "c.safetensors")
+        q3.load_model(tmp_path / "c.safetensors", CFG)
     twice = {**_state(model, "thinker.audio_tower."), **_state(model, "audio_tower.")}
     save_file(twice, str(tmp_path / "d.safetensors"))
     with pytest.raises(WeightError, match="one audio encoder"):
-        q3.load_audio_encoder(CFG, tmp_path / "d.safetensors")
+        q3.load_model(tmp_path / "d.safetensors", CFG)
     wrong = q3.Qwen3OmniAudioConfig(**{**dataclasses.asdict(CFG), "output_dim": 31})
     with pytest.raises(WeightError, match="shape"):
-        q3.load_audio_encoder(wrong, tiny["ckpt"])
+        q3.load_model(tiny["ckpt"], wrong)
 
 
 # ---------------------------------------------------------------- verify / bench registration
@@ -230,15 +208,31 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    case, *others = ver._bench("cpu", "tiny")
-    tags = ("[unpacked]", "[per_layer]", "[flat_packed]")
-    assert [o.name for o in others] == [f"{case.name} {t}" for t in tags]
-    assert not any(o.torch_fns for o in others)
+    from jaxsync.paths.qwen3_omni import bench
+
+    case, server = bench._bench("cpu", "tiny")
+    assert server.name == f"{case.name} [server_jit]" and not server.torch_fns
     ours = case.jax_fn()
-    for other in others:  # each runner starts from the same input
-        assert_same_math(other.jax_fn(), ours)
+    assert_same_math(server.jax_fn(), ours)  # each runner starts from the same input
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
     for fn in case.torch_fns.values():
         assert tuple(fn().shape) == (tokens, CFG.output_dim)
     assert ours.shape[1] == CFG.output_dim and ours.shape[0] >= tokens
     jax.block_until_ready(ours)
+
+
+def test_load_model_reads_config_and_keeps_the_checkpoint_dtype(tiny, tmp_path):
+    # cfg=None reads config.json next to the weights (a full checkpoint config: audio_config
+    # under thinker_config); dtype=None keeps a bf16 checkpoint at bf16, dtype= casts.
+    hf = ref.hf_config(CFG).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({"thinker_config": {"audio_config": hf}}))
+    state = {k: v.to(torch.bfloat16) for k, v in tiny["model"].state_dict().items()}
+    ref.save_hf_encoder_state(state, tmp_path / "model.safetensors", "thinker.audio_tower.")
+    tower = q3.load_model(tmp_path)
+    assert tower.cfg == CFG
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(tower))} == {jnp.dtype(jnp.bfloat16)}
+    cast = q3.load_model(tmp_path, dtype=jnp.float32)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(cast))} == {jnp.dtype(jnp.float32)}
+    assert q3.Qwen3OmniAudioConfig.from_hf_config(tmp_path) == CFG
+    with pytest.raises(TypeError, match="float dtype"):
+        q3.load_model(tmp_path, dtype=jnp.int32)

@@ -1,3 +1,3 @@
 """Harness for jaxsync.models.qwen3_omni: verify registrations, benchmarks, references."""
 
-import jaxsync.models.qwen3_omni._verify  # noqa: F401  (registers; moves here)
+from jaxsync.paths.qwen3_omni import bench as bench, verify as verify

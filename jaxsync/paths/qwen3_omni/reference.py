@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
+from jaxsync.models.qwen3_omni import Qwen3OmniAudioConfig
 
 
 TINY = Qwen3OmniAudioConfig(
@@ -79,9 +79,14 @@ def build_hf_encoder(
 
 def save_hf_encoder(model: Any, path: str | Path, prefix: str = "") -> str:
     """Saves the encoder's weights as safetensors, keys under `prefix` (e.g. a checkpoint's)."""
+    return save_hf_encoder_state(model.state_dict(), path, prefix)
+
+
+def save_hf_encoder_state(state: dict[str, Any], path: str | Path, prefix: str = "") -> str:
+    """Saves a torch state dict as safetensors, keys under `prefix`."""
     from jaxsync.testing import save_torch_state
 
-    return save_torch_state({prefix + k: v for k, v in model.state_dict().items()}, path)
+    return save_torch_state({prefix + k: v for k, v in state.items()}, path)
 
 
 def random_features(cfg: Qwen3OmniAudioConfig, feature_lens, *, seed: int = 0) -> np.ndarray:

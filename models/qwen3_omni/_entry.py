@@ -1,0 +1,229 @@
+# ruff: noqa: F722 - jaxtyping shape strings are not forward references
+"""Host entry point: validate and plan on the host, one packed upload, one compiled program."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+import jaxsync
+from jaxsync.check import entry_point
+from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
+from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
+from jaxsync.models.qwen3_omni._plan import (
+    ChunkPlan,
+    check_feature_lens,
+    features_from_processor,
+    plan_chunks,
+)
+
+
+class _Planned(NamedTuple):
+    """What the encoder keeps per (shape, lengths, placement): all a repeated call needs."""
+
+    plan: ChunkPlan
+    placement: Any  # where this mix's uploads live
+    meta: jaxsync.Packed  # the plan's fields, uploaded
+    lengths: tuple[int, ...]  # output tokens per audio
+    offsets: tuple[int, ...]  # each audio's first row in the embeddings
+
+
+def _devices(sharding: jax.sharding.Sharding) -> list[str]:
+    return sorted(str(d) for d in sharding.device_set)
+
+
+class Qwen3OmniAudioEncoder:
+    """Sync-free Qwen3-Omni audio encoder: host lengths in, device embeddings out.
+
+    A call validates and plans on the host (`plan_chunks`, cached per length mix with its one
+    packed upload), uploads host features, and dispatches one compiled program
+    (`jaxsync.TowerProgram` over `forward`: the weights packed into one buffer per dtype and the
+    layers run as one scan, so the program takes 3 arguments at one weight dtype however deep
+    the tower).
+
+    The encoder holds a snapshot of the tower's weights: after `nnx.update` of the tower, call
+    `load_state(tower)` (no recompile).
+
+    Args:
+      tower: the NNX module (e.g. from `load_model`).
+      placement: device or sharding for the per-call uploads; None puts them next to device
+        features, or next to the weights for host features.
+      window_buckets: attention-window counts to compile for (default `WINDOW_BUCKETS`, about
+        four sizes per octave); coarser buckets mean fewer programs and more padding.
+      plan_cache_size: length mixes whose plan and uploads are kept (least recently used).
+
+    Attributes:
+      program: the `jaxsync.TowerProgram` (`program.lower(features, meta)` for inspection).
+      plans: the `jaxsync.PlanCache` of plans and their uploads (`len()`, `clear()`).
+
+    Usage: `Qwen3OmniAudioEncoder(load_model(ckpt))(features, [310, 0, 99])`, or with the
+    processor's outputs: `encoder(input_features=..., feature_attention_mask=...)`.
+    """
+
+    def __init__(
+        self,
+        tower: Qwen3OmniAudioTower,
+        *,
+        placement: Any = None,
+        window_buckets: Sequence[int] | None = None,
+        plan_cache_size: int = 64,
+    ):
+        if not isinstance(tower, Qwen3OmniAudioTower):
+            raise TypeError(f"tower must be a Qwen3OmniAudioTower, got {type(tower).__name__}")
+        if placement is not None and not isinstance(placement, jax.Device | jax.sharding.Sharding):
+            raise TypeError(
+                f"placement must be a jax.Device, a Sharding or None, got {placement!r}"
+            )
+        if window_buckets is not None:
+            buckets = jaxsync.host_ints(window_buckets, name="window_buckets", minimum=1)
+            if not buckets.size or (np.diff(buckets) <= 0).any():
+                raise ValueError(f"window_buckets must be ascending and non-empty, got {buckets}")
+            window_buckets = tuple(buckets.tolist())
+        self.cfg: Qwen3OmniAudioConfig = tower.cfg
+        self.placement = placement
+        self.window_buckets = window_buckets
+        self.program = jaxsync.TowerProgram(tower, forward, layers="layers")
+        self._weights_at(tower)
+        self.plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
+
+    def _weights_at(self, tower: Qwen3OmniAudioTower) -> None:
+        leaf = jax.tree.leaves(tower)[0]
+        self._weight_devices = leaf.sharding.device_set
+        self._home = jaxsync.replicated_near(leaf)  # host features go up next to the weights
+
+    def load_state(self, tower: Qwen3OmniAudioTower) -> None:
+        """Takes the tower's current weights (e.g. after `nnx.update`) without recompiling.
+
+        Raises:
+          ValueError: another structure, shape, dtype or placement than the encoder was built
+            with (build a new encoder for another model).
+        """
+        self.program.load_state(tower)
+
+    def plan(self, features_shape: Sequence[int], feature_lens: Any) -> ChunkPlan:
+        """Validates shapes and lengths on the host and plans the batch (no device work).
+
+        Raises:
+          ValueError / TypeError: wrong rank or mel-bin count, invalid lengths, or a frame count
+            that is neither `sum(feature_lens)` nor `frame_bucket` of it.
+        """
+        if len(features_shape) != 2:
+            raise ValueError(f"features must be [num_mel_bins, frames], got shape {features_shape}")
+        if features_shape[0] != self.cfg.num_mel_bins:
+            raise ValueError(
+                f"features have {features_shape[0]} mel bins, the encoder expects "
+                f"{self.cfg.num_mel_bins} (shape must be [num_mel_bins, frames])"
+            )
+        return plan_chunks(
+            feature_lens, self.cfg, num_frames=features_shape[1], window_buckets=self.window_buckets
+        )
+
+    def _placement_for(self, features: Any) -> Any:
+        """Where this call's uploads go; refuses features away from the weights."""
+        if not isinstance(features, jax.Array):
+            return self.placement if self.placement is not None else self._home
+        if isinstance(features, jax.core.Tracer):
+            return None
+        if features.sharding.device_set != self._weight_devices:
+            raise ValueError(
+                f"features are on devices {_devices(features.sharding)} but the encoder's weights "
+                f"are on {sorted(str(d) for d in self._weight_devices)}: place them on the same "
+                "devices (or mesh)"
+            )
+        if self.placement is not None:
+            target = self.placement
+            where = {target} if isinstance(target, jax.Device) else target.device_set
+            if where != features.sharding.device_set:
+                raise ValueError(
+                    f"features are on devices {_devices(features.sharding)} but the encoder "
+                    f"uploads to placement {target}"
+                )
+            return target
+        return jaxsync.replicated_near(features)
+
+    def _planned(self, features: Any, feature_lens: Any) -> _Planned:
+        """`plan()` and its uploads, cached per (shape, dtype, placement, lengths).
+
+        A list or tuple of ints (what a server passes) becomes the key without numpy; other
+        lengths pass the type checks first. `type(n) is int` keeps floats and bools (equal to
+        ints, same hash) off the fast key.
+        """
+        if type(feature_lens) in (list, tuple) and all(type(n) is int for n in feature_lens):
+            lens = tuple(feature_lens)
+        else:
+            lens = tuple(check_feature_lens(feature_lens).tolist())  # the same key
+        where = getattr(features, "sharding", None)
+        key = (features.shape, features.dtype, where, lens)
+        return self.plans.get(key, lambda: self._build(features, lens))
+
+    def _build(self, features: Any, lens: tuple[int, ...]) -> _Planned:
+        if not jnp.issubdtype(features.dtype, jnp.floating):
+            raise TypeError(f"features must be floating point, got dtype {features.dtype}")
+        plan = self.plan(features.shape, lens)
+        placement = self._placement_for(features)
+        meta = jaxsync.upload_packed(plan.fields, placement=placement)
+        lengths = tuple(int(n) for n in plan.audio_tokens)
+        offsets = tuple(int(o) for o in plan.audio_offsets)
+        return _Planned(plan, placement, meta, lengths, offsets)
+
+    @entry_point
+    def __call__(
+        self,
+        features: Float[Array, "F T"] | np.ndarray | None = None,
+        feature_lens: Sequence[int] | np.ndarray | None = None,
+        *,
+        input_features: Any = None,
+        feature_attention_mask: Any = None,
+    ) -> jaxsync.Embeddings:
+        """Encodes a batch of audios.
+
+        Args:
+          features: [num_mel_bins, T] log-mel features of all audios concatenated in time
+            (upstream's layout). T is `sum(feature_lens)`, or `frame_bucket(sum)` with any
+            padding at the end so that many batches share one compiled program. A device array,
+            or host data (numpy, torch CPU tensor), which must be finite and is uploaded.
+          feature_lens: host mel-frame count per audio; 0 gives an empty output for that audio.
+          input_features: instead of the two above, the processor's [B, F, T] padded features
+            (numpy or torch CPU), with
+          feature_attention_mask: its [B, T] 0/1 frame mask.
+
+        Returns:
+          `jaxsync.Embeddings` with `W * window_tokens` rows (W = window bucket) and
+          `extras["finite"]`: [W * window_tokens] bool on the device, by the same rows: False on
+          every row of an audio whose frames hold a NaN or inf (audio `a`'s flag is
+          `finite[offsets[a]]`; other audios' rows never depend on it). Per row rather than
+          per audio so that batches with different audio counts share one program.
+
+        Raises:
+          TypeError / ValueError: bad arguments, shapes, dtypes, lengths, placements or
+            non-finite host features, before any upload or compile.
+        """
+        if input_features is not None or feature_attention_mask is not None:
+            if features is not None or feature_lens is not None:
+                raise TypeError(
+                    "pass features + feature_lens or input_features + feature_attention_mask, "
+                    "not both"
+                )
+            if input_features is None or feature_attention_mask is None:
+                raise TypeError("input_features and feature_attention_mask go together")
+            features, feature_lens = features_from_processor(input_features, feature_attention_mask)
+        elif features is None or feature_lens is None:
+            raise TypeError("features and feature_lens are required")
+        on_host = not isinstance(features, jax.Array)
+        if on_host:
+            features = jaxsync.host_array(features, name="features")
+        elif not isinstance(features, jax.core.Tracer) and features.is_deleted():
+            raise ValueError("features were deleted (donated to another program, or freed)")
+        planned = self._planned(features, feature_lens)
+        if on_host:
+            jaxsync.check_finite(features, name="features")
+            features = jaxsync.async_h2d(
+                np.asarray(features, np.float32), placement=planned.placement
+            )
+        rows, finite = self.program(features, planned.meta)
+        return jaxsync.Embeddings(rows, planned.lengths, planned.offsets, {"finite": finite})
