@@ -59,8 +59,11 @@ def host_ints(x: Any, *, name: str, ndim: int | None = 1, minimum: int | None = 
     """Integer host metadata (ids, lengths, grids) as int64, refusing anything not an integer.
 
     Floats (even integral ones like 2.0) and bools are `TypeError`: truncating them would pick
-    another block, length or image size without a word.
+    another block, length or image size without a word. Python lists are checked element by
+    element, since numpy silently turns `[True, 5]` into `[1, 5]`.
     """
+    if isinstance(x, list | tuple):
+        _check_python_ints(x, name)
     arr = host_array(x, name=name, ndim=ndim)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         if arr.size or arr.dtype == np.bool_:
@@ -69,6 +72,16 @@ def host_ints(x: Any, *, name: str, ndim: int | None = 1, minimum: int | None = 
     if minimum is not None and arr.size and arr.min() < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {arr.min()}")
     return arr
+
+
+def _check_python_ints(x: list | tuple, name: str) -> None:
+    stack = [x]
+    while stack:
+        for v in stack.pop():
+            if isinstance(v, list | tuple):
+                stack.append(v)
+            elif isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
 
 
 def host_int(x: Any, *, name: str, minimum: int | None = None) -> int:
