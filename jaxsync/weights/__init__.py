@@ -1,11 +1,18 @@
 """Strict Hugging Face safetensors loading into NNX modules through explicit mapping tables."""
 
-from jaxsync.weights._loader import (
+from jaxsync.weights._checkpoint import (
     WeightError as WeightError,
+    checkpoint_dtype as checkpoint_dtype,
     checkpoint_files as checkpoint_files,
-    load_weights as load_weights,
     read_checkpoint as read_checkpoint,
+)
+from jaxsync.weights._loader import (
+    load_weights as load_weights,
     to_numpy_state as to_numpy_state,
+)
+from jaxsync.weights._placement import (
+    PartitionRules as PartitionRules,
+    partition_spec as partition_spec,
 )
 from jaxsync.weights._rules import (
     Rule as Rule,

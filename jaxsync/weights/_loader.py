@@ -1,15 +1,17 @@
-"""Strict loading of Hugging Face safetensors checkpoints into NNX modules.
+"""Strict, streaming loading of Hugging Face safetensors checkpoints into NNX modules.
 
-The module is built abstractly (`nnx.eval_shape`, nothing allocated), every checkpoint tensor is
-read on the host CPU device, mapped through the rules, checked, and placed once; then the module is
-merged.
+The module is built abstractly (`nnx.eval_shape`, nothing allocated). Then, from the shard headers
+alone, every selected key is mapped through the rules and checked (stored shape before any
+transform, dtype, placement), and every parameter is accounted for: all strictness errors are
+raised before a byte of tensor data is read. Only then are the selected tensors read, shard by
+shard, each transformed and placed on its device or sharding at once, so host memory peaks at
+about the largest tensor, not the checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,42 +19,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from jax.sharding import Mesh
 
-from jaxsync.weights._rules import Rule
-
-
-class WeightError(ValueError):
-    """A checkpoint does not fit the module; the message names the key or parameter."""
-
-
-def checkpoint_files(checkpoint: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: a file, a `*.index.json`, or a directory of either."""
-    path = Path(checkpoint)
-    if path.is_dir():
-        index = sorted(path.glob("*.safetensors.index.json"))
-        if index:
-            path = index[0]
-        else:
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise WeightError(f"no *.safetensors files in {path}")
-            return files
-    if path.name.endswith(".index.json"):
-        weight_map = json.loads(path.read_text())["weight_map"]
-        return [path.parent / f for f in sorted(set(weight_map.values()))]
-    if not path.exists():
-        raise WeightError(f"checkpoint {path} does not exist")
-    return [path]
+from jaxsync.weights import _progress
+from jaxsync.weights._checkpoint import (
+    TensorInfo,
+    WeightError,
+    open_shard,
+    read_tensor,
+    selected_tensors,
+)
+from jaxsync.weights._placement import PartitionRules, Placement, ShardingFn, placement
+from jaxsync.weights._rules import Rule, expected_stored_shape
 
 
-def read_checkpoint(checkpoint: str | Path) -> Iterator[tuple[str, jax.Array]]:
-    """Yields (key, tensor) for every tensor, read onto the host CPU device (bf16 kept as bf16)."""
-    cpu = jax.devices("cpu")[0]
-    for file in checkpoint_files(checkpoint):
-        with jax.default_device(cpu), safe_open(str(file), framework="flax") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+@dataclasses.dataclass(frozen=True)
+class _Load:
+    """One checked tensor: where it goes and how it gets there."""
+
+    info: TensorInfo
+    variable: nnx.Variable
+    transform: Callable | None
+    cast: jnp.dtype | None
+    place: Placement
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -66,40 +55,60 @@ def load_weights(
     *,
     select: str | None = None,
     strip: str = "",
+    dtype: Any = None,
     allow_cast: bool = False,
-    sharding: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
+    sharding: ShardingFn | None = None,
+    mesh: Mesh | None = None,
+    partition_rules: PartitionRules | None = None,
+    progress: bool | None = None,
 ) -> nnx.Module:
     """Builds `factory()` abstractly and fills every parameter from `checkpoint`.
+
+    Dtype policy: `dtype=None` casts nothing, so each tensor's checkpoint dtype must be its
+    parameter's (build the module at `checkpoint_dtype(...)`); an explicit `dtype` casts every
+    float tensor to it and stores it so. `allow_cast=True` (legacy) casts floats to each
+    parameter's declared dtype.
 
     Args:
       factory: zero-argument callable building the module (run under `nnx.eval_shape`).
       checkpoint: a `.safetensors` file, a sharded `*.index.json`, or a directory.
       rules: the key mapping; the first rule that matches a key wins.
       select: regex; only keys with `re.match(select, key)` are loaded, the rest belong to other
-        modules and are ignored. None selects every key.
+        modules, are ignored and never read (nor their shards opened, given an index). None
+        selects every key.
       strip: prefix removed from selected keys before matching rules.
-      allow_cast: allow float->float dtype conversion (e.g. an fp32 checkpoint into a bf16 module).
-      sharding: optional `(param_path, shape) -> Sharding | None` placement per parameter.
+      dtype: None, or the float dtype to cast float tensors to (see the policy above).
+      allow_cast: cast float tensors to each parameter's declared dtype.
+      sharding: optional `(param_path, shape) -> Sharding | None` placement per parameter; it
+        takes precedence over `partition_rules`.
+      mesh: with `partition_rules`, the mesh parameters are sharded over; parameters no rule
+        matches are replicated over it.
+      partition_rules: `[(regex, axes), ...]`; the first regex that `re.search`es a parameter's
+        dotted path places it with `NamedSharding(mesh, PartitionSpec(*axes))`. Axis names the
+        mesh lacks are ignored and a dimension the mesh axes do not divide is replicated, so one
+        table serves any mesh. Without a mesh, parameters go to the default device.
+      progress: draw a progress bar on stderr once the load has run for 2 s; None draws it only
+        when stderr is a terminal.
 
     Returns:
-      The module with every parameter loaded.
+      The module with every parameter loaded and placed.
 
     Raises:
-      WeightError: a selected key no rule matches, a target that is not a parameter of the module,
-        a key mapped twice, a parameter left unassigned, a shape mismatch, or a dtype mismatch.
+      WeightError: before any tensor is read, for a selected key no rule matches, a target that
+        is not a parameter, a key mapped twice, a parameter left unassigned, a stored shape the
+        rule's transform does not expect, a dtype mismatch, a placement that does not fit, or an
+        unreadable file (missing, truncated, bad header, an index naming a key its shard lacks).
     """
     abstract = nnx.eval_shape(factory)
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     targets = {_path_str(p): p for p in flat}
-    assigned: dict[str, str] = {}
     default = jax.config.jax_default_device or jax.devices()[0]
+    cast_to = None if dtype is None else jnp.dtype(dtype)
 
-    for key, tensor in read_checkpoint(checkpoint):
-        if select is not None and not re.match(select, key):
-            continue
-        if strip and not key.startswith(strip):
-            raise WeightError(f"checkpoint key {key!r} does not start with {strip!r}")
+    plan: list[_Load] = []
+    assigned: dict[str, str] = {}
+    for key, info in selected_tensors(checkpoint, select, strip).items():
         short = key[len(strip) :]
         rule, target = next(
             ((r, t) for r in rules if (t := r.match(short)) is not None), (None, None)
@@ -112,42 +121,98 @@ def load_weights(
             raise WeightError(f"keys {assigned[target]!r} and {key!r} both map to {target!r}")
         variable = flat[targets[target]]
         expected = variable.get_value()
-        value = rule.transform(tensor) if rule.transform else tensor
-        if tuple(value.shape) != tuple(expected.shape):
-            raise WeightError(
-                f"checkpoint key {key!r} -> {target!r}: shape {tuple(value.shape)} "
-                f"(after transform) but the module expects {tuple(expected.shape)}"
-            )
-        if value.dtype != expected.dtype:
-            floats = jnp.issubdtype(value.dtype, jnp.floating) and jnp.issubdtype(
-                expected.dtype, jnp.floating
-            )
-            if not (allow_cast and floats):
-                raise WeightError(
-                    f"checkpoint key {key!r} -> {target!r}: dtype {value.dtype} but the module "
-                    f"expects {expected.dtype} (pass allow_cast=True for float conversions)"
-                )
-            value = value.astype(expected.dtype)
-        place = (sharding(target, tuple(value.shape)) if sharding else None) or default
-        variable.set_value(jax.device_put(value, place))
+        out_dtype = _check_shape(info, rule, target, expected)
+        cast = _cast(info, target, out_dtype, expected.dtype, cast_to, allow_cast)
+        place = placement(
+            target,
+            tuple(expected.shape),
+            sharding=sharding,
+            mesh=mesh,
+            partition_rules=partition_rules,
+            default=default,
+        )
+        plan.append(_Load(info, variable, rule.transform, cast, place))
         assigned[target] = key
+    _check_complete(flat, targets, assigned)
 
-    missing = [t for t in targets if t not in assigned and _is_param(flat[targets[t]])]
+    bar = _progress.Progress(sum(item.info.nbytes for item in plan), progress)
+    for file in dict.fromkeys(item.info.file for item in plan):
+        with open_shard(file) as handle:
+            for item in (i for i in plan if i.info.file == file):
+                value = read_tensor(handle, item.info)
+                if item.transform is not None:
+                    value = item.transform(value)
+                if item.cast is not None:
+                    value = value.astype(item.cast)
+                item.variable.set_value(jax.device_put(value, item.place))
+                del value  # the host copy goes before the next tensor is read
+                bar.update(item.info.nbytes)
+    bar.close()
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _check_shape(info: TensorInfo, rule: Rule, target: str, expected: Any) -> jnp.dtype:
+    """Checks the stored shape against what the transform expects; returns the dtype after it."""
+    where = f"checkpoint key {info.key!r} in {info.file.name} -> {target!r}"
+    want = tuple(expected.shape)
+    try:
+        stored = expected_stored_shape(rule.transform, want)
+    except ValueError as e:
+        raise WeightError(f"{where}: {e}") from None
+    if stored is not None:
+        if info.shape != stored:
+            via = f" through {rule.transform!r}" if rule.transform is not None else ""
+            raise WeightError(
+                f"{where}: stored shape {info.shape}, but the module's {want}{via} expects "
+                f"stored shape {stored}"
+            )
+        return info.dtype
+    # A transform without an inverse shape map: check its output shape abstractly, still unread.
+    try:
+        out = jax.eval_shape(rule.transform, jax.ShapeDtypeStruct(info.shape, info.dtype))
+    except Exception as e:  # any failure of the user's transform on this shape is a misfit
+        raise WeightError(f"{where}: transform fails on stored shape {info.shape}: {e}") from e
+    if tuple(out.shape) != want:
+        raise WeightError(
+            f"{where}: shape {tuple(out.shape)} (after transform of stored {info.shape}) but "
+            f"the module expects {want}"
+        )
+    return out.dtype
+
+
+def _cast(
+    info: TensorInfo,
+    target: str,
+    got: jnp.dtype,
+    want: jnp.dtype,
+    cast_to: jnp.dtype | None,
+    allow_cast: bool,
+) -> jnp.dtype | None:
+    """The dtype to cast to (None: none), per the policy in `load_weights`."""
+    floats = jnp.issubdtype(got, jnp.floating) and jnp.issubdtype(want, jnp.floating)
+    if floats and cast_to is not None:
+        return None if got == cast_to else cast_to
+    if got == want:
+        return None
+    if floats and allow_cast:
+        return want
+    hint = " (pass dtype= to cast floats, or build the module at checkpoint_dtype)" * floats
+    raise WeightError(
+        f"checkpoint key {info.key!r} -> {target!r}: dtype {got} but the module expects "
+        f"{want}{hint}"
+    )
+
+
+def _check_complete(flat: dict, targets: dict[str, Any], assigned: dict[str, str]) -> None:
+    missing = [t for t in targets if t not in assigned and isinstance(flat[targets[t]], nnx.Param)]
     if missing:
         raise WeightError(f"{len(missing)} parameter(s) not in the checkpoint: {missing[:8]}")
-    leftover = [t for t in targets if t not in assigned]
-    for t in leftover:  # non-parameter state (e.g. buffers computed in __init__) is materialised
-        v = flat[targets[t]]
-        if isinstance(v.get_value(), jax.ShapeDtypeStruct):
+    for t in targets:  # non-parameter state (e.g. buffers computed in __init__) is materialised
+        if t not in assigned and isinstance(flat[targets[t]].get_value(), jax.ShapeDtypeStruct):
             raise WeightError(
                 f"state {t!r} is not a parameter and not in the checkpoint; derive such constants "
                 "from the config (numpy / DeviceCache) instead of storing them as nnx state"
             )
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _is_param(variable: Any) -> bool:
-    return isinstance(variable, nnx.Param)
 
 
 def to_numpy_state(module: nnx.Module) -> dict[str, np.ndarray]:

@@ -1,8 +1,15 @@
-"""Mapping rules from Hugging Face checkpoint keys to NNX parameter paths, and layout transforms."""
+"""Mapping rules from Hugging Face checkpoint keys to NNX parameter paths, and layout transforms.
+
+Every transform knows the stored shape it expects for a given parameter shape (its inverse shape
+map), so the loader checks a tensor's stored layout from the file header before reading or
+transforming it: a tensor in another layout with the same element count (a transposed Linear, a
+Conv3d with C and T swapped) is refused instead of loading scrambled.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 
@@ -10,7 +17,30 @@ import jax
 import jax.numpy as jnp
 
 
-Transform = Callable[[jax.Array], jax.Array]
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """A layout change from the stored tensor to the parameter, with its inverse shape map.
+
+    Attributes:
+      fn: stored tensor -> parameter value.
+      stored_shape: parameter shape -> the stored shape `fn` expects; None when it cannot be
+        derived (the loader then checks the shape after `fn` only). Raises `ValueError` when the
+        transform does not apply to a parameter of that shape.
+      name: shown in error messages.
+    """
+
+    fn: Callable[[jax.Array], jax.Array]
+    stored_shape: Callable[[Shape], Shape | None]
+    name: str = "transform"
+
+    def __call__(self, w: jax.Array) -> jax.Array:
+        return self.fn(w)
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,51 +50,103 @@ class Rule:
     Attributes:
       pattern: regex, `re.fullmatch`-ed against the checkpoint key (after `strip`).
       target: dotted NNX path with `\\1`-style backreferences, e.g. `r"layers.\\1.attn.q.kernel"`.
-      transform: optional layout change applied to the tensor (see `linear`, `conv`).
+      transform: optional layout change applied to the tensor: a `Transform` (`linear`, `conv`,
+        `transpose`, `reshape`, `compose`), or a plain callable, which is shape-checked only
+        after it is applied (give it an inverse shape map by wrapping it in `Transform`).
     """
 
     pattern: str
     target: str
-    transform: Transform | None = None
+    transform: Transform | Callable[[jax.Array], jax.Array] | None = None
 
     def match(self, key: str) -> str | None:
         m = re.fullmatch(self.pattern, key)
         return m.expand(self.target) if m else None
 
 
-def linear(w: jax.Array) -> jax.Array:
-    """torch Linear weight [out, in] -> nnx.Linear kernel [in, out]."""
-    return jnp.transpose(w)
+def expected_stored_shape(transform: Callable | None, target: Shape) -> Shape | None:
+    """The stored shape `transform` maps onto a `target`-shaped parameter; None if unknown."""
+    if transform is None:
+        return tuple(target)
+    if isinstance(transform, Transform):
+        return transform.stored_shape(tuple(target))
+    return None
+
+
+def _ndim(name: str, target: Shape, ndim: int) -> None:
+    if len(target) != ndim:
+        raise ValueError(f"{name} maps onto {ndim}-D parameters, not shape {target}")
+
+
+def _linear_stored(target: Shape) -> Shape:
+    _ndim("linear", target, 2)
+    return (target[1], target[0])
+
+
+linear = Transform(jnp.transpose, _linear_stored, "linear")
+"""torch Linear weight [O, I] -> nnx.Linear kernel [I, O]."""
 
 
 def conv(ndim: int) -> Transform:
     """torch ConvNd weight [O, I, *k] -> nnx.Conv kernel [*k, I, O] for `ndim` spatial dims."""
+    name = f"conv{ndim}d"
 
-    def f(w: jax.Array) -> jax.Array:
-        if w.ndim != ndim + 2:
-            raise ValueError(f"conv{ndim}d weight must have {ndim + 2} dims, got shape {w.shape}")
-        return jnp.transpose(w, (*range(2, ndim + 2), 1, 0))
+    def stored(target: Shape) -> Shape:
+        _ndim(name, target, ndim + 2)
+        return (target[-1], target[-2], *target[:-2])
 
-    f.__name__ = f"conv{ndim}d"
-    return f
+    return Transform(lambda w: jnp.transpose(w, (*range(2, ndim + 2), 1, 0)), stored, name)
 
 
 def transpose(*axes: int) -> Transform:
-    """A fixed axis permutation."""
-    return lambda w: jnp.transpose(w, axes)
+    """A fixed axis permutation: `parameter = stored.transpose(axes)`."""
+    if sorted(axes) != list(range(len(axes))):
+        raise ValueError(f"transpose axes {axes} are not a permutation of 0..{len(axes) - 1}")
+    name = f"transpose{axes}"
+
+    def stored(target: Shape) -> Shape:
+        _ndim(name, target, len(axes))
+        out = [0] * len(axes)
+        for i, a in enumerate(axes):  # parameter dim i is stored dim axes[i]
+            out[a] = target[i]
+        return tuple(out)
+
+    return Transform(lambda w: jnp.transpose(w, axes), stored, name)
 
 
-def reshape(*shape: int) -> Transform:
-    """A fixed reshape."""
-    return lambda w: jnp.reshape(w, shape)
+def reshape(*shape: int, stored: Shape | None = None) -> Transform:
+    """A fixed reshape to `shape`, from a tensor stored as `stored`.
+
+    Without `stored`, any layout of the same element count passes and only the result is checked;
+    give `stored` so that a tensor in another layout is refused before it is read.
+    """
+    name = f"reshape{shape}"
+    if stored is not None and -1 not in shape and math.prod(stored) != math.prod(shape):
+        raise ValueError(f"{name}: stored shape {tuple(stored)} has another element count")
+
+    def stored_shape(target: Shape) -> Shape | None:
+        if len(target) != len(shape) or any(s not in (-1, t) for s, t in zip(shape, target)):
+            raise ValueError(f"{name} maps onto parameters of shape {shape}, not {target}")
+        return None if stored is None else tuple(stored)
+
+    return Transform(lambda w: jnp.reshape(w, shape), stored_shape, name)
 
 
-def compose(*fs: Transform) -> Transform:
-    """Applies `fs` left to right."""
+def compose(*fs: Transform | Callable) -> Transform:
+    """Applies `fs` left to right; its stored shape is the inverse maps applied right to left."""
+    name = "compose(" + ", ".join(getattr(f, "name", getattr(f, "__name__", "?")) for f in fs) + ")"
 
-    def f(w: jax.Array) -> jax.Array:
+    def fn(w: jax.Array) -> jax.Array:
         for g in fs:
             w = g(w)
         return w
 
-    return f
+    def stored(target: Shape) -> Shape | None:
+        shape: Shape | None = tuple(target)
+        for g in reversed(fs):
+            shape = expected_stored_shape(g, shape)
+            if shape is None:
+                return None
+        return shape
+
+    return Transform(fn, stored, name)
