@@ -12,13 +12,12 @@ import jaxsync
 import jaxsync.check
 from jaxsync.models.voxtral import (
     MelConfig,
-    _reference as ref,
+    MelSpec,
+    log_mel_rows,
     log_mel_spectrogram,
     slaney_mel_filters,
 )
-from jaxsync.models.voxtral._filters import device_tables
-from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows
-from jaxsync.models.voxtral._spectrum import spectral_float64
+from jaxsync.paths.voxtral import reference as ref
 from jaxsync.testing import requires_torch
 
 
@@ -176,7 +175,7 @@ def test_voxtral_processor_padding(audios):
 def test_float64_spectrum_precision(audios, bins):
     """Where the backend has native float64 the features sit at float32 log10 rounding of the
     float64 oracle, far inside the issue's bound, in the per-audio and the 30 s batch variant."""
-    if not spectral_float64(jax.device_put(np.zeros(1, np.float32))):
+    if jax.default_backend() not in ("cpu", "gpu"):
         pytest.skip(f"{jax.default_backend()} keeps the float32 spectral path")
     fe = ref.whisper_fe(bins)
     cfg = MelConfig.from_feature_extractor(fe)
@@ -193,29 +192,33 @@ def test_float64_spectrum_precision(audios, bins):
     assert err <= ATOL_FLOAT64, f"per_example: |ours - float64| = {err:.2e}"
 
 
-@pytest.mark.parametrize("float64", [True, False])
-def test_float64_scope_stays_inside_the_spectrum(float64):
-    """The float64 spectral stage is scoped to the trace: float32 in and out, the caller's x64
-    setting and default dtypes untouched, no recompiles; the float32 path (TPU) has no 64-bit op."""
-    cfg = MelConfig(num_mel_bins=80)
-    filters, window = device_tables(cfg)
-    meta = jaxsync.upload_packed(
+def _one_row_meta(n: int = 4000, frames: int = 25):
+    return jaxsync.upload_packed(
         {k: np.array(v, np.int32) for k, v in dict(
-            length=[4000], signal=[4000], row_audio=[0], row_frame0=[0], row_frames=[25]).items()}
+            length=[n], signal=[n], row_audio=[0], row_frame0=[0], row_frames=[frames]).items()}
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", [None, "float64", "float32"])
+def test_float64_scope_stays_inside_the_spectrum(precision):
+    """The float64 spectral stage is scoped to the trace: float32 in and out, the caller's x64
+    setting and default dtypes untouched, no recompiles; the float32 path has no 64-bit op."""
+    cfg = MelConfig(num_mel_bins=80)
+    meta = _one_row_meta()
     x, x2 = (jax.device_put(_batch([_audio(4000, seed)])) for seed in (1, 2))
-    fn = jax.jit(ft.partial(log_mel_rows, spec=MelSpec(400, 160, 25, None, float64)))
+    fn = jax.jit(ft.partial(log_mel_rows, spec=MelSpec(cfg, 25, None, precision)))
 
     def state():
         return jax.config.jax_enable_x64, jax.numpy.zeros(1).dtype, jax.numpy.arange(2).dtype
 
     before = state()
-    hlo = fn.lower(x, meta, filters, window).as_text()
+    hlo = fn.lower(x, meta).as_text()
+    float64 = precision != "float32"  # None: this CPU host lowers the float64 branch
     assert ("complex<f64>" in hlo) == float64 and ("f64" in hlo) == float64
-    feats, _ = fn(x, meta, filters, window)
+    feats, _ = fn(x, meta)
     assert feats.dtype == np.float32 and state() == before
     with jaxsync.check.no_recompile():
-        fn(x2, meta, filters, window)
+        fn(x2, meta)
 
 
 @pytest.mark.parametrize(
@@ -297,13 +300,8 @@ def test_global_floor_is_a_compile_time_constant(g):
     no max-reduction at all; without one it reduces on device (never on the host)."""
     cfg = MelConfig(num_mel_bins=80, global_log_mel_max=g)
     x = jax.device_put(_batch([_audio(4000, 1)]))
-    filters, window = device_tables(cfg)
-    meta = jaxsync.upload_packed(
-        {k: np.array(v, np.int32) for k, v in dict(
-            length=[4000], signal=[4000], row_audio=[0], row_frame0=[0], row_frames=[25]).items()}
-    )  # fmt: skip
-    spec = MelSpec(400, 160, 25, cfg.floor_value)
-    jaxpr = str(jax.make_jaxpr(ft.partial(log_mel_rows, spec=spec))(x, meta, filters, window))
+    spec = MelSpec(cfg, 25, cfg.floor_value)
+    jaxpr = str(jax.make_jaxpr(ft.partial(log_mel_rows, spec=spec))(x, _one_row_meta()))
     assert ("reduce_max" in jaxpr) == (g is None)
     out = log_mel_spectrogram(x, [4000], config=cfg)
     if g is not None:
@@ -327,9 +325,6 @@ def test_sync_free_many_lengths_one_bucket():
 
 
 def test_default_mel_config_is_whispers_128_bin_extractor():
-    from jaxsync.models.voxtral import _reference as ref
-    from jaxsync.models.voxtral._config import MelConfig
-
     assert MelConfig() == MelConfig.from_feature_extractor(ref.whisper_fe(128))
 
 

@@ -1,9 +1,8 @@
-"""Registers the Voxtral paths for `jaxsync verify` and their benchmarks for `jaxsync bench`."""
+"""Registers the Voxtral paths for `jaxsync verify` (torch and transformers inside functions)."""
 
 from __future__ import annotations
 
 import functools as ft
-import itertools
 import tempfile
 from typing import Any
 
@@ -12,12 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsync.models.voxtral import _reference as ref
-from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
-from jaxsync.models.voxtral._mel import log_mel_spectrogram
-from jaxsync.models.voxtral._model import VoxtralAudioEmbedder, VoxtralAudioModel
-from jaxsync.models.voxtral._weights import load_voxtral_audio
-from jaxsync.registry import BenchCase, Parity, PathCase, register_bench, register_path
+from jaxsync.models.voxtral import (
+    MelConfig,
+    VoxtralAudioConfig,
+    VoxtralAudioEncoder,
+    VoxtralAudioTower,
+    load_model,
+    log_mel_spectrogram,
+)
+from jaxsync.paths.voxtral import reference as ref
+from jaxsync.registry import Parity, PathCase, register_path
 
 
 _SR = 16000
@@ -80,10 +83,10 @@ def _build_log_mel(checkpoint: str | None) -> PathCase:
 
 
 @ft.cache
-def _tiny_reference() -> tuple[Any, VoxtralAudioEmbedder]:
+def _tiny_reference() -> tuple[Any, VoxtralAudioEncoder]:
     model, path, cfg = ref.build_tiny_voxtral(tempfile.mkdtemp(prefix="jaxsync-voxtral-"))
     mel = MelConfig.from_feature_extractor(ref.whisper_fe(cfg.num_mel_bins))
-    return model, VoxtralAudioEmbedder(load_voxtral_audio(path, cfg), mel)
+    return model, VoxtralAudioEncoder(load_model(path, cfg), mel)
 
 
 def _embed_parity() -> Parity:
@@ -94,31 +97,29 @@ def _embed_parity() -> Parity:
     lengths = [7001, 3000, 2 * emb.chunk_samples, 301]
     x = _batch(lengths, max(lengths))
     out = emb(x, lengths)
+    emb_rows = np.asarray(out.embeddings)
     worst = 0.0
     for i, n in enumerate(lengths):
         mel = ref.processor_features(fe, x[i, :n], emb.config.chunk_frames)
         _, want = ref.torch_audio_features(model, mel)
-        rows = np.asarray(out.embeddings)[out.offsets[i] : out.offsets[i] + out.num_tokens[i]]
+        rows = emb_rows[out.offsets[i] : out.offsets[i] + out.lengths[i]]
         worst = max(worst, jt.rel_err(rows, want))
     return Parity(worst, 1e-5, "rel", "HF processor features + get_audio_features, 4 audios")
 
 
 @ft.cache
-def _tiny_random() -> VoxtralAudioEmbedder:
+def _tiny_random() -> VoxtralAudioEncoder:
     """The tiny config with random NNX weights: verify's checks need no torch."""
     cfg = VoxtralAudioConfig(num_mel_bins=128, text_hidden_size=ref.TINY_TEXT["hidden_size"],
                              **ref.TINY_AUDIO)  # fmt: skip
-    return VoxtralAudioEmbedder(VoxtralAudioModel(cfg, rngs=nnx.Rngs(0)), MelConfig())
+    return VoxtralAudioEncoder(VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)), MelConfig())
 
 
-def _embedder(checkpoint: str | None) -> VoxtralAudioEmbedder:
+def _embedder(checkpoint: str | None) -> VoxtralAudioEncoder:
     if checkpoint is None:
         return _tiny_random()
-    from transformers import AutoConfig
-
-    cfg = VoxtralAudioConfig.from_hf_config(AutoConfig.from_pretrained(checkpoint))
-    model = load_voxtral_audio(checkpoint, cfg, dtype=jnp.bfloat16, allow_cast=True)
-    return VoxtralAudioEmbedder(model, MelConfig(num_mel_bins=cfg.num_mel_bins))
+    model = load_model(checkpoint, dtype=jnp.bfloat16)
+    return VoxtralAudioEncoder(model, MelConfig(num_mel_bins=model.config.num_mel_bins))
 
 
 @register_path(
@@ -134,82 +135,3 @@ def _build_embed(checkpoint: str | None) -> PathCase:
     return PathCase(
         fn=emb.__call__, inputs=inputs, parity=_embed_parity if checkpoint is None else None
     )
-
-
-# ---------------------------------------------------------------- benchmarks
-
-
-def _rotate(items):
-    cycle = itertools.cycle(items)
-    return lambda: next(cycle)
-
-
-def _mel_cases(device: str, size: str) -> list[BenchCase]:
-    import torch
-
-    fe = ref.whisper_fe(128)
-    cfg = MelConfig.from_feature_extractor(fe)
-    filters = torch.from_numpy(fe.mel_filters).to(device, torch.float32)
-    n = 30 * _SR if size == "released" else 2 * _SR
-    cases = []
-    for b in (1, 4, 16, 32) if size == "released" else (1, 3):
-        hosts = [_batch([n] * b, n, seed) for seed in range(3)]
-        jx = _rotate([jax.device_put(h) for h in hosts])
-        tx = _rotate([torch.from_numpy(h).to(device) for h in hosts])
-        hx = _rotate(hosts)
-
-        def jax_fn(jx=jx, b=b):  # HF batch semantics: per-example max over the 30 s rows
-            return log_mel_spectrogram(jx(), [n] * b, config=cfg, floor="per_example",
-                                       max_length=n).features  # fmt: skip
-
-        def hf_torch(hx=hx):  # transformers' torch extractor on the GPU (host in, host out)
-            return fe._torch_extract_fbank_features(hx(), device)
-
-        def vllm(tx=tx):  # vLLM: per waveform, already on the device
-            return torch.stack([ref.vllm_melspec(w, filters) for w in tx()])
-
-        fns = {"transformers_torch_extractor": hf_torch, "vllm_post_pr": vllm}
-        cases.append(BenchCase(f"log_mel[{size},B={b}x{n // _SR}s]", jax_fn, fns, b * n * 4))
-    return cases
-
-
-def _encoder_cases(device: str, size: str) -> list[BenchCase]:
-    import torch
-
-    if size == "released":
-        from transformers import VoxtralConfig
-
-        text = {"model_type": "llama", **ref.TINY_TEXT, "hidden_size": 3072, "head_dim": 128}
-        hf_cfg = VoxtralConfig(text_config=text)
-        dtype, tdtype, counts = jnp.bfloat16, torch.bfloat16, (1, 4, 8)
-    else:
-        hf_cfg, dtype, tdtype, counts = ref.tiny_hf_config(128), jnp.float32, torch.float32, (1, 3)
-    cfg = VoxtralAudioConfig.from_hf_config(hf_cfg)
-    hf_cfg._attn_implementation = "eager"
-    from transformers import VoxtralForConditionalGeneration
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        hf = VoxtralForConditionalGeneration(hf_cfg).to(tdtype).eval()
-    model = VoxtralAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
-    emb = VoxtralAudioEmbedder(model, MelConfig(num_mel_bins=cfg.num_mel_bins))
-    cases = []
-    for c in counts:
-        mels = [np.random.default_rng(s).uniform(-1, 2, (c, 128, cfg.chunk_frames)) for s in (0, 1)]
-        jx = _rotate([jax.device_put(m.astype(np.float32)) for m in mels])
-        tx = _rotate([torch.from_numpy(m).to(device, tdtype) for m in mels])
-
-        def jax_fn(jx=jx):
-            return emb.from_features(jx())
-
-        def hf_eager(tx=tx):
-            return hf.get_audio_features(tx()).pooler_output
-
-        name = f"audio_encoder[{size},C={c}x{cfg.chunk_frames}]"
-        cases.append(BenchCase(name, jax_fn, {"transformers_eager": hf_eager}))
-    return cases
-
-
-@register_bench("voxtral")
-def _bench(device: str, size: str) -> list[BenchCase]:
-    return _mel_cases(device, size) + _encoder_cases(device, size)
