@@ -3,6 +3,7 @@ inputs, sharding, argument count, per-item finite flags."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,3 +67,40 @@ def test_sync_free_and_no_recompile(encoder):
         return encoder(input_features=m)
 
     jaxsync.check.assert_sync_free(features, mel, inputs=[(mel * 0.5,)])
+
+
+def _rows(out, i):
+    return np.asarray(out.embeddings)[out.offsets[i] : out.offsets[i] + out.lengths[i]]
+
+
+def test_poisoned_audio_leaves_the_others_bit_identical(encoder):
+    """Device waveforms are not read back: a NaN in one audio flips its finite flag only, and
+    every other audio's rows are bit-identical to the clean run (no leak through the per-audio
+    max, the windows or padding)."""
+    lens = [7001, 12800, 301, 9000]
+    host = _batch([_audio(n, i) for i, n in enumerate(lens)], 12800)
+    clean = encoder(jax.device_put(host), lens)
+    for bad, where in ((1, 100), (3, 8999)):
+        poisoned = host.copy()
+        poisoned[bad, where] = np.nan
+        out = encoder(jax.device_put(poisoned), lens)
+        flags = np.asarray(out.extras["finite"])[: len(lens)]
+        assert flags.tolist() == [i != bad for i in range(len(lens))]
+        assert np.isnan(_rows(out, bad)).any()
+        for i in range(len(lens)):
+            if i != bad:
+                np.testing.assert_array_equal(_rows(out, i), _rows(clean, i))
+    assert np.asarray(clean.extras["finite"])[: len(lens)].all()
+
+
+def test_poisoned_features_leave_the_others_bit_identical(encoder):
+    cfg = encoder.config
+    feats = _mel(4, cfg, 1).astype(np.float32)
+    clean = encoder(input_features=jax.device_put(feats), num_chunks=[1, 2, 1])
+    poisoned = feats.copy()  # a CPU device_put may alias the host buffer
+    poisoned[2, 5, 7] = np.inf  # the second window of item 1
+    out = encoder(input_features=jax.device_put(poisoned), num_chunks=[1, 2, 1])
+    assert np.asarray(out.extras["finite"])[:3].tolist() == [True, False, True]
+    for i in (0, 2):
+        np.testing.assert_array_equal(_rows(out, i), _rows(clean, i))
+    assert np.asarray(clean.extras["finite"])[:3].all()

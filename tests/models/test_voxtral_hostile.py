@@ -57,3 +57,35 @@ def test_encoder_bad_audio(encoder):
             VoxtralAudioTower(VoxtralAudioConfig(**TINY), rngs=nnx.Rngs(0)),
             MelConfig(num_mel_bins=80),
         )
+
+
+@pytest.fixture
+def uploads(monkeypatch):
+    """Counts host->device transfers (every upload goes through `jaxsync._transfer._put`)."""
+    import jaxsync._transfer as transfer
+
+    count = [0]
+    real = transfer._put
+
+    def put(host, placement):
+        count[0] += 1
+        return real(host, placement)
+
+    monkeypatch.setattr(transfer, "_put", put)
+    return count
+
+
+def test_too_many_windows_fail_before_any_upload(uploads):
+    tower = VoxtralAudioTower(VoxtralAudioConfig(**TINY), rngs=nnx.Rngs(0))
+    enc = VoxtralAudioEncoder(tower, MelConfig(), chunk_buckets=[2, 4])
+    x = _batch([_audio(6400 * 3 + 1, 0), _audio(6400, 1)])  # 4 + 1 windows > 4
+    before = x.copy()
+    with pytest.raises(ValueError, match="5 windows of 6400 samples exceed the largest chunk"):
+        enc(x, [6400 * 3 + 1, 6400])
+    feats = np.zeros((5, 128, 40), np.float32)
+    with pytest.raises(ValueError, match="5 windows exceed the largest chunk bucket 4"):
+        enc(input_features=feats)
+    assert uploads[0] == 0
+    np.testing.assert_array_equal(x, before)
+    assert enc(x[:, :6400], [6400, 6400]).lengths == (5, 5)  # within the buckets: fine
+    assert uploads[0] == 2  # the plan's metadata and the waveforms
