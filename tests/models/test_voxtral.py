@@ -104,3 +104,102 @@ def test_poisoned_features_leave_the_others_bit_identical(encoder):
     for i in (0, 2):
         np.testing.assert_array_equal(_rows(out, i), _rows(clean, i))
     assert np.asarray(clean.extras["finite"])[:3].all()
+
+
+def _waveform_meta(enc: VoxtralAudioEncoder, lens, width: int, b_pad: int):
+    from jaxsync.models.voxtral import plan_log_mel, plan_waveform_chunks
+
+    mel = plan_log_mel(np.array(lens), width, b_pad, enc.mel_config, floor="per_audio",
+                       pad_to_multiple_of=enc.chunk_samples)  # fmt: skip
+    plan = plan_waveform_chunks(mel, b_pad, enc.mel_config, enc.config, None)
+    return plan, jaxsync.upload_packed(plan.fields)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_jit_argument_count_is_small_and_depth_free(dtype):
+    """The entry's program takes the packed state (one buffer per dtype), the input and the
+    packed metadata, whatever the depth: the same count at 1 and 5 layers, <= 6."""
+    counts = []
+    for depth in (1, 5):
+        cfg = VoxtralAudioConfig(**{**TINY, "num_hidden_layers": depth})
+        tower = VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+        enc = VoxtralAudioEncoder(tower)
+        x = jax.device_put(_batch([_audio(7001, 0), _audio(300, 1)], 12800))
+        _, meta = _waveform_meta(enc, [7001, 300], 12800, 2)
+        waves = len(jax.tree.leaves(enc.lower(x, meta).args_info))
+        feats = jax.device_put(_mel(3, cfg, 0).astype(np.float32))
+        from jaxsync.models.voxtral import plan_chunks
+
+        fmeta = jaxsync.upload_packed(plan_chunks(np.array([1, 2]), 2, 3, cfg).fields)
+        counts.append((waves, len(jax.tree.leaves(enc.lower(feats, fmeta).args_info))))
+    assert counts[0] == counts[1] and max(counts[0]) <= 6, counts
+
+
+def test_pure_forward_drops_into_a_server_jit(encoder):
+    """A server runs `forward` / `forward_waveforms` inside its own jit with the weights as
+    arguments: the same rows as the entry, and new weights are used without a recompile."""
+    from jaxsync.models.voxtral import MelSpec, forward, forward_waveforms, plan_chunks
+
+    tower = _tower()
+    graphdef, state = nnx.split(tower)
+    cfg = tower.config
+    feats = jax.device_put(_mel(3, cfg, 2).astype(np.float32))
+    meta = jaxsync.upload_packed(plan_chunks(np.array([2, 1]), 2, 3, cfg).fields)
+
+    @jax.jit
+    def step(state, feats, meta):
+        return forward(nnx.merge(graphdef, state), feats, meta)
+
+    emb, finite = step(state, feats, meta)
+    want = encoder(input_features=feats, num_chunks=[2, 1])
+    np.testing.assert_allclose(emb, want.embeddings, rtol=1e-5, atol=1e-6)
+    assert np.asarray(finite).tolist() == [True, True]
+    args = step.lower(state, feats, meta).args_info[0][0]
+    assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(state))  # weights are arguments
+    halved_state = jax.tree.map(lambda w: w * 0.5, state)
+    with jaxsync.check.no_recompile():
+        halved, _ = step(halved_state, feats, meta)
+    assert not np.allclose(halved, emb)
+
+    lens = [7001, 300]
+    x = jax.device_put(_batch([_audio(n, i) for i, n in enumerate(lens)], 12800))
+    plan, wmeta = _waveform_meta(encoder, lens, 12800, 2)
+    spec = MelSpec(encoder.mel_config, cfg.chunk_frames, None)
+    waves = jax.jit(lambda s, x, m: forward_waveforms(nnx.merge(graphdef, s), x, m, mel=spec))
+    emb, finite = waves(state, x, wmeta)
+    want = encoder(x, lens)
+    np.testing.assert_allclose(emb, want.embeddings, rtol=1e-5, atol=1e-6)
+    assert plan.num_tokens.tolist() == list(want.lengths)
+
+
+def test_load_state_takes_new_weights_without_recompiling():
+    tower = _tower()
+    enc = VoxtralAudioEncoder(tower)
+    feats = jax.device_put(_mel(2, tower.config, 3).astype(np.float32))
+    before = np.asarray(enc(input_features=feats).embeddings)
+    _, state = nnx.split(tower)
+    nnx.update(tower, jax.tree.map(lambda w: w * 0.5, state))
+    np.testing.assert_array_equal(enc(input_features=feats).embeddings, before)  # a snapshot
+    with jaxsync.check.no_recompile():
+        enc.load_state(tower)
+        after = enc(input_features=feats).embeddings
+    want = jax.jit(lambda m: tower.audio_features(m))(feats)
+    np.testing.assert_allclose(after, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="same parameter structure"):
+        enc.load_state(_tower(num_hidden_layers=3))
+
+
+def test_plans_are_cached_per_shape_mix(monkeypatch):
+    """A repeated shape mix costs one upload (the audio): its plan and metadata are cached."""
+    import jaxsync._transfer as transfer
+
+    enc = VoxtralAudioEncoder(_tower())
+    lens = [7001, 300]
+    x = _batch([_audio(n, i) for i, n in enumerate(lens)])
+    enc(x, lens)
+    count, real = [0], transfer._put
+    monkeypatch.setattr(transfer, "_put", lambda h, p: (count.__setitem__(0, count[0] + 1),
+                                                       real(h, p))[1])  # fmt: skip
+    with jaxsync.check.no_recompile():
+        enc(x * 0.5, lens)
+    assert count[0] == 1
