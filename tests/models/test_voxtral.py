@@ -203,3 +203,100 @@ def test_plans_are_cached_per_shape_mix(monkeypatch):
     with jaxsync.check.no_recompile():
         enc(x * 0.5, lens)
     assert count[0] == 1
+
+
+@pytest.fixture(scope="module")
+def whisper_sized():
+    """A narrow tower with Whisper's 1500 positions (3000-frame windows) and the extractor built
+    locally with the Voxtral arguments (128 bins, 16 kHz, hop 160, n_fft 400, 30 s)."""
+    pytest.importorskip("transformers")
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(
+        feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400
+    )
+    tower = _tower(max_source_positions=1500, num_hidden_layers=1)
+    return fe, VoxtralAudioEncoder(tower, MelConfig.from_feature_extractor(fe)), tower
+
+
+@pytest.mark.parametrize("tensors", ["np", "pt"])
+def test_processor_features_go_straight_in(whisper_sized, tensors):
+    """`encoder(**extractor_output)` (numpy or torch CPU) equals the tower on those features,
+    and the raw audio through the on-device log-mel gives the same embeddings within the
+    front end's bound."""
+    from jaxsync.paths.voxtral import reference as ref
+    from jaxsync.testing import rel_err
+
+    fe, enc, tower = whisper_sized
+    audios = [_audio(n, i) for i, n in enumerate([16000 * 3 + 77, 16000 * 12 + 1])]
+    inputs = fe(audios, sampling_rate=16000, return_tensors=tensors, return_attention_mask=True)
+    out = enc(**inputs)
+    assert out.lengths == (375, 375) and out.offsets == (0, 375)
+    feats = np.asarray(inputs["input_features"], np.float32)
+    want = np.asarray(jax.jit(tower.audio_features)(feats))
+    assert rel_err(np.asarray(out.embeddings)[:750], want) <= 1e-5
+    raw = enc(audio=audios, sampling_rate=16000)
+    assert raw.lengths == out.lengths
+    # log-mel within 2e-5 of transformers' features -> embeddings within ~1e-4 relative
+    assert rel_err(np.asarray(raw.embeddings)[:750], want) <= 1e-4
+    # The Voxtral processor: a 31 s audio padded to two windows, one item of two windows.
+    long = _audio(16000 * 31 + 5, 9)
+    chunks = ref.processor_features(fe, long, 3000)  # [2, 128, 3000]
+    both = enc(input_features=chunks, num_chunks=[2])
+    assert both.lengths == (750,)
+    want = np.asarray(jax.jit(tower.audio_features)(chunks.astype(np.float32)))
+    assert rel_err(np.asarray(both.embeddings)[:750], want) <= 1e-5
+    raw = enc(audio=[long])
+    assert rel_err(np.asarray(raw.embeddings)[:750], want) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("torch")
+    from jaxsync.paths.voxtral import reference as ref
+
+    _, path, _ = ref.build_tiny_voxtral(tmp_path_factory.mktemp("voxtral"))
+    return path
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, (jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def test_data_parallel_inputs_over_replicated_weights(checkpoint):
+    """Weights replicated over an 8-device mesh, audio sharded over its batch axis: the same
+    rows as on one device; inputs on other devices than the weights are refused by name."""
+    from jaxsync.models.voxtral import load_model
+
+    mesh = _mesh((8,), ("data",))
+    single = VoxtralAudioEncoder(load_model(checkpoint))
+    enc = VoxtralAudioEncoder(load_model(checkpoint, mesh=mesh))
+    assert enc.placement.is_fully_replicated
+    lens = [7001 + 613 * i for i in range(8)]
+    host = _batch([_audio(n, i) for i, n in enumerate(lens)], 12800)
+    x = jax.device_put(host, jax.NamedSharding(mesh, jax.P("data")))
+    got, want = enc(x, lens), single(jax.device_put(host), lens)
+    np.testing.assert_allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
+    assert np.asarray(got.extras["finite"]).all()
+    host_in = enc(host, lens)  # host data: uploaded next to the weights
+    np.testing.assert_allclose(host_in.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="inputs live on devices"):
+        single(x, lens)
+
+
+def test_tower_weights_sharded_over_a_model_axis(checkpoint):
+    from jaxsync.models.voxtral import PARTITION_RULES, load_model
+
+    mesh = _mesh((2, 4), ("data", "model"))
+    tower = load_model(checkpoint, mesh=mesh, partition_rules=PARTITION_RULES)
+    spec = tower.layers[0].fc1.kernel[...].sharding.spec
+    assert tuple(spec) == (None, "model")
+    assert tuple(tower.multi_modal_projector.linear_2.kernel[...].sharding.spec) == ("model", None)
+    enc, single = VoxtralAudioEncoder(tower), VoxtralAudioEncoder(load_model(checkpoint))
+    lens = [7001, 12800]
+    host = _batch([_audio(n, i) for i, n in enumerate(lens)], 12800)
+    got, want = enc(host, lens), single(host, lens)
+    np.testing.assert_allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
+    feats = _mel(3, tower.config, 4).astype(np.float32)
+    got, want = enc(input_features=feats), single(input_features=feats)
+    np.testing.assert_allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
