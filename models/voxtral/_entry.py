@@ -24,6 +24,7 @@ from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
 from jaxsync.models.voxtral._plan import (
     VoxtralPlan,
+    check_live,
     check_waveforms,
     host_batch,
     plan_chunks,
@@ -222,7 +223,9 @@ class VoxtralAudioEncoder:
     def _from_features(self, features: Any, num_chunks: Any) -> jaxsync.Embeddings:
         cfg = self.config
         on_device = isinstance(features, jax.Array)
-        if not on_device:
+        if on_device:
+            check_live(features, name="input_features")
+        else:
             features = jaxsync.host_array(features, name="input_features")
         if features.ndim == 2:
             features = features[None]

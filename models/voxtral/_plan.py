@@ -57,7 +57,9 @@ def check_waveforms(
                 f"{config.sampling_rate} Hz; resample first"
             )
     on_device = isinstance(waveforms, jax.Array)
-    if not on_device:
+    if on_device:
+        check_live(waveforms, name="waveforms")
+    else:
         waveforms = jaxsync.host_array(waveforms, name="waveforms")
     if not np.issubdtype(waveforms.dtype, np.floating):
         raise TypeError(f"waveforms must be floating point, got {waveforms.dtype}")
@@ -85,6 +87,12 @@ def check_waveforms(
         if bad:
             raise ValueError(f"waveforms {bad} contain NaN or inf samples")
     return waveforms, lens
+
+
+def check_live(x: jax.Array, *, name: str) -> None:
+    """A deleted (e.g. donated) device array is refused by name (host metadata: no sync)."""
+    if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(f"{name} was deleted (donated to another program?): pass a live array")
 
 
 def host_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int) -> np.ndarray:
