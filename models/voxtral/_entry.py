@@ -27,6 +27,7 @@ from jaxsync.models.voxtral._plan import (
     check_live,
     check_waveforms,
     host_batch,
+    host_buckets,
     plan_chunks,
     plan_log_mel,
     plan_waveform_chunks,
@@ -196,11 +197,7 @@ class VoxtralAudioEncoder:
         x, lens = check_waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
         on_device = isinstance(x, jax.Array)
         hop = self.mel_config.hop_length
-        if on_device:
-            b_pad, width = x.shape
-        else:
-            b_pad = jaxsync.bucket(len(lens), minimum=1)
-            width = jaxsync.bucket(-(-int(lens.max()) // hop), minimum=16) * hop
+        b_pad, width = x.shape if on_device else host_buckets(lens, hop)
         where = self._meta_placement(x)
 
         def build() -> tuple[VoxtralPlan, jaxsync.Packed]:
@@ -216,6 +213,9 @@ class VoxtralAudioEncoder:
         plan, meta = self._plans.get(key, build)  # refuses bad plans before any upload
         if not on_device:
             x = self._upload(host_batch(x, lens, hop))
+        return self._run(x, plan, meta)
+
+    def _run(self, x: jax.Array, plan: VoxtralPlan, meta: jaxsync.Packed) -> jaxsync.Embeddings:
         emb, finite = self._program(x, meta)
         return jaxsync.Embeddings(emb, plan.num_tokens.tolist(), plan.offsets.tolist(),
                                   {"finite": finite})  # fmt: skip
@@ -269,6 +269,4 @@ class VoxtralAudioEncoder:
             host = np.zeros((c_pad, *want), np.float32)
             host[:rows] = features
             features = self._upload(host)
-        emb, finite = self._program(features, meta)
-        return jaxsync.Embeddings(emb, plan.num_tokens.tolist(), plan.offsets.tolist(),
-                                  {"finite": finite})  # fmt: skip
+        return self._run(features, plan, meta)

@@ -44,6 +44,7 @@ from jaxsync.models.voxtral._plan import (
     FloorMode,
     check_waveforms,
     host_batch,
+    host_buckets,
     plan_log_mel,
     resolve_floor,
 )
@@ -224,10 +225,7 @@ def log_mel_spectrogram(
     floor = resolve_floor(config, floor)
     x, lens = check_waveforms(waveforms, lengths, config, sampling_rate=sampling_rate)
     on_device = isinstance(x, jax.Array)
-    b_pad, width = x.shape if on_device else (jaxsync.bucket(len(lens), minimum=1), 0)
-    if not on_device:
-        width = -(-int(lens.max()) // config.hop_length)
-        width = jaxsync.bucket(width, minimum=16) * config.hop_length
+    b_pad, width = x.shape if on_device else host_buckets(lens, config.hop_length)
     plan = plan_log_mel(
         lens, width, b_pad, config, floor=floor, pad_to_multiple_of=pad_to_multiple_of,
         max_length=max_length,

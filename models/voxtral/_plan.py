@@ -95,11 +95,17 @@ def check_live(x: jax.Array, *, name: str) -> None:
         raise ValueError(f"{name} was deleted (donated to another program?): pass a live array")
 
 
+def host_buckets(lens: np.ndarray, hop: int) -> tuple[int, int]:
+    """`(B_pad, W_pad)` of a host batch: power-of-two batch, power-of-two hops (>= 16)."""
+    return jaxsync.bucket(len(lens), minimum=1), jaxsync.bucket(
+        -(-int(lens.max()) // hop), minimum=16
+    ) * hop
+
+
 def host_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int) -> np.ndarray:
     """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length)."""
     b = len(lens)
-    width = jaxsync.bucket(-(-int(lens.max()) // hop), minimum=16) * hop
-    host = np.zeros((jaxsync.bucket(b, minimum=1), width), np.float32)
+    host = np.zeros(host_buckets(lens, hop), np.float32)
     for i in range(b):
         host[i, : lens[i]] = waveforms[i, : lens[i]]
     return host
