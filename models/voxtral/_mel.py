@@ -23,7 +23,8 @@ Lengths, signals and the dynamic-range floor (the three upstream variants):
   In every variant the result depends only on (audio samples, lengths, signal lengths): neither the
   buffer width, the batch composition, nor bucket padding changes a valid frame.
 
-Precision: the power spectrum is float64 where the backend has it natively (`_spectrum.py`).
+Precision: the power spectrum is float64 on CPU and GPU and float32 on TPU, chosen when the program
+is lowered, not by the host that traces it (`_spectrum.py`).
 """
 
 from __future__ import annotations
