@@ -2,12 +2,16 @@
 
 One multimodal request at a time, the way a server runs it:
 
-1. prefill: the image goes through Chameleon's VQ tokenizer (pixels -> BPE ids, on device), the
-   image-token embeddings are merged into the prompt at the `<image>` placeholders (positions from
-   the host-side prompt), and the prompt's KV rows are written into a paged cache at slots computed
-   from a host-side block table;
-2. decode: each step embeds the previous token *on device*, writes its KV row, computes logits with
-   the image-token mask, and picks the next token on device;
+1. prefill, ONE jitted step of the server's own: Chameleon's VQ tokenizer (`forward`, pixels ->
+   VQ codes) and `img2bpe` (codes -> BPE ids) with the tokenizer's weights as step arguments, the
+   image tokens embedded and merged into the prompt at the `<image>` placeholders
+   (`merge_image_tokens`, positions planned on the host from the prompt), the toy layer, and the
+   logits with the image-token mask (`compute_logits`). The request's host metadata (image
+   validity, merge positions, prompt ids) goes up in one packed transfer; the cached tables
+   (`img2bpe`, the logit mask column) are plain step arguments. The prompt's KV rows are then
+   written into a paged cache with `jaxsync.kv.inject_kv` at slots from a host-side block table;
+2. decode: each step embeds the previous token *on device*, computes the masked logits and picks
+   the next token in one jitted step, then writes its KV row with `inject_kv`;
 3. between steps the scheduler swaps a block out to pinned host memory and back (block ids are
    host data), as a KV offload would.
 
@@ -36,57 +40,78 @@ from flax import nnx
 import jaxsync
 from jaxsync import check
 from jaxsync.kv import host_pool, inject_kv, swap_in, swap_out
-from jaxsync.models.chameleon import ChameleonConfig, ChameleonImagePaths, ChameleonVQVAE
-from jaxsync.models.chameleon._reference import tiny_hf_config
+from jaxsync.models.chameleon import (
+    ChameleonConfig,
+    ChameleonImageEncoder,
+    ChameleonVQVAE,
+    compute_logits,
+    forward,
+    img2bpe,
+    merge_image_tokens,
+    plan_images,
+    plan_merge,
+)
+from jaxsync.paths.chameleon.reference import tiny_hf_config
 
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 4, 2, 8, 2, 64
 
 
-class ToyLM:
-    """Embedding table, one tanh layer, K/V projections and an LM head; jitted step functions."""
-
-    def __init__(self, vocab: int, dim: int, seed: int = 0):
-        k = jax.random.split(jax.random.key(seed), 4)
-        self.embed = jax.random.normal(k[0], (vocab, dim)) * 0.1  # [V, D]
-        self.w = jax.random.normal(k[1], (dim, dim)) / np.sqrt(dim)  # [D, D]
-        self.w_kv = jax.random.normal(k[2], (dim, LAYERS, HEADS, 2 * HEAD_DIM)) * 0.1
-        self.lm_head = jax.random.normal(k[3], (vocab, dim)) * 0.1  # [V, D]
-
-    @staticmethod
-    @jax.jit
-    def layer(w, w_kv, x):
-        # x: [T, D] -> hidden [T, D], per-layer KV rows {layer: [T, K, 2H]}
-        h = jnp.tanh(x @ w)
-        kv = jnp.einsum("TD,DLKX->LTKX", h, w_kv)
-        return h, kv
-
-    @staticmethod
-    @jax.jit
-    def embed_ids(table, ids):
-        return jnp.take(table, ids, axis=0)
+def toy_lm(vocab: int, dim: int, seed: int = 0) -> dict[str, jax.Array]:
+    """Embedding table, one tanh layer, K/V projections and an LM head."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "embed": jax.random.normal(k[0], (vocab, dim)) * 0.1,  # [V, D]
+        "w": jax.random.normal(k[1], (dim, dim)) / np.sqrt(dim),  # [D, D]
+        "w_kv": jax.random.normal(k[2], (dim, LAYERS, HEADS, 2 * HEAD_DIM)) * 0.1,
+        "lm_head": jax.random.normal(k[3], (vocab, dim)) * 0.1,  # [V, D]
+    }
 
 
-@partial(jax.jit, static_argnums=1)
+def _layer(lm, x):  # x: [T, D] -> hidden [T, D], KV rows [L, T, K, 2H]
+    h = jnp.tanh(x @ lm["w"])
+    return h, jnp.einsum("TD,DLKX->LTKX", h, lm["w_kv"])
+
+
 def _kv_dict(kv: jax.Array, size: int) -> dict[str, jax.Array]:
     # [L, T, K, 2H] -> {layer: [size, K, 2H]}, rows padded to the slot bucket inject_kv expects.
     pad = ((0, size - kv.shape[1]), (0, 0), (0, 0))
     return {f"layer{i}": jnp.pad(kv[i], pad) for i in range(LAYERS)}
 
 
+def _next_token(logits, last):  # [T, V], index of the last real row -> [1] int32 (greedy)
+    return jnp.argmax(jax.lax.dynamic_slice_in_dim(logits, last, 1), axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnums=0)
+def prefill_step(vq_merge, vq_leaves, lm, pixels, req, table, mask):
+    """Image tokens, merge, layer and masked logits of one request: one program of the server."""
+    codes, finite = forward(vq_merge(vq_leaves), pixels, req)  # [Bp, T] VQ codes, [Bp]
+    image = jnp.take(lm["embed"], img2bpe(codes, table).reshape(-1), axis=0)  # [Bp*T, D]
+    text = jnp.take(lm["embed"], req["prompt"], axis=0)  # [S, D], S = the prompt's bucket
+    hidden, kv = _layer(lm, merge_image_tokens(text, image, req["positions"]))
+    logits = compute_logits(hidden, lm["lm_head"], mask)  # image columns at finfo.min
+    return _next_token(logits, req["last"][0]), _kv_dict(kv, kv.shape[1]), finite
+
+
 @jax.jit
-def _argmax_last(logits):  # [T, V] -> [1] int32, the next token (greedy)
-    return jnp.argmax(logits[-1:], axis=-1).astype(jnp.int32)
+def decode_step(lm, token, mask):
+    x = jnp.take(lm["embed"], token, axis=0)  # [1, D], the token never leaves the device
+    hidden, kv = _layer(lm, x)
+    return _next_token(compute_logits(hidden, lm["lm_head"], mask), 0), _kv_dict(kv, 8)
 
 
 class Server:
     def __init__(self, seed: int = 0):
         cfg = ChameleonConfig.from_hf_config(tiny_hf_config())
-        self.paths = ChameleonImagePaths(
-            cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(seed)), buckets=(1,)
-        )
+        vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(seed))
+        # The encoder supplies the cached tables; the server runs the pure forwards itself.
+        self.encoder = ChameleonImageEncoder(cfg, vq, buckets=(1,))
+        self.vq_leaves, self.vq_merge = jaxsync.flat_state(*nnx.split(vq))
         self.cfg = cfg
-        self.lm = ToyLM(cfg.vocab_size, 32, seed)
+        self.lm = toy_lm(cfg.vocab_size, 32, seed)
+        self.table = self.encoder.img2bpe_table()
+        self.mask = self.encoder.mask_column(cfg.vocab_size)
         shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
         self.cache = {f"layer{i}": jnp.zeros(shape) for i in range(LAYERS)}
         # Block-major pinned-host swap space: one DMA moves a block of every layer.
@@ -94,34 +119,46 @@ class Server:
         self.free_blocks = list(range(NUM_BLOCKS))
         self.deliberate_reads = 0
 
+    def prompt(self, text_ids: list[int]) -> np.ndarray:
+        t, image_id = self.cfg.vq.tokens_per_image, self.encoder.mapping.image_token_id
+        return np.array([1, *([image_id] * t), *text_ids], np.int32)
+
     def prefill(self, pixels: np.ndarray, text_ids: list[int]) -> tuple[jax.Array, list[int], int]:
-        t = self.cfg.vq.tokens_per_image
-        image_id = self.paths.mapping.image_token_id
-        prompt = np.array([1, *([image_id] * t), *text_ids], np.int32)
-        tokens = self.paths.get_image_tokens(pixels)  # [1, T] BPE ids, on device
-        image = self.lm.embed_ids(self.lm.embed, tokens)  # [1, T, D]
-        text = self.lm.embed_ids(
-            self.lm.embed, jaxsync.async_h2d(np.where(prompt == image_id, 0, prompt))
+        prompt = self.prompt(text_ids)
+        n, size = len(prompt), jaxsync.bucket(len(prompt))
+        images = plan_images(len(pixels), self.encoder.buckets)
+        merge = plan_merge(
+            (size,),
+            images.rows * self.cfg.vq.tokens_per_image,
+            input_ids=np.pad(prompt, (0, size - n)),
+            image_token_id=self.encoder.mapping.image_token_id,
+            num_image_tokens=len(pixels) * self.cfg.vq.tokens_per_image,
         )
-        merged = self.paths.merge_image_embeddings(text[None], image, input_ids=prompt[None])[0]
-        hidden, kv = self.lm.layer(self.lm.w, self.lm.w_kv, merged)
-        n = len(prompt)
+        fields = {
+            **images.fields,
+            **merge.fields,
+            "prompt": np.pad(prompt, (0, size - n)),
+            "last": np.array([n - 1], np.int32),
+        }
+        req = jaxsync.upload_packed(fields)  # the request's host metadata: one transfer
+        staging = np.zeros((images.rows, *self.encoder.image_shape), np.float32)
+        staging[: len(pixels)] = pixels
+        px = jaxsync.async_h2d(staging, copy=False)
+        token, kv, _ = prefill_step(
+            self.vq_merge, self.vq_leaves, self.lm, px, req, self.table, self.mask
+        )
         blocks = [self.free_blocks.pop(0) for _ in range(-(-(n + 1) // BLOCK))]
         slots = (np.asarray(blocks)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
-        size = jaxsync.bucket(n)
-        self.cache = inject_kv(self.cache, _kv_dict(kv, size), slots)
-        logits = self.paths.compute_logits(hidden, self.lm.lm_head)
-        return _argmax_last(logits), blocks, n
+        self.cache = inject_kv(self.cache, kv, slots)
+        return token, blocks, n
 
     def decode_step(self, token: jax.Array, blocks: list[int], pos: int) -> jax.Array:
         if pos // BLOCK >= len(blocks):
             blocks.append(self.free_blocks.pop(0))  # host-side block table grows
-        x = self.lm.embed_ids(self.lm.embed, token)  # [1, D], the token never leaves the device
-        hidden, kv = self.lm.layer(self.lm.w, self.lm.w_kv, x)
+        token, kv = decode_step(self.lm, token, self.mask)
         slot = [blocks[pos // BLOCK] * BLOCK + pos % BLOCK]
-        self.cache = inject_kv(self.cache, _kv_dict(kv, 8), slot)
-        logits = self.paths.compute_logits(hidden, self.lm.lm_head)
-        return _argmax_last(logits)
+        self.cache = inject_kv(self.cache, kv, slot)
+        return token
 
     def swap_out_and_in(self, block: int, spare: int) -> None:
         # Offload one block to pinned host, then bring it back (ids are host data).
@@ -133,7 +170,7 @@ def run(steps: int = 64, seed: int = 0, quiet: bool = False) -> dict[str, float]
     os.environ.setdefault(check.ENV_VAR, "error")
     server = Server(seed)
     rng = np.random.default_rng(seed)
-    pixels = rng.standard_normal((1, *server.paths.tokenizer.image_shape)).astype(np.float32)
+    pixels = rng.standard_normal((1, *server.encoder.image_shape)).astype(np.float32)
     token, blocks, pos = server.prefill(pixels, [5, 6, 7])
     # Warm-up: one step of each kind compiles every program the loop uses.
     token = server.decode_step(token, blocks, pos)

@@ -1,12 +1,13 @@
-"""The `jaxsync` console command: `verify` (the main job), `bench`, `precompile`."""
+"""The `jaxsync` console command: `verify` (the main job), `precompile`, `bench`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -51,6 +52,8 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
         report = check_sync_free(case.fn, *first, inputs=rest, probe=probe, **case.kwargs)
         row["checks"] = [{"check": r.check, "ok": r.ok, "detail": r.detail} for r in report.rows]
         row["compiles_in_bucket"] = report.compiles
+        if report.host_ms is not None:
+            row["host_ms"] = round(report.host_ms, 3)
         if report.blocking is not None:
             row["blocked_ms"] = round(report.blocking.blocked_ms, 3)
             row["queued_ms"] = round(report.blocking.queued_ms, 1)
@@ -59,12 +62,20 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
         row["checks"] = [{"check": "run", "ok": False, "detail": repr(e)[:300]}]
         checks_ok = False
     row["ok"] = checks_ok and row["parity"]["status"] != "fail"
+    row["skipped"] = [c["check"] for c in row["checks"] if c["ok"] is None]
+    if not probe:
+        row["skipped"].append("dispatch probe")
+    if row["parity"]["status"] == "skipped":
+        row["skipped"].append("parity (no torch)")
+    row["status"] = "failed" if not row["ok"] else ("skipped" if row["skipped"] else "verified")
     return row
 
 
 _HEADER = (
-    f"{'path':<30} {'parity':<30} {'static':<7} {'guard':<6} {'recomp':<7} {'blocked':>10}  ok"
+    f"{'path':<30} {'parity':<30} {'static':<7} {'guard':<6} {'recomp':<7} {'host/call':>10} "
+    f"{'blocked':>10}  status"
 )
+_STATUS = {"verified": "verified", "skipped": "skipped", "failed": "FAILED"}
 
 
 def _format_row(r: dict[str, Any]) -> str:
@@ -79,11 +90,13 @@ def _format_row(r: dict[str, Any]) -> str:
     def v(x):
         return "-" if x is None else ("PASS" if x else "FAIL")
 
+    host = f"{r['host_ms']:.3f} ms" if "host_ms" in r else "-"
     blocked = f"{r['blocked_ms']:.2f} ms" if "blocked_ms" in r else "-"
     lines = [
         f"{r['path']:<30} {parity:<30} {v(static):<7} "
         f"{v(checks.get('runtime: sync_guard')):<6} "
-        f"{v(checks.get('no recompile')):<7} {blocked:>10}  {'yes' if r.get('ok') else 'NO'}"
+        f"{v(checks.get('no recompile')):<7} {host:>10} {blocked:>10}  "
+        f"{_STATUS[r.get('status', 'failed')]}"
     ]
     if "error" in r:
         lines.append(f"    {r['error']}")
@@ -92,27 +105,114 @@ def _format_row(r: dict[str, Any]) -> str:
             lines.append(f"    {c['check']}: {c['detail']}")
     if p.get("status") == "fail":
         lines.append(f"    parity: {p.get('detail')}")
+    if r.get("skipped") and r.get("ok"):
+        lines.append(f"    skipped: {', '.join(r['skipped'])}")
     return "\n".join(lines)
 
 
-def verify(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="jaxsync verify", description="Verify every registered path.")
-    ap.add_argument("--paths", nargs="*", help="path names or families (default: all)")
-    ap.add_argument("--checkpoint", help="HF checkpoint (file/dir) for a single selected path")
+def _summary(rows: list[dict[str, Any]]) -> str:
+    by = {k: [r["path"] for r in rows if r.get("status") == k] for k in _STATUS}
+    line = f"{len(by['verified'])} of {len(rows)} paths verified"
+    if by["skipped"]:
+        line += f"; {len(by['skipped'])} passed with checks skipped: {', '.join(by['skipped'])}"
+    if by["failed"]:
+        line += f"; FAILED: {', '.join(by['failed'])}"
+    return line
+
+
+def _path_listing(specs: Sequence[Any]) -> str:
+    width = max([len(s.name) for s in specs] + [4])
+    lines = ["registered paths ([no checkpoint]: --checkpoint is refused):"]
+    for s in specs:
+        note = "" if s.checkpoints else " [no checkpoint]"
+        lines.append(f"  {s.name:<{width}}  {s.description}{note}")
+    lines.append("families: " + ", ".join(sorted({s.family for s in specs})))
+    return "\n".join(lines)
+
+
+def _select(ap: argparse.ArgumentParser, selected: Sequence[str] | None) -> list[Any]:
+    """The registered paths named by `--paths` (all without it); unknown names are a usage error
+    (exit 2) that lists the valid ones."""
+    from jaxsync import registry
+
+    specs = registry.paths()
+    known = {s.name for s in specs} | {s.family for s in specs}
+    unknown = [p for p in selected or () if p not in known]
+    if unknown:
+        ap.error(f"unknown path(s) {', '.join(unknown)}\n{_path_listing(specs)}")
+    return registry.paths(selected)
+
+
+def _lower_rows(specs: Sequence[Any], checkpoint: str | None, platform: str) -> list[dict]:
+    from jaxsync.check import lower_for
+
+    rows = []
+    for spec in specs:
+        row: dict[str, Any] = {"path": spec.name, "platform": platform}
+        try:
+            case = spec.build(checkpoint)
+            first = case.inputs[0]
+            findings = lower_for(case.fn, *first, platform=platform, **case.kwargs)
+            row["findings"] = [str(f) for f in findings]
+        except Exception as e:
+            row["findings"] = [f"build or trace failed: {e!r:.200}"]
+        row["ok"] = not row["findings"]
+        rows.append(row)
+    return rows
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    from jaxsync import registry
+
+    ap = argparse.ArgumentParser(
+        prog="jaxsync verify",
+        description="Verify registered paths: parity against the reference, no host callback or "
+        "transfer (static), no host read (runtime guard), no recompile within a bucket, and the "
+        "dispatch probe. A path whose parity could not run (no torch) counts as skipped.",
+        epilog=_path_listing(registry.paths()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--paths", nargs="+", metavar="NAME", help="path names or families (default: all)"
+    )
+    ap.add_argument(
+        "--checkpoint", metavar="DIR", help="checkpoint (file/dir) for one selected path"
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--no-probe", action="store_true", help="skip the dispatch probe")
     ap.add_argument("--precompile", action="store_true", help="compile every bucket first")
+    ap.add_argument(
+        "--strict", action="store_true", help="fail when any check or parity was skipped"
+    )
+    ap.add_argument(
+        "--lower-for",
+        choices=["tpu"],
+        metavar="PLATFORM",
+        help="instead of verifying, export each path for PLATFORM (tpu) from this host and fail on "
+        "float64, host callbacks and custom calls that do not lower there",
+    )
+    return ap
+
+
+def verify(argv: Sequence[str]) -> int:
+    ap = _verify_parser()
     args = ap.parse_args(argv)
 
     import jax
 
-    from jaxsync import registry
-
     jax.config.update("jax_default_matmul_precision", "highest")
-    specs = registry.paths(args.paths)
-    if args.checkpoint and len(specs) != 1:
-        ap.error("--checkpoint needs exactly one path selected with --paths")
+    specs = _select(ap, args.paths)
+    if args.checkpoint:
+        refused = [s.name for s in specs if not s.checkpoints]
+        if refused:
+            ap.error(f"--checkpoint: {', '.join(refused)} take(s) no checkpoint")
+        if len(specs) != 1:
+            ap.error("--checkpoint needs exactly one path selected with --paths")
+        if not os.path.exists(args.checkpoint):
+            ap.error(f"--checkpoint {args.checkpoint}: no such file or directory")
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind}, jax {jax.__version__})"
+    if args.lower_for:
+        return _lower_for(specs, args, backend)
     if not args.json:  # rows stream as they finish: a slow or killed run still shows its results
         print(f"jaxsync verify — backend: {backend}")
         print(_HEADER)
@@ -125,27 +225,88 @@ def verify(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps({"backend": backend, "paths": rows}, indent=2, default=str))
     else:
-        failed = [r["path"] for r in rows if not r.get("ok")]
+        print(_summary(rows))
+    failed = any(r["status"] == "failed" for r in rows)
+    skipped = any(r["status"] == "skipped" for r in rows)
+    return 1 if not rows or failed or (args.strict and skipped) else 0
+
+
+def _lower_for(specs: Sequence[Any], args: argparse.Namespace, backend: str) -> int:
+    rows = _lower_rows(specs, args.checkpoint, args.lower_for)
+    if args.json:
+        print(json.dumps({"backend": backend, "lower_for": rows}, indent=2))
+    else:
+        print(f"jaxsync verify --lower-for {args.lower_for} — traced on: {backend}")
+        width = max(len(r["path"]) for r in rows)
+        for r in rows:
+            print(f"{r['path']:<{width}}  {'ok' if r['ok'] else 'FAILED'}")
+            for f in r["findings"][:4]:
+                print(f"    {f}")
+        bad = [r["path"] for r in rows if not r["ok"]]
         print(
-            f"{len(rows) - len(failed)} of {len(rows)} paths verified"
-            + (f"; FAILED: {', '.join(failed)}" if failed else "")
+            f"{len(rows) - len(bad)} of {len(rows)} paths lower for {args.lower_for}"
+            + (f"; FAILED: {', '.join(bad)}" if bad else "")
         )
-    return 0 if rows and not any(not r.get("ok") for r in rows) else 1
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+def precompile(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="jaxsync precompile",
+        description="Compile every bucket of the chosen registered paths (jaxsync.precompile). "
+        "Useful with a persistent compilation cache (--cache-dir), which later processes reuse.",
+    )
+    ap.add_argument(
+        "--paths", nargs="+", metavar="NAME", help="path names or families (default: all)"
+    )
+    ap.add_argument(
+        "--buckets", nargs="+", type=int, metavar="N", help="bucket sizes (default: each path's)"
+    )
+    ap.add_argument("--cache-dir", metavar="DIR", help="JAX persistent compilation cache folder")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import jaxsync
+
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    specs = _select(ap, args.paths)
+    done = jaxsync.precompile([s.name for s in specs], args.buckets)
+    print(f"{len(done)} program(s) compiled in {sum(c.seconds for c in done):.1f} s")
+    return 0
+
+
+def _bench(argv: Sequence[str]) -> int:
+    from jaxsync.bench._cli import bench
+
+    return bench(argv)
+
+
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "verify": ("prove every registered path parity-exact and sync-free", verify),
+    "precompile": ("compile every bucket of registered paths ahead of serving", precompile),
+    "bench": ("jaxsync vs its PyTorch baselines on a GPU", _bench),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"verify": verify}
+    ap = argparse.ArgumentParser(
+        prog="jaxsync",
+        description="Sync-free multimodal and KV paths for JAX serving stacks, with proofs that "
+        "they never block the host.",
+        epilog="commands:\n"
+        + "\n".join(f"  {name:<11} {text}" for name, (text, _) in COMMANDS.items())
+        + "\n\nRun `jaxsync COMMAND --help` for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="see below")
     try:
-        from jaxsync.bench._cli import bench
-
-        commands["bench"] = bench
-    except ImportError:
-        pass
-    if not argv or argv[0] not in commands:
-        print(f"usage: jaxsync {{{','.join(commands)}}} [options]   (try: jaxsync verify --help)")
-        return 2
-    return commands[argv[0]](argv[1:])
+        command = ap.parse_args(argv[:1]).command
+        return COMMANDS[command][1](argv[1:])
+    except SystemExit as e:  # argparse's --help (0) and usage errors (2)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 if __name__ == "__main__":

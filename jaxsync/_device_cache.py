@@ -40,13 +40,13 @@ class CacheEntry:
 
 
 class DeviceCache:
-    """Lazily built device copies of host constant tables, keyed by (name, placement).
+    """Lazily built device copies of host constant tables, keyed by (name, placement, dtype).
 
     A placement is a `jax.Device` or a `jax.sharding.Sharding`; a table replicated over a mesh
     (`NamedSharding(mesh, P())`) is one entry. The first `get` builds the host table, makes a
     private copy and moves it with one explicit `jax.device_put`; later calls return the same array.
-    Concurrent
-    first use from several threads builds once.
+    Concurrent first use from several threads builds once. A `dtype` is part of the key: asking
+    for a cached name in another dtype builds that copy too.
 
     >>> import numpy as np
     >>> cache = DeviceCache()
@@ -60,9 +60,10 @@ class DeviceCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, Any], jax.Array] = {}
+        self._entries: dict[tuple[str, Any, np.dtype | None], jax.Array] = {}
         self._lock = threading.Lock()
-        self._key_locks: dict[tuple[str, Any], threading.Lock] = {}
+        self._key_locks: dict[tuple[str, Any, np.dtype | None], threading.Lock] = {}
+        self._generation = 0  # bumped by clear(): a build that straddles it is not stored
         self.builds = 0  # number of host->device transfers made; tests use it
 
     def get(
@@ -79,18 +80,20 @@ class DeviceCache:
           name: the table's identity. Two different tables must not share a name.
           build: the host table (array-like) or a zero-argument callable returning it.
           placement: a device, a sharding, or None for the default device.
-          dtype: optional dtype the host table is converted to before the transfer.
+          dtype: optional dtype the host table is converted to before the transfer; part of the
+            key (None: the host table's own dtype).
 
         Returns:
           A committed `jax.Array` at `placement`.
         """
         target = resolve(placement)
-        key = (name, target)
+        key = (name, target, None if dtype is None else np.dtype(dtype))
         hit = self._entries.get(key)
         if hit is not None:
             return hit
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
+            generation = self._generation
         with key_lock:
             hit = self._entries.get(key)
             if hit is not None:
@@ -101,15 +104,17 @@ class DeviceCache:
             # Safe under tracing: the cache must hold a concrete array, never a tracer.
             with jax.ensure_compile_time_eval():
                 value = jax.device_put(host, target)
-            self._entries[key] = value
-            self.builds += 1
+            with self._lock:
+                self.builds += 1
+                if generation == self._generation:  # not cleared while building: keep it
+                    self._entries[key] = value
             return value
 
     def entries(self) -> list[CacheEntry]:
-        """One record per cached (name, placement)."""
+        """One record per cached (name, placement, dtype)."""
         return [
             CacheEntry(name, placement, tuple(v.shape), np.dtype(v.dtype), int(v.nbytes))
-            for (name, placement), v in list(self._entries.items())
+            for (name, placement, _), v in list(self._entries.items())
         ]
 
     @property
@@ -121,14 +126,18 @@ class DeviceCache:
         return len(self._entries)
 
     def __contains__(self, key: tuple[str, Placement]) -> bool:
+        """`(name, placement) in cache`: whether the table is cached there, in any dtype."""
         name, placement = key
-        return (name, resolve(placement)) in self._entries
+        target = resolve(placement)
+        return any(k[:2] == (name, target) for k in list(self._entries))
 
     def clear(self) -> None:
-        """Drops every cached array (the next `get` transfers again)."""
+        """Drops every cached array (the next `get` transfers again). A build in flight in
+        another thread still returns its array to its caller but does not store it."""
         with self._lock:
             self._entries.clear()
             self._key_locks.clear()
+            self._generation += 1
 
 
 default_cache = DeviceCache()

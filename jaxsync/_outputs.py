@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows(offset: int, length: int):
+    """A jitted slice of rows [offset, offset + length): bounds are compile-time constants.
+
+    Eager `x[o : o + n]` (and eager `lax.slice`) upload the start index as a device scalar, an
+    implicit transfer that a transfer guard refuses; inside jit the bounds are static.
+    """
+    return jax.jit(lambda x: x[offset : offset + length])
 
 
 @jax.tree_util.register_pytree_node_class
@@ -31,14 +42,15 @@ class Embeddings:
         extras: dict[str, Any] | None = None,
     ):
         self.embeddings = embeddings
-        self.lengths = tuple(lengths)
+        # Python ints: a numpy integer offset would make `split()` upload a dynamic slice index.
+        self.lengths = tuple(int(n) for n in lengths)
         if offsets is None:  # contiguous from row 0
             starts, total = [], 0
             for n in self.lengths:
                 starts.append(total)
                 total += n
             offsets = starts
-        self.offsets = tuple(offsets)
+        self.offsets = tuple(int(o) for o in offsets)
         self.extras = {} if extras is None else dict(extras)
 
     def tree_flatten(self):
@@ -65,7 +77,9 @@ class Embeddings:
         Each distinct (offset, length) is a small slice program of its own; a consumer that
         scatters every item's tokens at once should use `embeddings[:num_tokens]` instead.
         """
-        return [self.embeddings[o : o + n] for o, n in zip(self.offsets, self.lengths, strict=True)]
+        return [
+            _rows(o, n)(self.embeddings) for o, n in zip(self.offsets, self.lengths, strict=True)
+        ]
 
     def __repr__(self) -> str:
         return (

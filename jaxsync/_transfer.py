@@ -6,15 +6,18 @@ upload here first copies the caller's data into a fresh private host buffer that
 afterwards, so a caller may reuse its staging arrays immediately. The copy costs one small host
 allocation; it never waits on the device.
 
-The private buffer then goes up through jaxlib's C++ transfer directly (`_put`): on H200 hosts
-with device work queued, `jax.device_put` took 0.27-0.43 ms of host time per small upload and
-the C++ call under it 0.09-0.11 ms, under both runtime clients; the rest is `device_put`'s own
-Python, run cold (`tools/explore_upload.py`, docs/benchmarks.md).
+The private buffer then goes up through jaxlib's C++ transfer directly (`_put`, through
+`jaxsync._compat`): on H200 hosts with device work queued, `jax.device_put` took 0.27-0.43 ms of
+host time per small upload and the C++ call under it 0.09-0.11 ms, under both runtime clients;
+the rest is `device_put`'s own Python, run cold (`tools/explore_upload.py`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import numbers
 import threading
 import weakref
 from collections.abc import Mapping
@@ -24,19 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsync import _compat
 from jaxsync._placement import Placement, resolve
 
-
-try:  # jaxlib's transfer and transfer-guard state, under jax.device_put (jax 0.10 and 0.11)
-    from jax._src import core as _core
-    from jax._src.lib import guard_lib as _guard_lib, xla_client as _xc
-
-    _batched_device_put = _xc.batched_device_put
-    _guard_state = _guard_lib.thread_local_state
-    _shaped = _core.shaped_abstractify
-    _trace_clean = _core.trace_state_clean
-except (ImportError, AttributeError):  # another jax: every upload takes jax.device_put
-    _batched_device_put = None
 
 _TARGETS: dict[Any, tuple[jax.sharding.Sharding, list[jax.Device]] | None] = {}
 
@@ -50,14 +43,8 @@ def _direct_target(target: jax.Device | jax.sharding.Sharding):
     sharding = (
         jax.sharding.SingleDeviceSharding(target) if isinstance(target, jax.Device) else target
     )
-    if (
-        isinstance(sharding, jax.sharding.Sharding)
-        and sharding.is_fully_replicated
-        and sharding.is_fully_addressable
-    ):
-        hit = (sharding, list(sharding._addressable_device_assignment))
-    else:
-        hit = None
+    devices = _compat.direct_devices(sharding) if _compat.DIRECT_PUT else None
+    hit = None if devices is None else (sharding, devices)
     _TARGETS[target] = hit
     return hit
 
@@ -66,21 +53,12 @@ def _put(host: np.ndarray, placement: Placement) -> jax.Array:
     """`jax.device_put(host, placement)` for a private host buffer nobody mutates afterwards.
 
     The same explicit transfer as `device_put` (the transfer guard counts it as explicit), made
-    by jaxlib's C++ `batched_device_put` without `device_put`'s Python around it. Traced calls
-    (the static scans of `jaxsync.check`), shardings that split the array and other jax versions
-    take `jax.device_put`.
+    by jaxlib's C++ transfer without `device_put`'s Python around it (`jaxsync._compat`). Traced
+    calls (the static scans of `jaxsync.check`), shardings that split the array and a jax
+    without the private transfer take `jax.device_put`.
     """
     target = resolve(placement)
-    direct = None if _batched_device_put is None else _direct_target(target)
-    if direct is None or not _trace_clean():
-        return jax.device_put(host, target)
-    sharding, devices = direct
-    state = _guard_state()
-    explicit, state.explicit_device_put = state.explicit_device_put, True
-    try:
-        return _batched_device_put(_shaped(host), sharding, [host] * len(devices), devices, True)
-    finally:
-        state.explicit_device_put = explicit
+    return _compat.direct_put(host, target, _direct_target(target))
 
 
 def async_h2d(
@@ -234,25 +212,69 @@ def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> 
     return Packed(_put(host, placement), tuple(layout))  # layout interned by Packed
 
 
+def _size(value: Any, what: str) -> int:
+    """`value` as a Python int; bools, floats (nan and inf included) and other non-integers are a
+    TypeError, never truncated."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+# Explicit bucket tuples already validated, by id (the entry holds the tuple, so its id is not
+# reused) and by value (lists, and equal tuples built per call).
+_CHECKED_IDS: dict[int, tuple[tuple, tuple[int, ...]]] = {}
+_CHECKED: dict[tuple, tuple[int, ...]] = {}
+
+
+def _checked_buckets(buckets: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """`buckets` as a validated tuple of increasing positive ints (validated once per value)."""
+    by_id = _CHECKED_IDS.get(id(buckets))
+    if by_id is not None and by_id[0] is buckets:
+        return by_id[1]
+    key = buckets if type(buckets) is tuple else tuple(buckets)
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit
+    if not key:
+        raise ValueError("buckets is empty: give at least one size, or None for powers of two")
+    sizes = tuple(_size(b, "each bucket") for b in key)
+    if sizes[0] <= 0:
+        raise ValueError(f"buckets must be positive, got {list(key)}")
+    if any(a >= b for a, b in itertools.pairwise(sizes)):
+        raise ValueError(f"buckets must be strictly increasing, got {list(key)}")
+    if len(_CHECKED) < 1024:  # a handful of distinct tuples in practice; never unbounded
+        _CHECKED[key] = sizes
+        if key is buckets:
+            _CHECKED_IDS[id(key)] = (key, sizes)
+    return sizes
+
+
 def bucket(n: int, buckets: tuple[int, ...] | list[int] | None = None, *, minimum: int = 8) -> int:
     """The smallest bucket >= n, so that many sizes share one compiled program.
 
     Args:
-      n: the real size (host metadata).
-      buckets: explicit ascending sizes; default: powers of two >= `minimum`.
-      minimum: smallest default bucket.
+      n: the real size (host metadata): an int >= 0 (a bool or float is a TypeError).
+      buckets: explicit strictly increasing positive sizes; default: `minimum` times powers of
+        two.
+      minimum: smallest default bucket (a positive int).
 
     >>> bucket(5), bucket(9), bucket(0), bucket(70, [64, 128, 256])
     (8, 16, 8, 128)
     """
+    if type(n) is not int:
+        n = _size(n, "size")
     if n < 0:
         raise ValueError(f"size must be >= 0, got {n}")
     if buckets is not None:
-        for b in sorted(buckets):
-            if n <= b:
-                return int(b)
-        raise ValueError(f"size {n} exceeds the largest bucket {max(buckets)}")
-    size = max(int(minimum), 1)
-    while size < n:
-        size *= 2
-    return size
+        sizes = _checked_buckets(buckets)
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"size {n} exceeds the largest bucket {sizes[-1]}")
+        return sizes[i]
+    if type(minimum) is not int:
+        minimum = _size(minimum, "minimum")
+    if minimum <= 0:
+        raise ValueError(f"minimum must be positive, got {minimum}")
+    if n <= minimum:
+        return minimum
+    return minimum << (-(-n // minimum) - 1).bit_length()  # minimum * 2**k >= n, k smallest

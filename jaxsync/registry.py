@@ -78,11 +78,14 @@ class PathSpec:
       name: "family.path", e.g. "chameleon.image_tokens".
       description: one line.
       build: `(checkpoint: str | None) -> PathCase`.
+      checkpoints: whether `build` loads a checkpoint it is given (`jaxsync verify --checkpoint`);
+        False for paths without weights, where verify refuses the option.
     """
 
     name: str
     description: str
     build: Callable[[str | None], PathCase]
+    checkpoints: bool = True
 
     @property
     def family(self) -> str:
@@ -128,13 +131,17 @@ _paths: dict[str, PathSpec] = {}
 _benches: dict[str, Callable[[str, str], list[BenchCase]]] = {}
 
 
-def register_path(name: str, description: str = "") -> Callable:
-    """Decorator registering `build(checkpoint) -> PathCase` under `name`."""
+def register_path(name: str, description: str = "", *, checkpoints: bool = True) -> Callable:
+    """Decorator registering `build(checkpoint) -> PathCase` under `name`.
+
+    `checkpoints=False` declares that the path takes no checkpoint (no weights, or weights it
+    cannot load): `jaxsync verify --checkpoint` then refuses it instead of ignoring the option.
+    """
 
     def deco(build: Callable[[str | None], PathCase]) -> Callable[[str | None], PathCase]:
         if name in _paths and _paths[name].build is not build:
             raise ValueError(f"path {name!r} is registered twice")
-        _paths[name] = PathSpec(name, description, build)
+        _paths[name] = PathSpec(name, description, build, checkpoints)
         return build
 
     return deco

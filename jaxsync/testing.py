@@ -139,6 +139,25 @@ def block_id_pairs(num_src: int = 13, num_dst: int = 13, *, unique_src: bool = F
     return pairs()
 
 
+def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3", num_cores: int = 132):
+    """A context for lowering Pallas Triton kernels for "cuda" on a host without a GPU.
+
+    Newer jax reads the target GPU from the abstract mesh's device; without one the Triton
+    lowering raises "No supported GPU devices found". On a GPU host it does nothing.
+    """
+    import contextlib
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(
+        device_kind=device_kind, num_cores=num_cores, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
 def torch_available() -> bool:
     """True when torch and transformers import."""
     try:

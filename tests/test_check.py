@@ -1,5 +1,7 @@
 """The proof harness: every detector fires on its negative control and passes clean code."""
 
+import asyncio
+import contextlib
 import threading
 import time
 
@@ -234,6 +236,65 @@ def test_allow_sync_in_one_thread_does_not_open_another():
     release.set()
     t.join()
     assert caught == [1]
+
+
+def _two_tasks(guarded_enters: bool):
+    """Task A holds the guard (or not) across an await while sibling task B reads a device value;
+    returns (B's error or None, whether A's own read raised)."""
+    x0 = jnp.arange(3)[0]
+    a_inside, b_done = asyncio.Event(), asyncio.Event()
+    result = {}
+
+    async def holder():
+        with check.sync_guard("error") if guarded_enters else contextlib.nullcontext():
+            a_inside.set()
+            await b_done.wait()  # holds the guard across an await
+            try:
+                int(x0)
+                result["a_raised"] = False
+            except SyncError:
+                result["a_raised"] = True
+
+    async def sibling():
+        await a_inside.wait()
+        try:
+            result["b"] = (int(x0), np.asarray(jnp.arange(3)).sum(), None)
+        except SyncError as e:
+            result["b"] = (None, None, e)
+        b_done.set()
+
+    async def main():
+        await asyncio.gather(holder(), sibling())
+
+    asyncio.run(main())
+    return result["b"][2], result["a_raised"]
+
+
+def test_guard_is_per_asyncio_task():
+    error, a_raised = _two_tasks(guarded_enters=True)
+    assert error is None, f"the guard leaked into a sibling task: {error}"
+    assert a_raised  # the task that entered it is still guarded after the await
+
+
+def test_guard_task_control_unguarded_holder_reads_freely():
+    # Negative control: without the guard the holder's read passes, so the check above is live.
+    error, a_raised = _two_tasks(guarded_enters=False)
+    assert error is None and not a_raised
+
+
+def test_task_created_inside_the_guard_inherits_it():
+    x0 = jnp.arange(3)[0]
+
+    async def read():
+        int(x0)
+
+    async def main():
+        with check.sync_guard("error"):
+            task = asyncio.create_task(read())  # copies the guarded context
+        with pytest.raises(SyncError):
+            await task
+
+    asyncio.run(main())
 
 
 def test_entry_point_env_switch(monkeypatch):

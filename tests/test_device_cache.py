@@ -197,3 +197,107 @@ def test_bucket():
         jaxsync.bucket(4096, [64, 512, 2048])
     with pytest.raises(ValueError, match=">= 0"):
         jaxsync.bucket(-1)
+
+
+@pytest.mark.parametrize("n", [True, False, np.bool_(True), 2.5, 3.0, float("inf"), float("nan"),
+                               np.float32(4), "4", None])  # fmt: skip
+def test_bucket_rejects_non_integer_sizes(n):
+    with pytest.raises(TypeError, match="size must be an int"):
+        jaxsync.bucket(n)
+    with pytest.raises(TypeError, match="size must be an int"):
+        jaxsync.bucket(n, (8, 16))
+
+
+def test_bucket_takes_numpy_ints_and_matches_the_doubling_rule():
+    assert jaxsync.bucket(np.int64(9)) == 16 and jaxsync.bucket(np.int32(70), [64, 128]) == 128
+    for minimum in (1, 3, 8, 16):
+        for n in range(0, 600, 7):
+            size = minimum
+            while size < n:
+                size *= 2
+            assert jaxsync.bucket(n, minimum=minimum) == size
+    assert jaxsync.bucket(2**40 + 1) == 2**41
+
+
+@pytest.mark.parametrize(
+    "buckets, match",
+    [
+        ((), "empty"),
+        ([], "empty"),
+        ((8, 8, 16), "strictly increasing"),
+        ((16, 8), "strictly increasing"),
+        ((0, 8), "positive"),
+        ((-4, 8), "positive"),
+    ],
+)
+def test_bucket_rejects_bad_bucket_lists(buckets, match):
+    with pytest.raises(ValueError, match=match):
+        jaxsync.bucket(3, buckets)
+
+
+@pytest.mark.parametrize("buckets", [(8.0, 16.0), (8, True), [8, 16.5]])
+def test_bucket_rejects_non_integer_buckets(buckets):
+    with pytest.raises(TypeError, match="each bucket must be an int"):
+        jaxsync.bucket(3, buckets)
+
+
+def test_bucket_rejects_bad_minimum():
+    with pytest.raises(TypeError, match="minimum"):
+        jaxsync.bucket(3, minimum=2.5)
+    with pytest.raises(ValueError, match="minimum"):
+        jaxsync.bucket(3, minimum=0)
+
+
+def test_bucket_validates_a_list_each_time_it_changes():
+    sizes = [8, 16]
+    assert jaxsync.bucket(9, sizes) == 16
+    sizes.append(4)  # the same list object, now out of order: checked by value, not identity
+    with pytest.raises(ValueError, match="strictly increasing"):
+        jaxsync.bucket(9, sizes)
+
+
+def test_dtype_is_part_of_the_key():
+    cache = jaxsync.DeviceCache()
+    table = np.arange(5, dtype=np.int32)
+    as_int = cache.get("t", table)
+    as_float = cache.get("t", table, dtype=np.float32)
+    as_half = cache.get("t", table, dtype=jax.numpy.bfloat16)
+    assert as_int.dtype == np.int32 and as_float.dtype == np.float32
+    assert as_half.dtype == jax.numpy.bfloat16
+    assert cache.get("t", lambda: 1 / 0, dtype="float32") is as_float  # same dtype: cached
+    assert cache.builds == 3 and len(cache) == 3 and ("t", None) in cache
+
+
+def _build_blocked_across_clear(cache: jaxsync.DeviceCache, clear: bool):
+    """A build in thread A that is held while the main thread (optionally) clears the cache."""
+    started, release, got = threading.Event(), threading.Event(), []
+
+    def build():
+        started.set()
+        release.wait(10)
+        return np.arange(4, dtype=np.int32)
+
+    t = threading.Thread(target=lambda: got.append(cache.get("t", build)))
+    t.start()
+    assert started.wait(10)
+    if clear:
+        cache.clear()
+    release.set()
+    t.join(10)
+    return got[0]
+
+
+def test_clear_during_an_in_flight_build_does_not_store_it():
+    cache = jaxsync.DeviceCache()
+    stale = _build_blocked_across_clear(cache, clear=True)
+    assert stale.tolist() == [0, 1, 2, 3]  # its caller still gets the array
+    assert len(cache) == 0 and ("t", None) not in cache
+    fresh = cache.get("t", np.ones(2, np.int32))
+    assert fresh is not stale and fresh.tolist() == [1, 1]
+
+
+def test_in_flight_build_without_clear_is_stored():
+    # Negative control: the same threads without clear() keep the entry.
+    cache = jaxsync.DeviceCache()
+    value = _build_blocked_across_clear(cache, clear=False)
+    assert len(cache) == 1 and cache.get("t", lambda: 1 / 0) is value

@@ -39,3 +39,45 @@ def test_serving_loop_guard_would_catch_a_sync(monkeypatch):
     monkeypatch.setattr(example.Server, "decode_step", reads_back)
     with pytest.raises(SyncError):
         example.run(steps=4, quiet=True)
+
+
+def test_prefill_step_equals_the_standalone_entry_points():
+    # The server's one jitted prefill step (pure forwards) against the encoder's entry points.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    example = _load()
+    server = example.Server(0)
+    enc = server.encoder
+    pixels = np.random.default_rng(3).standard_normal((1, *enc.image_shape)).astype(np.float32)
+    prompt = server.prompt([5, 6, 7])
+    token, _, n = server.prefill(pixels, [5, 6, 7])
+    assert n == len(prompt)
+    image = jnp.take(server.lm["embed"], enc.get_image_tokens(pixels).reshape(-1), axis=0)
+    text = jnp.take(server.lm["embed"], jnp.asarray(prompt), axis=0)
+    merged = enc.merge_image_embeddings(text, image, input_ids=prompt)
+    hidden, _ = example._layer(server.lm, merged)
+    logits = enc.compute_logits(hidden, server.lm["lm_head"])
+    assert int(np.asarray(token)[0]) == int(np.argmax(np.asarray(logits)[-1]))
+    # the step takes the server's own arguments only: tokenizer weights, LM weights, pixels,
+    # one packed request upload and the two cached tables
+    leaves = jax.tree.leaves(server.vq_leaves) + jax.tree.leaves(server.lm)
+    req = example.jaxsync.upload_packed(
+        {
+            "valid": np.ones(1, bool),
+            "positions": np.zeros(128, np.int32),
+            "prompt": np.zeros(128, np.int32),
+            "last": np.zeros(1, np.int32),
+        }
+    )
+    lowered = example.prefill_step.lower(
+        server.vq_merge,
+        server.vq_leaves,
+        server.lm,
+        jnp.zeros((1, *enc.image_shape)),
+        req,
+        server.table,
+        server.mask,
+    )
+    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 4

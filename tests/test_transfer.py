@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-from jaxsync import _transfer
+from jaxsync import _compat, _transfer
 from jaxsync.testing import device_mesh, two_devices
 
 
@@ -20,9 +20,9 @@ def _no_device_put(monkeypatch):
 
 
 def test_direct_transfer_available_on_supported_jax():
-    # jax 0.10 (CI) and 0.11 (the GPU machine) both have it: a silent fallback would cost
+    # jax 0.10, 0.11 and 0.12 all have it: a silent fallback would cost
     # ~0.3 ms of host time per upload on a GPU host.
-    assert _transfer._batched_device_put is not None
+    assert _compat.DIRECT_PUT, _compat.missing()
 
 
 def _placement(where: str):
@@ -101,8 +101,8 @@ def test_flag_restored_when_the_transfer_raises(monkeypatch):
     def boom(*args):
         raise RuntimeError("transfer failed")
 
-    monkeypatch.setattr(_transfer, "_batched_device_put", boom)
-    state = _transfer._guard_state()
+    monkeypatch.setattr(_compat, "_batched_device_put", boom)
+    state = _compat._guard_state()
     with pytest.raises(RuntimeError, match="transfer failed"):
         _transfer._put(np.arange(3, dtype=np.int32), None)
     assert state.explicit_device_put is False

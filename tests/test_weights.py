@@ -15,16 +15,16 @@ from jaxsync.weights import Rule, WeightError
 
 
 class _Block(nnx.Module):
-    def __init__(self, *, rngs):
-        self.proj = nnx.Linear(5, 7, rngs=rngs)
-        self.conv = nnx.Conv(3, 11, kernel_size=(3, 2), rngs=rngs)
+    def __init__(self, *, rngs, param_dtype):
+        self.proj = nnx.Linear(5, 7, rngs=rngs, param_dtype=param_dtype)
+        self.conv = nnx.Conv(3, 11, kernel_size=(3, 2), rngs=rngs, param_dtype=param_dtype)
 
 
 class _Net(nnx.Module):
-    def __init__(self, rngs=None):
+    def __init__(self, rngs=None, param_dtype=jnp.float32):
         rngs = rngs or nnx.Rngs(0)
-        self.blocks = nnx.List([_Block(rngs=rngs) for _ in range(2)])
-        self.scale = nnx.Param(jnp.zeros((13,)))
+        self.blocks = nnx.List([_Block(rngs=rngs, param_dtype=param_dtype) for _ in range(2)])
+        self.scale = nnx.Param(jnp.zeros((13,), param_dtype))
 
 
 RULES = [
@@ -49,10 +49,10 @@ def _torch_like_state(rng, dtype=np.float32):
     return {k: v.astype(dtype) for k, v in state.items()}
 
 
-def _load(path, **kw):
+def _load(path, factory=_Net, **kw):
     kw.setdefault("select", r"model\.")
     kw.setdefault("strip", "model.")
-    return weights.load_weights(_Net, path, RULES, **kw)
+    return weights.load_weights(factory, path, RULES, **kw)
 
 
 def test_loads_and_transforms(tmp_path):
@@ -94,6 +94,53 @@ def test_bf16_checkpoint_and_cast(tmp_path):
         _load(tmp_path / "m.safetensors")
     net = _load(tmp_path / "m.safetensors", allow_cast=True)
     assert net.scale[...].dtype == jnp.float32
+
+
+def test_dtype_policy(tmp_path):
+    import ml_dtypes
+
+    state = _torch_like_state(np.random.default_rng(0), ml_dtypes.bfloat16)
+    save_file(state, tmp_path / "m.safetensors")
+    # A module built at the checkpoint's dtype loads with no flag, bit for bit.
+    assert weights.checkpoint_dtype(tmp_path / "m.safetensors") == jnp.bfloat16
+    net = _load(tmp_path / "m.safetensors", lambda: _Net(param_dtype=jnp.bfloat16))
+    assert net.scale[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(net.scale[...]), state["model.scale"])
+    # An explicit dtype is the consent to cast: bf16 -> fp32 without allow_cast.
+    net = _load(tmp_path / "m.safetensors", dtype=jnp.float32)
+    assert net.blocks[0].proj.kernel[...].dtype == jnp.float32
+    want = state["model.layers.0.fc.weight"].astype(np.float32).T
+    np.testing.assert_array_equal(np.asarray(net.blocks[0].proj.kernel[...]), want)
+    # ... and fp32 -> bf16 the other way.
+    save_file(_torch_like_state(np.random.default_rng(0)), tmp_path / "f.safetensors")
+    net = _load(tmp_path / "f.safetensors", dtype=jnp.bfloat16)
+    assert {np.asarray(v).dtype for v in weights.to_numpy_state(net).values()} == {
+        np.dtype(ml_dtypes.bfloat16)
+    }
+
+
+def test_dtype_never_casts_integers(tmp_path):
+    state = _torch_like_state(np.random.default_rng(0))
+    state["model.scale"] = np.zeros(13, np.int32)
+    save_file(state, tmp_path / "m.safetensors")
+    for kw in ({"dtype": jnp.float32}, {"allow_cast": True}):
+        with pytest.raises(WeightError, match="dtype int32 but the module expects float32"):
+            _load(tmp_path / "m.safetensors", **kw)
+
+
+def test_checkpoint_dtype_reads_selected_floats(tmp_path):
+    import ml_dtypes
+
+    state = _torch_like_state(np.random.default_rng(0), ml_dtypes.bfloat16)
+    state["lm_head.weight"] = state["lm_head.weight"].astype(np.float32)
+    state["model.step"] = np.zeros((), np.int64)  # integers do not vote
+    save_file(state, tmp_path / "m.safetensors")
+    got = weights.checkpoint_dtype(tmp_path / "m.safetensors", select=r"model\.", strip="model.")
+    assert got == jnp.bfloat16
+    with pytest.raises(WeightError, match=r"one float dtype.*\['bfloat16', 'float32'\]"):
+        weights.checkpoint_dtype(tmp_path / "m.safetensors")
+    with pytest.raises(WeightError, match="found none"):
+        weights.checkpoint_dtype(tmp_path / "m.safetensors", select=r"model\.step")
 
 
 def test_sharding_per_parameter(tmp_path):

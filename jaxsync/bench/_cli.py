@@ -11,14 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-# The chart's baseline: the first label a row has (vLLM's post-PR torch pattern when it exists).
-REFERENCE_LABELS = (
-    "vllm_post_pr",
-    "transformers_sdpa",
-    "transformers_eager",
-    "torch_pinned_ceiling",
-)
+from jaxsync.bench._render import REFERENCE_LABELS as REFERENCE_LABELS, render
 
 
 def _environment() -> dict[str, Any]:
@@ -39,6 +32,8 @@ def _environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": tf,
         "python": platform.python_version(),
+        # the runtime client decides host time per call: report which one measured it
+        "client": "tfrt" if os.environ.get("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT") else "default",
     }
 
 
@@ -76,6 +71,7 @@ def _summary(row: dict[str, Any]) -> str:
 
 def _save(out: Path, env: dict, ceilings: dict, rows: list) -> dict[str, Any]:
     result = {"environment": env, "copy_ceiling_gbps": ceilings, "rows": rows}
+    result["dispatch_floor_ms"] = env.get("dispatch_floor_ms")
     (out / "bench.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
@@ -100,10 +96,10 @@ def bench(argv: Sequence[str]) -> int:
     import jax
 
     from jaxsync import registry
-    from jaxsync.bench._render import render
     from jaxsync.bench._timing import (
         _Side,
         copy_ceiling_gbps,
+        dispatch_floor_ms,
         jax_executions_per_call,
         measure,
         torch_kernels_per_call,
@@ -113,6 +109,9 @@ def bench(argv: Sequence[str]) -> int:
     env = _environment()
     jax_side, torch_side = _Side("jax"), _Side("torch")
     ceilings = {"jax": copy_ceiling_gbps("jax"), "torch": copy_ceiling_gbps("torch")}
+    env["dispatch_floor_ms"] = dispatch_floor_ms(jax_side)
+    floors = ", ".join(f"{n} args {ms:.3f}" for n, ms in env["dispatch_floor_ms"].items())
+    print(f"  do-nothing jit host time ({env['client']} client): {floors} ms", flush=True)
     rows: list[dict[str, Any]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,16 @@ from pathlib import Path
 from typing import Any
 
 
-def _baseline(row: dict[str, Any]) -> str | None:
-    from jaxsync.bench._cli import REFERENCE_LABELS
+# The chart's baseline: the first label a row has (vLLM's post-PR torch pattern when it exists).
+REFERENCE_LABELS = (
+    "vllm_post_pr",
+    "transformers_sdpa",
+    "transformers_eager",
+    "torch_pinned_ceiling",
+)
 
+
+def _baseline(row: dict[str, Any]) -> str | None:
     return next((label for label in REFERENCE_LABELS if label in row), None)
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import statistics
 import time
@@ -129,6 +130,26 @@ def measure(fn: Callable[[], Any], side: _Side, *, repeat: int = 5) -> dict[str,
         "blocked_ms": statistics.median(blocked),
         "forwards_per_sample": k,
     }
+
+
+def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repeat: int = 11):
+    """Host time for a do-nothing jit with n small arguments to return behind queued work.
+
+    The floor a path's host time per call is compared with: what the runtime client charges
+    for one dispatch with that many arguments, measured in the same process.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    floors = {}
+    for n in counts:
+        args = [jnp.zeros((8,), jnp.float32) + i for i in range(n)]
+        noop = jax.jit(lambda *a: a[0][:1])
+        side.sync(noop(*args))
+        call = functools.partial(noop, *args)
+        samples = [blocked_ms(call, side) for _ in range(repeat)]
+        floors[n] = statistics.median(samples)
+    return floors
 
 
 def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30, mesh: Any = None) -> float:

@@ -1,10 +1,12 @@
 """The sync-freedom proof harness.
 
-Static: `scan_jaxpr`, `scan_hlo`. Runtime: `sync_guard`, `allow_sync`, `entry_point` (armed by the
-JAXSYNC_SYNC_CHECK environment variable). Recompiles: `no_recompile`. Dispatch probe:
-`measure_blocking`. All of them: `assert_sync_free`.
+Static: `scan_jaxpr`, `scan_hlo`, `lower_for` (exports for another platform, e.g. TPU).
+Runtime: `sync_guard`, `allow_sync`, `entry_point` (armed by the JAXSYNC_SYNC_CHECK environment
+variable). Recompiles: `no_recompile`. Dispatch probe: `measure_blocking`. All of them:
+`assert_sync_free`.
 """
 
+from jaxsync.check._export import lower_for as lower_for
 from jaxsync.check._guard import (
     ENV_VAR as ENV_VAR,
     SyncError as SyncError,

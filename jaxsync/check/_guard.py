@@ -1,12 +1,12 @@
-"""Runtime proof: a thread-local guard that turns device->host reads into errors or warnings.
+"""Runtime proof: a guard that turns device->host reads into errors or warnings.
 
-Two layers, both armed by `sync_guard` for the current thread only:
+Two layers, both armed by `sync_guard`:
 
 1. JAX's own transfer guards (`disallow` host->device and device->host implicit transfers). They are
-   thread-local. On GPU/TPU the device->host guard catches every implicit read, including the ones
+   per thread. On GPU/TPU the device->host guard catches every implicit read, including the ones
    NumPy makes through the buffer protocol. On CPU JAX never guards reads (a CPU buffer is host
    memory), so:
-2. Python-level interception, installed once and inert outside a guarded thread: `jax.Array`
+2. Python-level interception, installed once and inert outside a guarded context: `jax.Array`
    conversions (`int`, `float`, `bool`, `complex`, `operator.index`, `.item()`, `.tolist()`,
    `__array__`, `_value`, `repr`/`str`/`format`, `copy_to_host_async`, `block_until_ready`),
    `jax.device_get`, `jax.block_until_ready`, and the NumPy entry points `np.asarray`, `np.array`,
@@ -18,13 +18,18 @@ ufuncs such as `np.add(x, 1)`, or C extensions reading the buffer. On GPU/TPU th
 transfers and JAX's guard (layer 1) raises on them, so the GPU run (`tools/gpu_check.sh`) completes
 the proof.
 
-Guards are per thread (vLLM #51455 fixed the process-global version): arming one thread leaves
-others alone, and `allow_sync()` only opens the current thread.
+The Python layer is per context (`contextvars`): arming one thread leaves other threads alone, and
+arming one asyncio task leaves its siblings alone, even while it holds the guard across an
+`await` (a task copies its creator's context when it is created, so a task created inside the
+guard is guarded too). `allow_sync()` only opens the current context. JAX's layer is per thread:
+on GPU/TPU a sibling task that runs while a guarded task waits at an `await` is under JAX's
+transfer guard as well, so an implicit transfer there raises JAX's error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -34,7 +39,8 @@ from typing import Any, Literal, cast
 
 import jax
 import numpy as np
-from jax._src.core import Tracer
+
+from jaxsync import _compat
 
 
 Mode = Literal["error", "warn"]
@@ -49,20 +55,26 @@ class SyncWarning(RuntimeWarning):
     """Like SyncError, in "warn" mode."""
 
 
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.mode: Mode | None = None
-        self.allow_depth = 0
-        self.busy = 0  # > 0 while a patched call runs: nested patched calls do not re-report
+# (mode, allow_sync depth) of the current context; (None, 0) outside every guard.
+_scope: contextvars.ContextVar[tuple[Mode | None, int]] = contextvars.ContextVar(
+    "jaxsync_sync_guard", default=(None, 0)
+)
 
 
-_tls = _State()
+class _Busy(threading.local):
+    # > 0 while a patched call runs in this thread: nested patched calls do not re-report. Per
+    # thread, not per context: a patched call never yields to another task in the middle.
+    count = 0
+
+
+_busy = _Busy()
 _install_lock = threading.Lock()
 _installed = False
 
 
 def _armed() -> bool:
-    return _tls.mode is not None and _tls.allow_depth == 0 and _tls.busy == 0
+    mode, allow_depth = _scope.get()
+    return mode is not None and allow_depth == 0 and _busy.count == 0
 
 
 def _report(what: str) -> None:
@@ -70,7 +82,7 @@ def _report(what: str) -> None:
         f"host sync inside a jaxsync sync_guard: {what}. Device data must not be read back on a "
         "sync-free path; wrap a deliberate sync in jaxsync.check.allow_sync()."
     )
-    if _tls.mode == "error":
+    if _scope.get()[0] == "error":
         raise SyncError(msg)
     warnings.warn(msg, SyncWarning, stacklevel=4)
 
@@ -79,11 +91,11 @@ def _guarded(what: str, orig: Callable[..., Any], test: Callable[..., bool] | No
     def wrapper(*args, **kwargs):
         if _armed() and (test is None or test(*args, **kwargs)):
             _report(what)
-        _tls.busy += 1
+        _busy.count += 1
         try:
             return orig(*args, **kwargs)
         finally:
-            _tls.busy -= 1
+            _busy.count -= 1
 
     # functools.wraps fails on some nanobind methods (non-string __qualname__): copy by hand.
     wrapper.__name__ = str(getattr(orig, "__name__", what))
@@ -94,9 +106,9 @@ def _guarded(what: str, orig: Callable[..., Any], test: Callable[..., bool] | No
 
 def _holds_device_array(obj: Any = None, *args: Any, **kwargs: Any) -> bool:
     if isinstance(obj, jax.Array):
-        return not isinstance(obj, Tracer)
+        return not isinstance(obj, jax.core.Tracer)
     if isinstance(obj, list | tuple):
-        return any(isinstance(o, jax.Array) and not isinstance(o, Tracer) for o in obj)
+        return any(isinstance(o, jax.Array) and not isinstance(o, jax.core.Tracer) for o in obj)
     return False
 
 
@@ -108,14 +120,12 @@ _NUMPY_READS = ("asarray", "array", "asanyarray", "ascontiguousarray")
 
 
 def install() -> None:
-    """Installs the Python-level interceptors (idempotent; inert outside guarded threads)."""
+    """Installs the Python-level interceptors (idempotent; inert outside guarded contexts)."""
     global _installed
     with _install_lock:
         if _installed:
             return
-        from jax._src import array as jax_array
-
-        impl = jax_array.ArrayImpl
+        impl = _compat.array_type()
         for name in _ARRAY_READS:
             orig = getattr(impl, name)
             setattr(impl, name, _guarded(f"jax.Array.{name}", orig))
@@ -131,7 +141,7 @@ def install() -> None:
 
 @contextlib.contextmanager
 def sync_guard(mode: Mode = "error") -> Iterator[None]:
-    """Disallows device->host reads and implicit host->device transfers in this thread.
+    """Disallows device->host reads and implicit host->device transfers in this context.
 
     Args:
       mode: "error" raises `SyncError` (and JAX's transfer-guard error on GPU/TPU); "warn" emits a
@@ -150,18 +160,18 @@ def sync_guard(mode: Mode = "error") -> Iterator[None]:
         raise ValueError(f"mode must be 'error' or 'warn', got {mode!r}")
     install()
     level = "disallow" if mode == "error" else "log"
-    prev = (_tls.mode, _tls.allow_depth)
-    _tls.mode, _tls.allow_depth = mode, 0
+    prev = _scope.get()
+    _scope.set((mode, 0))
     try:
         with jax.transfer_guard_device_to_host(level), jax.transfer_guard_host_to_device(level):
             yield
     finally:
-        _tls.mode, _tls.allow_depth = prev
+        _scope.set(prev)
 
 
 @contextlib.contextmanager
 def allow_sync() -> Iterator[None]:
-    """Opens the current thread's guard for a deliberate sync.
+    """Opens the current context's guard for a deliberate sync.
 
     >>> import jax.numpy as jnp
     >>> with sync_guard():
@@ -169,51 +179,32 @@ def allow_sync() -> Iterator[None]:
     ...         int(jnp.ones(()))
     1
     """
-    _tls.allow_depth += 1
+    prev = _scope.get()
+    _scope.set((prev[0], prev[1] + 1))
     try:
         with jax.transfer_guard("allow"):
             yield
     finally:
-        _tls.allow_depth -= 1
+        _scope.set(prev)
 
 
 def guard_active() -> bool:
-    """True when the current thread is inside a `sync_guard` (and not inside `allow_sync`)."""
-    return _tls.mode is not None and _tls.allow_depth == 0
+    """True when the current context is inside a `sync_guard` (and not inside `allow_sync`)."""
+    mode, allow_depth = _scope.get()
+    return mode is not None and allow_depth == 0
 
 
-def _raw_env() -> Any:
-    """JAXSYNC_SYNC_CHECK's raw value, or None when unset.
-
-    Every entry point reads it per call, so this is on the hot path. `os.environ.get` runs
-    Python-level key encoding and value decoding: about 25 us for one cold call on the CPU CI
-    machine, most of a cold entry point's overhead. CPython's `os.environ` keeps its data in a
-    plain dict (`_data`, keyed by `encodekey(name)`, updated in place by every change to
-    `os.environ`), where one lookup is a C call; anything else falls back to `os.environ.get`.
-    """
-    if _ENV_DATA is not None:
-        return _ENV_DATA.get(_ENV_KEY)
-    return os.environ.get(ENV_VAR)
-
-
-try:
-    _ENV_KEY: Any = os.environ.encodekey(ENV_VAR)  # type: ignore[attr-defined]
-    _ENV_DATA: dict | None = os.environ._data  # type: ignore[attr-defined]
-    if not isinstance(_ENV_DATA, dict):
-        raise AttributeError
-except AttributeError:  # not CPython's os._Environ: `_raw_env` uses os.environ.get
-    _ENV_KEY, _ENV_DATA = ENV_VAR, None
-_MODES: dict[Any, Mode | None] = {}  # raw value -> parsed mode (a handful of distinct values)
+_MODES: dict[str, Mode | None] = {}  # raw value -> parsed mode (a handful of distinct values)
 
 
 def env_mode() -> Mode | None:
     """The mode set by JAXSYNC_SYNC_CHECK (off/unset -> None, warn, error)."""
-    raw = _raw_env()
+    raw = os.environ.get(ENV_VAR)
     if raw is None:
         return None
     if raw in _MODES:
         return _MODES[raw]
-    text = (os.fsdecode(raw) if isinstance(raw, bytes) else raw).strip().lower()
+    text = raw.strip().lower()
     if text in ("", "off", "0", "none"):
         mode = None
     elif text in ("warn", "error"):
@@ -227,16 +218,13 @@ def env_mode() -> Mode | None:
 def entry_point(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Marks a path entry point: with JAXSYNC_SYNC_CHECK=warn|error it runs inside `sync_guard`.
 
-    An already guarded thread is not re-armed, so entry points may call each other.
+    An already guarded context is not re-armed, so entry points may call each other.
     """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        # Unset (the serving default) costs one C dict lookup: a cold call pays per Python frame.
-        if _ENV_DATA is not None and _ENV_KEY not in _ENV_DATA:
-            return fn(*args, **kwargs)
         mode = env_mode()
-        if mode is None or _tls.mode is not None:
+        if mode is None or _scope.get()[0] is not None:
             return fn(*args, **kwargs)
         with sync_guard(mode):
             return fn(*args, **kwargs)

@@ -147,7 +147,7 @@ def measure_blocking(
     jax.block_until_ready(fn(*args, **kwargs))  # warm-up / compile
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
-    device = arrays[0].sharding._device_assignment[0] if arrays else jax.devices()[0]
+    device = arrays[0].addressable_shards[0].device if arrays else jax.devices()[0]
     spin = spin_for(device, queue_ms)
     _gate(spin.x[0, 0], spin.x[0, 0]).block_until_ready()  # compile the gate for the token shape
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,12 +44,20 @@ class Report:
       rows: the checks.
       blocking: the dispatch-probe numbers (None if the probe did not run).
       compiles: traces + compiles seen while running the extra inputs.
+      call_ms: host time of each steady (post warm-up) guarded call, in ms: how long the entry
+        point held the host before returning, measured without any extra wait.
     """
 
     name: str
     rows: list[Row] = dataclasses.field(default_factory=list)
     blocking: BlockingReport | None = None
     compiles: int = 0
+    call_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def host_ms(self) -> float | None:
+        """Median host time per steady call (None if no call completed)."""
+        return statistics.median(self.call_ms) if self.call_ms else None
 
     @property
     def ok(self) -> bool:
@@ -113,7 +123,9 @@ def check_sync_free(
         try:
             with sync_guard("error"):
                 for c in calls:
+                    t0 = time.perf_counter()
                     outs.append(fn(*c, **kwargs))
+                    report.call_ms.append((time.perf_counter() - t0) * 1e3)
             # Outside the guard (waiting here is the harness's, not the path's), inside the try:
             # on a GPU a guard hit in a host callback surfaces only when the result is awaited.
             jax.block_until_ready(outs)

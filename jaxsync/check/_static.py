@@ -86,7 +86,7 @@ def iter_eqns(jaxpr: jex_core.Jaxpr, path: str = "") -> Iterator[tuple[str, Any]
 
 def _source(eqn: Any) -> str:
     try:
-        from jax._src import source_info_util
+        from jax.extend import source_info_util
 
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # source info is best effort; never hide the finding itself

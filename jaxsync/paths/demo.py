@@ -63,7 +63,9 @@ def _parity() -> Parity:
     return Parity(float(np.max(np.abs(ours - ref))), 0.0, "abs", "torch indexing")
 
 
-@register_path("core.table_gather", "cached table + packed ids -> on-device gather (demo)")
+@register_path(
+    "core.table_gather", "cached table + packed ids -> on-device gather (demo)", checkpoints=False
+)
 def _build(checkpoint: str | None) -> PathCase:
     if checkpoint is not None:
         raise ValueError("core.table_gather has no checkpoint")

@@ -136,38 +136,46 @@ def load_weights(
     _check_complete(flat, targets, assigned)
 
     bar = _progress.Progress(sum(item.info.nbytes for item in plan), progress)
-    for file in dict.fromkeys(item.info.file for item in plan):
-        with open_shard(file) as handle:
-            for item in (i for i in plan if i.info.file == file):
-                value = read_tensor(handle, item.info)
-                if item.transform is not None:
-                    value = item.transform(value)
-                if item.cast is not None:
-                    value = value.astype(item.cast)
-                item.variable.set_value(jax.device_put(value, item.place))
-                del value  # the host copy goes before the next tensor is read
-                bar.update(item.info.nbytes)
-    bar.close()
+    try:
+        for file in dict.fromkeys(item.info.file for item in plan):
+            with open_shard(file) as handle:
+                for item in (i for i in plan if i.info.file == file):
+                    _place(item, read_tensor(handle, item.info))
+                    bar.update(item.info.nbytes)
+    finally:
+        bar.close()
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _place(item: _Load, value: jax.Array) -> None:
+    """Transforms and casts one tensor on the host CPU device and places it; the host copies go
+    when this returns, before the next tensor is read."""
+    if item.transform is not None:
+        value = item.transform(value)
+    if item.cast is not None:
+        value = value.astype(item.cast)
+    item.variable.set_value(jax.device_put(value, item.place))
+
+
 def _check_shape(info: TensorInfo, rule: Rule, target: str, expected: Any) -> jnp.dtype:
-    """Checks the stored shape against what the transform expects; returns the dtype after it."""
+    """Checks the stored shape against what the transform expects, then the transform's result
+    (abstractly: nothing is read); returns the dtype after the transform."""
     where = f"checkpoint key {info.key!r} in {info.file.name} -> {target!r}"
     want = tuple(expected.shape)
     try:
         stored = expected_stored_shape(rule.transform, want)
     except ValueError as e:
         raise WeightError(f"{where}: {e}") from None
-    if stored is not None:
-        if info.shape != stored:
-            via = f" through {rule.transform!r}" if rule.transform is not None else ""
-            raise WeightError(
-                f"{where}: stored shape {info.shape}, but the module's {want}{via} expects "
-                f"stored shape {stored}"
-            )
+    if stored is not None and info.shape != stored:
+        via = f" through {rule.transform!r}" if rule.transform is not None else ""
+        raise WeightError(
+            f"{where}: stored shape {info.shape}, but the module's {want}{via} expects "
+            f"stored shape {stored}"
+        )
+    if rule.transform is None:
         return info.dtype
-    # A transform without an inverse shape map: check its output shape abstractly, still unread.
+    # Also the forward map: the only check for a transform without an inverse shape map, and a
+    # guard against a custom inverse map that disagrees with its transform.
     try:
         out = jax.eval_shape(rule.transform, jax.ShapeDtypeStruct(info.shape, info.dtype))
     except Exception as e:  # any failure of the user's transform on this shape is a misfit

@@ -30,7 +30,7 @@ def partition_spec(axes: Axes, shape: tuple[int, ...], mesh: Mesh) -> PartitionS
     if len(axes) > len(shape):
         raise WeightError(f"partition axes {tuple(axes)} have more entries than shape {shape}")
     spec = []
-    for entry, size in zip(axes, shape):
+    for entry, size in zip(axes, shape, strict=False):  # missing entries replicate
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
         names = tuple(n for n in names if n in mesh.shape)
         if not names or size % math.prod(mesh.shape[n] for n in names):
@@ -67,5 +67,7 @@ def placement(
         try:
             place.shard_shape(shape)
         except ValueError as e:
-            raise WeightError(f"parameter {path!r} of shape {shape} cannot take {place}: {e}")
+            raise WeightError(
+                f"parameter {path!r} of shape {shape} cannot take {place}: {e}"
+            ) from None
     return place

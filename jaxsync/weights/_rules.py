@@ -51,8 +51,8 @@ class Rule:
       pattern: regex, `re.fullmatch`-ed against the checkpoint key (after `strip`).
       target: dotted NNX path with `\\1`-style backreferences, e.g. `r"layers.\\1.attn.q.kernel"`.
       transform: optional layout change applied to the tensor: a `Transform` (`linear`, `conv`,
-        `transpose`, `reshape`, `compose`), or a plain callable, which is shape-checked only
-        after it is applied (give it an inverse shape map by wrapping it in `Transform`).
+        `transpose`, `reshape`, `compose`), or a plain traceable callable, whose result shape alone
+        is checked (abstractly, before reading); wrap it in `Transform` to check the stored shape.
     """
 
     pattern: str
@@ -125,7 +125,9 @@ def reshape(*shape: int, stored: Shape | None = None) -> Transform:
         raise ValueError(f"{name}: stored shape {tuple(stored)} has another element count")
 
     def stored_shape(target: Shape) -> Shape | None:
-        if len(target) != len(shape) or any(s not in (-1, t) for s, t in zip(shape, target)):
+        if len(target) != len(shape) or any(
+            s not in (-1, t) for s, t in zip(shape, target, strict=True)
+        ):
             raise ValueError(f"{name} maps onto parameters of shape {shape}, not {target}")
         return None if stored is None else tuple(stored)
 

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jaxsync
 from jaxsync.hfconfig import GENERIC_FIELDS, as_dict
 
 
@@ -92,14 +93,12 @@ class ChameleonVQConfig:
     def __post_init__(self) -> None:
         ints = ("embed_dim", "num_embeddings", "latent_channels", "resolution", "in_channels")
         for name in (*ints, "base_channels", "num_res_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"ChameleonVQConfig.{name} must be >= 1, got {getattr(self, name)}"
-                )
-        if not self.channel_multiplier or min(self.channel_multiplier) < 1:
-            raise ValueError(
-                f"channel_multiplier must be non-empty and >= 1: {self.channel_multiplier}"
-            )
+            jaxsync.host_int(getattr(self, name), name=f"ChameleonVQConfig.{name}", minimum=1)
+        for name in ("channel_multiplier", "attn_resolutions"):
+            for v in getattr(self, name):
+                jaxsync.host_int(v, name=f"ChameleonVQConfig.{name} entry", minimum=1)
+        if not self.channel_multiplier:
+            raise ValueError("channel_multiplier must be non-empty")
         for width in self.level_channels:
             if width % GROUP_NORM_GROUPS:
                 raise ValueError(
@@ -140,13 +139,18 @@ class ChameleonVQConfig:
         return self.latent_grid**2
 
     @classmethod
-    def from_hf_config(cls, vq: Mapping[str, Any]) -> ChameleonVQConfig:
-        """Builds the config from a HF `ChameleonVQVAEConfig` dict, rejecting what we don't run.
+    def from_hf_config(cls, src: Any) -> ChameleonVQConfig:
+        """Builds the config from a HF `ChameleonVQVAEConfig` (object, dict, or a checkpoint
+        directory / full `ChameleonConfig`, whose `vq_config` is taken), rejecting what we don't
+        run.
 
         Raises:
+          TypeError: a non-integer for an integer field (`2.0`, `True`).
           ValueError: `double_latent=True`, `attn_type != "vanilla"`, or an unknown key.
         """
-        vq = dict(vq)
+        vq = as_dict(src)
+        if "vq_config" in vq or vq.get("model_type") == "chameleon":
+            vq = as_dict(vq.get("vq_config") or {})
         unknown = set(vq) - _VQ_FIELDS - _GENERIC_FIELDS
         if unknown:
             raise ValueError(f"unsupported Chameleon vq_config fields: {sorted(unknown)}")
@@ -186,9 +190,11 @@ class ChameleonConfig:
     vq: ChameleonVQConfig = dataclasses.field(default_factory=ChameleonVQConfig)
 
     def __post_init__(self) -> None:
-        if self.vocab_size < 1 or self.hidden_size < 1:
-            raise ValueError("vocab_size and hidden_size must be >= 1")
-        bad = {k: v for k, v in self.vocabulary_map.items() if not 0 <= int(v) < self.vocab_size}
+        jaxsync.host_int(self.vocab_size, name="vocab_size", minimum=1)
+        jaxsync.host_int(self.hidden_size, name="hidden_size", minimum=1)
+        for k, v in self.vocabulary_map.items():
+            jaxsync.host_int(v, name=f"vocabulary_map[{k!r}]")
+        bad = {k: v for k, v in self.vocabulary_map.items() if not 0 <= v < self.vocab_size}
         if bad:
             raise ValueError(f"vocabulary_map ids outside [0, {self.vocab_size}): {_head(bad)}")
 
@@ -206,6 +212,7 @@ class ChameleonConfig:
             `to_dict()` (e.g. `transformers.ChameleonConfig`).
 
         Raises:
+          TypeError: a non-integer for an integer field or a vocabulary id.
           ValueError: unknown or unsupported fields, or an inconsistent `image_token_id`.
         """
         d = as_dict(hf_cfg)
@@ -225,15 +232,12 @@ class ChameleonConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unsupported Chameleon config fields: {sorted(unknown)}")
-        vocab_map = {str(k): int(v) for k, v in (d.get("vocabulary_map") or {}).items()}
-        vq = d.get("vq_config") or {}
-        if not isinstance(vq, Mapping):
-            vq = vq.to_dict()
+        vocab_map = {str(k): v for k, v in (d.get("vocabulary_map") or {}).items()}
         cfg = cls(
-            vocab_size=int(d.get("vocab_size", 65536)),
-            hidden_size=int(d.get("hidden_size", 4096)),
+            vocab_size=d.get("vocab_size", 65536),
+            hidden_size=d.get("hidden_size", 4096),
             vocabulary_map=vocab_map,
-            vq=ChameleonVQConfig.from_hf_config(vq),
+            vq=ChameleonVQConfig.from_hf_config(d.get("vq_config") or {}),
         )
         given = d.get("image_token_id")
         if given is not None and given != cfg.image_token_id:
@@ -242,6 +246,11 @@ class ChameleonConfig:
                 f"vocabulary_map['<image>']={cfg.image_token_id}"
             )
         return cfg
+
+
+def from_hf_config(src: Any) -> ChameleonConfig:
+    """`ChameleonConfig.from_hf_config`: an HF config object, a dict, or a checkpoint directory."""
+    return ChameleonConfig.from_hf_config(src)
 
 
 def _head(d: Mapping[Any, Any], n: int = 5) -> str:

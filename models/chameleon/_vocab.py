@@ -4,6 +4,13 @@ Upstream (HF / vLLM `ChameleonImageVocabularyMapping`) derives the tables lazily
 tokenizer's `vocabulary_map`. Two of its behaviours are silent and wrong, and are errors here:
 a VQ code without an `IMGIMG` name maps to BPE id 0, and two names decoding to the same code
 let the later one win. The device copies live in a `jaxsync.DeviceCache`, one per placement.
+
+`img2bpe(codes, table)` is the code -> BPE gather as a pure function for a server's own jitted
+step or `shard_map`, with `table = mapping.img2bpe_on(placement)` passed in (or closed over): it
+adds no jit argument besides the table and no host callback. Codes are clamped into the table
+(`mode="clip"`): they come from an argmin over the codebook, so the clamp never changes a real
+code, and it replaces upstream's device-side assert with a gather that cannot fault.
+`ImageVocabularyMapping.convert_img2bpe(codes)` is the standalone entry point (one jitted call).
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ import hashlib
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Int
 
 import jaxsync
+from jaxsync import replicated_near
 
 
 Placement = jax.Device | jax.sharding.Sharding | None
@@ -44,6 +54,25 @@ def decode_image_token_name(name: str) -> int:
     return code
 
 
+def img2bpe(codes: Int[Array, "*S"], table: Int[Array, " N"]) -> Int[Array, "*S"]:
+    """BPE ids of VQ `codes` (any shape): `table[codes]`, codes clamped into the table (pure)."""
+    return jnp.take(table, codes, axis=0, mode="clip")
+
+
+_img2bpe = jax.jit(img2bpe)
+
+
+def check_device_array(x, name: str) -> None:
+    """`x` must be a live device array: host data or a donated (deleted) buffer is refused."""
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"{name} must be a jax.Array on a device, got {type(x).__name__}")
+    if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(
+            f"{name} was deleted (donated to an earlier call, e.g. donate=True): pass the "
+            "array that call returned"
+        )
+
+
 class ImageVocabularyMapping:
     """Host tables mapping VQ codes to BPE ids and back, plus their cached device copies.
 
@@ -64,6 +93,7 @@ class ImageVocabularyMapping:
       max_image_id: the largest image BPE id (logits must be wider than this).
 
     Raises:
+      TypeError: a non-integer id.
       ValueError: no `IMGIMG` token, an undecodable name, two names with one code, a code
         outside the codebook, or a code without a name while `missing_code_id` is None.
     """
@@ -77,8 +107,17 @@ class ImageVocabularyMapping:
         cache: jaxsync.DeviceCache | None = None,
     ):
         self._cache = jaxsync.default_cache if cache is None else cache
-        self.image_token_id = vocab_map.get("<image>")
-        named = sorted((int(v), k) for k, v in vocab_map.items() if k.startswith(IMAGE_PREFIX))
+        image_token_id = vocab_map.get("<image>")
+        if image_token_id is not None:
+            image_token_id = jaxsync.host_int(image_token_id, name="<image> id", minimum=0)
+        self.image_token_id = image_token_id
+        if missing_code_id is not None:
+            missing_code_id = jaxsync.host_int(missing_code_id, name="missing_code_id", minimum=0)
+        named = sorted(
+            (jaxsync.host_int(v, name=f"vocabulary_map[{k!r}]", minimum=0), k)
+            for k, v in vocab_map.items()
+            if k.startswith(IMAGE_PREFIX)
+        )
         if not named:
             raise ValueError(f"vocabulary_map has no {IMAGE_PREFIX!r} image tokens")
         self.bpe2img: dict[int, int] = {}
@@ -126,6 +165,17 @@ class ImageVocabularyMapping:
     def img2bpe_on(self, placement: Placement = None) -> jax.Array:
         """Device copy of `img2bpe` at `placement` (built once, then cached)."""
         return self._cache.get(f"chameleon.img2bpe.{self._key}", self.img2bpe, placement=placement)
+
+    def convert_img2bpe(self, codes: Int[Array, "*S"]) -> Int[Array, "*S"]:
+        """BPE ids of device VQ `codes` (one jitted call; the table is cached near `codes`).
+
+        Raises:
+          TypeError: host codes or a non-integer dtype. ValueError: a deleted (donated) array.
+        """
+        check_device_array(codes, "codes")
+        if not jnp.issubdtype(codes.dtype, jnp.integer):
+            raise TypeError(f"codes must be integers, got {codes.dtype}")
+        return _img2bpe(codes, self.img2bpe_on(replicated_near(codes)))
 
     def image_token_mask(self, vocab_size: int) -> np.ndarray:
         """bool `[vocab_size]`: True at every image-token id (host)."""

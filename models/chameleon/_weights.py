@@ -1,15 +1,15 @@
-"""Checkpoint mapping for the Chameleon VQ-VAE tokenizer (`model.vqmodel.*` keys)."""
+"""Checkpoint mapping for the Chameleon VQ-VAE tokenizer (`model.vqmodel.*` keys) and its loader."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from jaxsync.models.chameleon._config import ChameleonVQConfig
-from jaxsync.models.chameleon._vqvae import ChameleonVQVAE
-from jaxsync.weights import Rule, conv, load_weights
+from jaxsync.models.chameleon._config import ChameleonConfig, ChameleonVQConfig
+from jaxsync.models.chameleon._modules import ChameleonVQVAE
+from jaxsync.weights import PartitionRules, Rule, checkpoint_dtype, conv, load_weights
 
 
 VQ_PREFIX = "model.vqmodel."
@@ -31,33 +31,58 @@ VQ_RULES = (
 )
 """HF key (after stripping `model.vqmodel.`) -> `ChameleonVQVAE` parameter path."""
 
+PARTITION_RULES: PartitionRules = (
+    # Conv kernels [kh, kw, I, O] and their biases split over output channels; GroupNorm
+    # parameters and the codebook stay replicated (a norm needs every channel of its group).
+    (
+        r"(conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv)\.kernel",
+        (None, None, None, "model"),
+    ),
+    (
+        r"(conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv)\.bias",
+        ("model",),
+    ),
+)
+"""NNX parameter path regex -> mesh axes (a dimension the axis does not divide is replicated)."""
 
-def load_vqvae(
-    cfg: ChameleonVQConfig,
+
+def load_model(
     checkpoint: str | Path,
+    cfg: ChameleonConfig | ChameleonVQConfig | None = None,
     *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    allow_cast: bool = True,
+    dtype=None,
+    mesh: Mesh | None = None,
+    partition_rules: PartitionRules = PARTITION_RULES,
 ) -> ChameleonVQVAE:
-    """Loads the VQ-VAE tokenizer from a Chameleon checkpoint.
+    """Loads the VQ-VAE image tokenizer of a Chameleon checkpoint.
 
     Args:
-      cfg: the VQ config (`ChameleonConfig.vq`).
-      checkpoint: a `.safetensors` file, a sharded index, or a directory holding either.
-      dtype: computation dtype (bf16 for the released model).
-      param_dtype: parameter dtype; defaults to `dtype`.
-      allow_cast: convert float checkpoint tensors to `param_dtype` (e.g. fp32 file -> bf16).
+      checkpoint: a directory (with `config.json` when `cfg` is None), a `.safetensors` file or
+        a sharded index.
+      cfg: the config (`ChameleonConfig` or its `.vq`); None reads `from_hf_config(checkpoint)`.
+      dtype: None keeps the checkpoint's float dtype (a bf16 checkpoint loads at bf16, the
+        computation dtype follows); an explicit dtype casts every float tensor to it.
+      mesh: places each parameter as it is read, per `partition_rules` (replicated otherwise).
+      partition_rules: `[(regex over the parameter path, axes), ...]`.
 
     Raises:
-      jaxsync.weights.WeightError: a missing, unknown or mis-shaped `model.vqmodel.*` tensor.
+      jaxsync.weights.WeightError: a missing, unknown or mis-shaped `model.vqmodel.*` tensor, or
+        checkpoint float tensors of mixed dtypes with `dtype=None`.
     """
-    param_dtype = dtype if param_dtype is None else param_dtype
+    if cfg is None:
+        cfg = ChameleonConfig.from_hf_config(checkpoint)
+    vq = cfg.vq if isinstance(cfg, ChameleonConfig) else cfg
+    if not isinstance(vq, ChameleonVQConfig):
+        raise TypeError(f"cfg must be a ChameleonConfig or ChameleonVQConfig, got {type(cfg)}")
+    if dtype is None:
+        dtype = checkpoint_dtype(checkpoint, select=VQ_SELECT)
     return load_weights(
-        lambda: ChameleonVQVAE(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype),
+        lambda: ChameleonVQVAE(vq, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype),
         checkpoint,
         VQ_RULES,
         select=VQ_SELECT,
         strip=VQ_PREFIX,
-        allow_cast=allow_cast,
+        dtype=dtype,
+        mesh=mesh,
+        partition_rules=partition_rules,
     )

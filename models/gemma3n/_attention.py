@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
-from jaxsync.models.gemma3n._modules import RMSNorm, _linear, clip
+from jaxsync.models.gemma3n._conformer import RMSNorm, clip, linear
 
 
 __all__ = ["ChunkedLocalAttention", "ConformerAttention"]
@@ -34,7 +34,7 @@ class RelativePositionEmbedding(nnx.Module):
 
     def __init__(self, d: int, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.channels = d
-        self.pos_proj = _linear(d, d, dtype, param_dtype, rngs)
+        self.pos_proj = linear(d, d, dtype, param_dtype, rngs)
 
     def __call__(self, positions: np.ndarray, dtype) -> jax.Array:
         return self.pos_proj(_timing_signal(positions, self.channels).astype(dtype))  # [F, D]
@@ -56,9 +56,9 @@ class ChunkedLocalAttention(nnx.Module):
         self.future = cfg.conf_attention_context_right
         self.context = self.chunk + self.past + self.future
         self.cap = cfg.conf_attention_logit_cap
-        self.q_proj = _linear(d, d, dtype, param_dtype, rngs)
-        self.k_proj = _linear(d, d, dtype, param_dtype, rngs)
-        self.v_proj = _linear(d, d, dtype, param_dtype, rngs)
+        self.q_proj = linear(d, d, dtype, param_dtype, rngs)
+        self.k_proj = linear(d, d, dtype, param_dtype, rngs)
+        self.v_proj = linear(d, d, dtype, param_dtype, rngs)
         self.per_dim_scale = nnx.Param(jnp.zeros((self.head_dim,), param_dtype))
         self.relative_position_embedding = RelativePositionEmbedding(
             d, rngs=rngs, dtype=dtype, param_dtype=param_dtype
@@ -118,6 +118,9 @@ class ChunkedLocalAttention(nnx.Module):
         keep = vmask[:, None, :, None, :] & window[None, None, None, :, :]
         logits = jnp.where(keep, logits, jnp.finfo(logits.dtype).min)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(vb.dtype)
+        # A masked probability is exactly 0, but 0 * inf = NaN: values of masked keys are
+        # replaced, not multiplied away, so a non-finite padded frame cannot reach a real one.
+        vb = jnp.where(vmask[:, :, :, None, None], vb, jnp.zeros((), vb.dtype))
         out = jnp.einsum("BNUWC,BUCNH->BUWNH", probs, vb)
         return out.reshape(b, u * self.chunk, n, h)[:, :t]
 
@@ -132,7 +135,7 @@ class ConformerAttention(nnx.Module):
         self.bound = cfg.gradient_clipping
         self.pre_attn_norm = RMSNorm(d, param_dtype=param_dtype)
         self.attn = ChunkedLocalAttention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.post = _linear(d, d, dtype, param_dtype, rngs)
+        self.post = linear(d, d, dtype, param_dtype, rngs)
         self.post_norm = RMSNorm(d, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:

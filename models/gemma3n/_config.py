@@ -1,15 +1,21 @@
 """Configuration of the Gemma 3n audio path (audio tower, audio embedder, padding)."""
 
 import dataclasses
+import numbers
 from typing import Any, Literal
 
-from jaxsync.hfconfig import unhandled_fields
+import numpy as np
+
+from jaxsync.hfconfig import as_dict, unhandled_fields
 
 
-__all__ = ["Gemma3nAudioConfig"]
+__all__ = ["Gemma3nAudioConfig", "from_hf_config"]
 
 # Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that never change inference.
 _IGNORED_HF_FIELDS = frozenset({"initializer_range"})
+
+# HF audio-config names that differ from ours.
+_HF_TO_OURS = {"vocab_size": "audio_vocab_size", "vocab_offset": "audio_vocab_offset"}
 
 # Audio-config fields read by this port; every other non-default field is rejected.
 _AUDIO_FIELDS = (
@@ -39,12 +45,20 @@ def _tuplify(x: Any) -> Any:
     return tuple(_tuplify(v) for v in x) if isinstance(x, list | tuple) else x
 
 
-def _unhandled(hf_sub: Any, handled: set[str]) -> list[str]:
-    """Names of fields of an HF sub-config that differ from its class default and are unhandled."""
-    actual = hf_sub.to_dict()
-    nested = {k for k in actual if k.endswith("_config")}
-    ignored = _IGNORED_HF_FIELDS | nested
-    return list(unhandled_fields(actual, type(hf_sub)().to_dict(), handled, ignored=ignored))
+def _leaves(x: Any) -> list[Any]:
+    return [v for item in x for v in _leaves(item)] if isinstance(x, list | tuple) else [x]
+
+
+def _check_types(cfg: "Gemma3nAudioConfig") -> None:
+    """Integer fields (and tuples of them) hold ints, float fields real numbers; no bools."""
+    for f in dataclasses.fields(cfg):
+        if f.name == "overflow":
+            continue
+        kind = numbers.Integral if "int" in str(f.type) else numbers.Real
+        for v in _leaves(getattr(cfg, f.name)):
+            if isinstance(v, bool | np.bool_) or not isinstance(v, kind):
+                want = "an int" if kind is numbers.Integral else "a real number"
+                raise TypeError(f"{f.name} must hold {want}, got {type(v).__name__} {v!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +124,7 @@ class Gemma3nAudioConfig:
     overflow: Literal["error", "truncate"] = "error"
 
     def __post_init__(self):
+        _check_types(self)
         if self.hidden_size % self.conf_num_attention_heads:
             raise ValueError("hidden_size must be a multiple of conf_num_attention_heads")
         if self.hidden_size % 2:
@@ -160,29 +175,49 @@ class Gemma3nAudioConfig:
         return -(-self.num_subsampled(frames) // self.conf_reduction_factor)
 
     @classmethod
-    def from_hf_config(cls, hf_cfg: Any, **overrides: Any) -> "Gemma3nAudioConfig":
-        """Builds the config from a transformers `Gemma3nConfig`.
+    def from_hf_config(cls, src: Any, **overrides: Any) -> "Gemma3nAudioConfig":
+        """Builds the config from a Gemma 3n config: see the module-level `from_hf_config`."""
+        return from_hf_config(src, **overrides)
 
-        Args:
-            hf_cfg: a `transformers.Gemma3nConfig` (needs its audio and text sub-configs).
-            **overrides: jaxsync-only fields (`overflow`) or replacements (`soft_tokens`).
 
-        Raises:
-            ValueError: an audio-config field this port does not handle differs from its default.
-        """
-        audio = hf_cfg.audio_config
-        bad = _unhandled(audio, set(_AUDIO_FIELDS))
-        if bad:
-            raise ValueError(f"unsupported non-default Gemma3nAudioConfig fields: {sorted(bad)}")
-        kwargs = {f: _tuplify(getattr(audio, f)) for f in _AUDIO_FIELDS}
-        kwargs["audio_vocab_size"] = kwargs.pop("vocab_size")
-        kwargs["audio_vocab_offset"] = kwargs.pop("vocab_offset")
-        text = hf_cfg.text_config
-        kwargs.update(
-            text_hidden_size=text.hidden_size,
-            text_vocab_size=text.vocab_size,
-            soft_tokens=hf_cfg.audio_soft_tokens_per_image,
-            audio_token_id=hf_cfg.audio_token_id,
+def _sub(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    sub = cfg.get(name) or {}
+    return as_dict(sub)
+
+
+def from_hf_config(src: Any, **overrides: Any) -> Gemma3nAudioConfig:
+    """Builds the config from a full Gemma 3n config (it needs the audio and text parts).
+
+    Args:
+        src: a transformers `Gemma3nConfig`, its dict (`to_dict()` / `config.json`), or a
+            checkpoint directory / `config.json` path. Missing fields take transformers'
+            defaults (the released values, this class's defaults).
+        **overrides: jaxsync-only fields (`overflow`) or replacements (`soft_tokens`).
+
+    Raises:
+        ValueError: no `audio_config` in `src`, or an audio-config field this port does not
+            handle is set to a value other than transformers' default (unknown fields included).
+        TypeError: a non-integer (float, bool) for an integer field.
+    """
+    cfg = as_dict(src)
+    if "audio_config" not in cfg:
+        raise ValueError(
+            "expected a full Gemma 3n config with an 'audio_config' (and 'text_config'); "
+            f"got fields {sorted(cfg)[:8]}"
         )
-        kwargs.update(overrides)
-        return cls(**kwargs)
+    audio = _sub(cfg, "audio_config")
+    defaults = {f: getattr(Gemma3nAudioConfig, _HF_TO_OURS.get(f, f)) for f in _AUDIO_FIELDS}
+    bad = unhandled_fields(audio, defaults, _AUDIO_FIELDS, ignored=_IGNORED_HF_FIELDS)
+    if bad:
+        raise ValueError(f"unsupported non-default Gemma3nAudioConfig fields: {sorted(bad)}")
+    kwargs = {_HF_TO_OURS.get(f, f): _tuplify(audio[f]) for f in _AUDIO_FIELDS if f in audio}
+    text = _sub(cfg, "text_config")
+    top = {
+        "text_hidden_size": text.get("hidden_size"),
+        "text_vocab_size": text.get("vocab_size"),
+        "soft_tokens": cfg.get("audio_soft_tokens_per_image"),
+        "audio_token_id": cfg.get("audio_token_id"),
+    }
+    kwargs.update({k: v for k, v in top.items() if v is not None})
+    kwargs.update(overrides)
+    return Gemma3nAudioConfig(**kwargs)

@@ -1,219 +1,204 @@
-"""Gemma 3n audio building blocks: norms, sub-sample conv projection, feed-forward, light conv."""
+"""Gemma 3n audio path as NNX modules, and its pure forward.
+
+`Gemma3nAudioTower` is transformers' `Gemma3nAudioEncoder` (SSCP, conformer, reduction),
+`Gemma3nMultimodalEmbedder` its `Gemma3nMultimodalEmbedder`, and `Gemma3nAudioModel` holds both
+under the checkpoint names (`audio_tower.*`, `embed_audio.*`). `forward` is the audio part of
+`Gemma3nModel.forward`: features -> `soft_tokens` embeddings per clip, the padding token's
+embedding filling padded and missing positions.
+"""
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jaxsync
+from jaxsync.models.gemma3n._attention import ConformerAttention
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
+from jaxsync.models.gemma3n._conformer import (
+    ConformerFeedForward,
+    ConformerLightConv1d,
+    RMSNorm,
+    SubSampleConvProjection,
+    clip,
+    linear,
+)
 
 
 __all__ = [
-    "RMSNorm",
-    "CumulativeGroupNorm",
-    "SSCPConvBlock",
-    "SubSampleConvProjection",
-    "ConformerFeedForward",
-    "ConformerLightConv1d",
-    "clip",
+    "ConformerBlock",
+    "Gemma3nAudioModel",
+    "Gemma3nAudioTower",
+    "Gemma3nMultimodalEmbedder",
+    "forward",
 ]
 
-# Gemma3nRMSNorm's default eps; upstream uses it (not config.rms_norm_eps) for most conformer norms.
-HF_DEFAULT_EPS = 1e-6
 
-
-def clip(x: jax.Array, bound: float) -> jax.Array:
-    """Upstream's "gradient clipping" clamp; identity for realistic activations, kept for parity."""
-    # HF clamps the buffer to the dtype's max (matters for fp16/bf16 buffers of 1e10).
-    b = min(bound, float(jnp.finfo(x.dtype).max))
-    return jnp.clip(x, -b, b)
-
-
-def _linear(din: int, dout: int, cfg_dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        din, dout, use_bias=False, dtype=cfg_dtype, param_dtype=param_dtype, rngs=rngs
-    )
-
-
-class RMSNorm(nnx.Module):
-    """Gemma 3n RMSNorm: `x * (mean(x²) + eps)^-½ * w` in float32; `w` starts at 1 (not 1+w)."""
+class ConformerBlock(nnx.Module):
+    """Feed-forward half, attention, light conv (on masked input), feed-forward half, norm."""
 
     def __init__(
-        self,
-        dim: int,
-        *,
-        eps: float = HF_DEFAULT_EPS,
-        with_scale: bool = True,
-        param_dtype=jnp.float32,
+        self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype)) if with_scale else None
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.bound = cfg.gradient_clipping
+        self.ffw_layer_start = ConformerFeedForward(cfg, **kw)
+        self.attention = ConformerAttention(cfg, **kw)
+        self.lconv1d = ConformerLightConv1d(cfg, **kw)
+        self.ffw_layer_end = ConformerFeedForward(cfg, **kw)
+        self.norm = RMSNorm(cfg.hidden_size, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.weight is not None:
-            w = self.weight[...].astype(jnp.float32)
-            y = y * w.reshape((1,) * (x.ndim - 1) + w.shape)
-        return y.astype(x.dtype)
+    def __call__(self, x: jax.Array, valid: jax.Array) -> jax.Array:
+        """x `[B, T, D]`, valid `[B, T]` bool (True = real frame) -> `[B, T, D]`."""
+        x = self.attention(self.ffw_layer_start(x), valid)
+        # Padded frames are zeroed before the causal conv so they cannot leak into later frames
+        # (`where`, not a multiply: a non-finite padded frame must not turn into 0 * inf = NaN).
+        x = self.lconv1d(jnp.where(valid[:, :, None], x, jnp.zeros((), x.dtype)))
+        return self.norm(clip(self.ffw_layer_end(x), self.bound))
 
 
-class CumulativeGroupNorm(nnx.Module):
-    """Group norm (one group) whose statistics accumulate causally over time.
+class Gemma3nAudioTower(nnx.Module):
+    """Mel features `[B, T, F]` -> conformer encodings `[B, T_a, D_a]` and padding `[B, T_a]`.
 
-    Input `[B, T, F, C]`; mean and variance at step t use every feature of steps <= t. Upstream
-    passes no mask, so every frame (padding included) counts; the output is never masked either.
+    Mirrors `Gemma3nAudioEncoder.forward`: SSCP (÷4 in time), the frame mask subsampled by
+    gathering every `time_stride`-th entry, the conformer stack, the `[::R]` reduction, padded
+    positions zeroed. `padding` is True where a frame is padding (upstream's convention).
     """
 
-    def __init__(self, channels: int, *, eps: float, param_dtype=jnp.float32):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((channels,), param_dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)  # [B, T, F, C]
-        per_step = xf.shape[2] * xf.shape[3]
-        count = per_step * jnp.arange(1, xf.shape[1] + 1, dtype=jnp.float32)
-        count = jnp.maximum(count, 1.0)[None, :, None, None]
-        mean = jnp.cumsum(jnp.sum(xf, axis=(2, 3), keepdims=True), axis=1) / count
-        centred = xf - mean
-        # Upstream accumulates squared deviations from each step's *own* cumulative mean.
-        var = jnp.cumsum(jnp.sum(centred * centred, axis=(2, 3), keepdims=True), axis=1) / count
-        y = centred * jax.lax.rsqrt(var + self.eps)
-        y = y * self.weight[...].astype(jnp.float32)[None, None, None, :]
-        return y.astype(x.dtype)
-
-
-class SSCPConvBlock(nnx.Module):
-    """Conv2d over (time, freq) with reverse-causal time padding, cumulative group norm, ReLU."""
-
-    def __init__(
-        self,
-        cin: int,
-        cout: int,
-        kernel: tuple[int, int],
-        stride: tuple[int, int],
-        *,
-        eps: float,
-        rngs: nnx.Rngs,
-        dtype=jnp.float32,
-        param_dtype=jnp.float32,
-    ):
-        # (time top, time bottom), (freq left, freq right): upstream's fixed manual padding.
-        self.padding = ((0, kernel[0] - 1), (1, 1))
-        self.conv = nnx.Conv(
-            cin,
-            cout,
-            kernel_size=kernel,
-            strides=stride,
-            padding="VALID",
-            use_bias=False,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
-        self.norm = CumulativeGroupNorm(cout, eps=eps, param_dtype=param_dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = jnp.pad(x, ((0, 0), *self.padding, (0, 0)))  # [B, T + kt - 1, F + 2, Cin]
-        return jax.nn.relu(self.norm(self.conv(x)))  # [B, T', F', Cout]
-
-
-class SubSampleConvProjection(nnx.Module):
-    """Two SSCP conv blocks (4x time reduction at the released config), then a linear to D_a."""
-
     def __init__(
         self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
-        f = cfg.input_feat_size
-        cin = 1
-        blocks = []
-        for i in range(2):
-            kernel, stride = cfg.sscp_conv_kernel_size[i], cfg.sscp_conv_stride_size[i]
-            cout = cfg.sscp_conv_channel_size[i]
-            blocks.append(
-                SSCPConvBlock(
-                    cin,
-                    cout,
-                    kernel,
-                    stride,
-                    eps=cfg.sscp_conv_group_norm_eps,
-                    rngs=rngs,
-                    dtype=dtype,
-                    param_dtype=param_dtype,
-                )
-            )
-            f = (f + 2 - kernel[1]) // stride[1] + 1
-            cin = cout
-        self.conv_0, self.conv_1 = blocks
-        self.input_proj_linear = _linear(f * cin, cfg.hidden_size, dtype, param_dtype, rngs)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.time_stride = cfg.time_stride
+        self.reduction = cfg.conf_reduction_factor
+        self.dtype = dtype
+        self.subsample_conv_projection = SubSampleConvProjection(cfg, **kw)
+        self.conformer = nnx.List(
+            [ConformerBlock(cfg, **kw) for _ in range(cfg.conf_num_hidden_layers)]
+        )
 
-    def __call__(self, features: jax.Array, frames: jax.Array | None = None) -> jax.Array:
-        """Args: features `[B, T, F]`; frames: optional int32 scalar, the frame count upstream saw.
+    def subsample(
+        self, features: jax.Array, padding: jax.Array, frames: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """SSCP: features `[B, T, F]` -> `[B, T', D_a]` and padding `[B, T']`."""
+        x = self.subsample_conv_projection(features.astype(self.dtype), frames)  # [B, T', D]
+        t_in, t_sub = padding.shape[1], x.shape[1]
+        idx = jnp.minimum(jnp.arange(t_sub) * self.time_stride, t_in - 1)
+        return x, padding[:, idx]
 
-        With `frames < T` (the batch was zero padded to a bucket), rows of the first block's output
-        past what `frames` input rows give are zeroed: upstream's second block sees zero padding
-        there, not the normalised value of padded frames.
+    def reduce(self, x: jax.Array, padding: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The `[::R]` reduction, padded positions zeroed: `[B, T_a, D_a]`, `[B, T_a]`."""
+        x, padding = x[:, :: self.reduction], padding[:, :: self.reduction]
+        return jnp.where(padding[:, :, None], jnp.zeros((), x.dtype), x), padding
+
+    def __call__(
+        self, features: jax.Array, padding: jax.Array, frames: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Args: features `[B, T, F]`; padding `[B, T]` bool (True = padding); frames: optional
+        int32 scalar, the unbucketed frame count when `T` is a bucket (see SubSampleConvProjection).
+        Returns encodings `[B, T_a, D_a]` (zero at padding) and padding `[B, T_a]`.
         """
-        x = self.conv_0(features[..., None])  # [B, T0, F0, C0]
-        if frames is not None:
-            (kt, _), (st, _) = self.conv_0.conv.kernel_size, self.conv_0.conv.strides
-            rows = (frames + kt - 1 - kt) // st + 1
-            keep = jnp.arange(x.shape[1])[None, :, None, None] < rows
-            x = jnp.where(keep, x, jnp.zeros((), x.dtype))
-        x = self.conv_1(x)  # [B, T', F', C]
-        b, t, f, c = x.shape
-        # Upstream flattens (F', C) with C fastest, i.e. the NHWC layout already in hand.
-        return self.input_proj_linear(x.reshape(b, t, f * c))  # [B, T', D]
+        x, padding = self.subsample(features, padding, frames)
+        x = jaxsync.run_layers(self.conformer, x, ~padding)
+        return self.reduce(x, padding)
 
 
-class ConformerFeedForward(nnx.Module):
-    """Macaron feed-forward half: clip, norm, D->4D SiLU 4D->D, clip, norm, scaled residual."""
+class Gemma3nMultimodalEmbedder(nnx.Module):
+    """Audio tokens -> text space (transformers `Gemma3nMultimodalEmbedder`).
+
+    Soft path: RMSNorm(w) -> Linear(D_a -> D) -> RMSNorm(no w). Hard path: the same after an
+    embedding lookup of `id - vocab_offset` with its own pre-norm.
+    """
 
     def __init__(
         self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
-        d = cfg.hidden_size
-        self.bound = cfg.gradient_clipping
-        self.scale = cfg.conf_residual_weight
-        self.pre_layer_norm = RMSNorm(d, param_dtype=param_dtype)
-        self.ffw_layer_1 = _linear(d, 4 * d, dtype, param_dtype, rngs)
-        self.ffw_layer_2 = _linear(4 * d, d, dtype, param_dtype, rngs)
-        self.post_layer_norm = RMSNorm(d, param_dtype=param_dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.pre_layer_norm(clip(x, self.bound))
-        h = self.ffw_layer_2(jax.nn.silu(self.ffw_layer_1(h)))
-        h = self.post_layer_norm(clip(h, self.bound))
-        return x + h * jnp.asarray(self.scale, h.dtype)
-
-
-class ConformerLightConv1d(nnx.Module):
-    """Norm, D->2D GLU, causal depthwise conv over time, clip, norm, SiLU, D->D, residual."""
-
-    def __init__(
-        self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
-    ):
-        d = cfg.hidden_size
-        self.bound = cfg.gradient_clipping
-        self.kernel_size = cfg.conf_conv_kernel_size
-        self.pre_layer_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.linear_start = _linear(d, 2 * d, dtype, param_dtype, rngs)
-        self.depthwise_conv1d = nnx.Conv(
-            d,
-            d,
-            kernel_size=(self.kernel_size,),
-            padding="VALID",
-            feature_group_count=d,
-            use_bias=False,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
+        d_a, d, eps = cfg.hidden_size, cfg.text_hidden_size, cfg.rms_norm_eps
+        self.vocab_offset = cfg.audio_vocab_offset
+        self.embedding = nnx.Embed(
+            cfg.audio_vocab_size, d_a, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.conv_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.linear_end = _linear(d, d, dtype, param_dtype, rngs)
+        self.hard_embedding_norm = RMSNorm(d_a, eps=eps, param_dtype=param_dtype)
+        self.soft_embedding_norm = RMSNorm(d_a, eps=eps, param_dtype=param_dtype)
+        self.embedding_projection = linear(d_a, d, dtype, param_dtype, rngs)
+        self.embedding_post_projection_norm = RMSNorm(d, eps=eps, with_scale=False)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.glu(self.linear_start(self.pre_layer_norm(x)), axis=-1)  # [B, T, D]
-        h = jnp.pad(h, ((0, 0), (self.kernel_size - 1, 0), (0, 0)))  # causal
-        h = clip(self.depthwise_conv1d(h), self.bound)
-        h = self.linear_end(jax.nn.silu(self.conv_norm(h)))
-        return h + x
+    def embed_soft(self, x: jax.Array) -> jax.Array:
+        """`[..., D_a]` tower outputs -> `[..., D]`."""
+        return self.embedding_post_projection_norm(
+            self.embedding_projection(self.soft_embedding_norm(x))
+        )
+
+    def embed_ids(self, ids: jax.Array) -> jax.Array:
+        """`[...]` audio-vocabulary token ids -> `[..., D]`."""
+        h = self.hard_embedding_norm(self.embedding(ids - self.vocab_offset))
+        return self.embedding_post_projection_norm(self.embedding_projection(h))
+
+
+class Gemma3nAudioModel(nnx.Module):
+    """The audio tower and audio embedder of `Gemma3nModel` (checkpoint `model.audio_tower.*`,
+    `model.embed_audio.*`); `layers` names the conformer blocks for `jaxsync.TowerProgram`.
+    """
+
+    def __init__(
+        self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
+    ):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.pad_id = cfg.text_vocab_size - 1
+        self.soft_tokens = cfg.soft_tokens
+        self.dtype = dtype
+        self.audio_tower = Gemma3nAudioTower(cfg, **kw)
+        self.embed_audio = Gemma3nMultimodalEmbedder(cfg, **kw)
+
+    @property
+    def layers(self) -> nnx.List:
+        """The conformer blocks (`audio_tower.conformer`): the layer list a program scans."""
+        return self.audio_tower.conformer
+
+    @layers.setter
+    def layers(self, value: nnx.List) -> None:
+        self.audio_tower.conformer = value
+
+    def pad_embedding(self) -> jax.Array:
+        """The padding token `text_vocab_size - 1` through the hard path: `[D]`, model dtype."""
+        ids = jnp.full((1,), self.pad_id, jnp.int32)
+        return self.embed_audio.embed_ids(ids)[0].astype(self.dtype)
+
+
+def forward(
+    model: Gemma3nAudioModel, features: jax.Array, meta: Any, pad_embedding: Any = None
+) -> tuple[jax.Array, jax.Array]:
+    """Features -> `soft_tokens` embeddings per clip (the audio part of `Gemma3nModel.forward`).
+
+    Pure: callable inside any jit (weights arrive with `model`, e.g. `nnx.merge(graphdef,
+    state)`); the conformer runs through `jaxsync.run_layers`.
+
+    Args:
+        model: the loaded `Gemma3nAudioModel`.
+        features: `[B, T, F]` log-mel features (any float dtype).
+        meta: `plan.fields` as uploaded (`jaxsync.Packed` or a dict): `valid` `[B, T]` bool
+            (True = real frame) and `frames` `[1]` int32 (the frame count upstream saw when `T`
+            is a bucket).
+        pad_embedding: `[D]` embedding of the padding token (`model.pad_embedding()`, cached by
+            the entry); None computes it here.
+
+    Returns:
+        rows `[B * soft_tokens, D]` (clip `i` owns rows `i*N : (i+1)*N`: tower positions first,
+        padding positions and the tail up to `soft_tokens` take the padding embedding, positions
+        past `soft_tokens` are dropped) and finite `[B]` bool (the clip's features and rows
+        are all finite).
+    """
+    pad = model.pad_embedding() if pad_embedding is None else pad_embedding
+    tower = model.audio_tower
+    x, padding = tower.subsample(features, ~meta["valid"], meta["frames"][0])
+    x = jaxsync.run_layers(tower.conformer, x, ~padding)
+    enc, padding = tower.reduce(x, padding)  # [B, T_a, D_a], [B, T_a]
+    emb = model.embed_audio.embed_soft(enc).astype(model.dtype)  # [B, T_a, D]
+    b, t_a, d = emb.shape
+    n = model.soft_tokens
+    fill = jnp.broadcast_to(pad.astype(emb.dtype), (b, max(n, t_a), d))
+    emb = jnp.where(padding[:, :, None], fill[:, :t_a], emb)
+    emb = emb[:, :n] if t_a >= n else jnp.concatenate([emb, fill[:, : n - t_a]], axis=1)
+    finite = jnp.isfinite(features).all(axis=(1, 2)) & jnp.isfinite(emb).all(axis=(1, 2))
+    return emb.reshape(b * n, d), finite

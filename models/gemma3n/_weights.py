@@ -6,18 +6,16 @@ NNX parameter name and fix the layout. Rules are tried in order; the first match
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
-from jaxsync.models.gemma3n._model import Gemma3nAudioModel
-from jaxsync.weights import Rule, conv, linear, load_weights
+from jaxsync.models.gemma3n._config import Gemma3nAudioConfig, from_hf_config
+from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
+from jaxsync.weights import Rule, checkpoint_dtype, conv, linear, load_weights
 
 
-__all__ = ["AUDIO_RULES", "AUDIO_SELECT", "load_audio_model"]
-
-# Keys of Gemma3nForConditionalGeneration / Gemma3nModel checkpoints owned by this path.
-AUDIO_SELECT = r"model\.(audio_tower|embed_audio)\."
+__all__ = ["AUDIO_RULES", "PARTITION_RULES", "load_model"]
 
 AUDIO_RULES = (
     # Conv2d [O, I, kT, kF] -> nnx.Conv [kT, kF, I, O].
@@ -41,31 +39,65 @@ AUDIO_RULES = (
 )
 
 
-def load_audio_model(
-    cfg: Gemma3nAudioConfig,
+# NNX parameter path -> mesh axes for tensor-parallel placement over a "model" axis: the widening
+# projections split their output columns, the narrowing ones their input rows. Axes a mesh lacks
+# are ignored and a dimension they do not divide stays replicated (`jaxsync.weights`).
+PARTITION_RULES = (
+    (r"ffw_layer_1\.kernel$", (None, "model")),
+    (r"ffw_layer_2\.kernel$", ("model", None)),
+    (r"attn\.(q_proj|k_proj|v_proj)\.kernel$", (None, "model")),
+    (r"attention\.post\.kernel$", ("model", None)),
+    (r"lconv1d\.linear_start\.kernel$", (None, "model")),
+    (r"lconv1d\.linear_end\.kernel$", ("model", None)),
+    (r"embed_audio\.embedding_projection\.kernel$", (None, "model")),
+)
+
+_STRIP = "model."
+_SELECT = r"^model\.(audio_tower|embed_audio)\."
+
+
+def _config_source(checkpoint: str | Path) -> Path:
+    """The directory holding `config.json` for a checkpoint file, index or directory."""
+    path = Path(checkpoint)
+    return path if path.is_dir() else path.parent
+
+
+def load_model(
     checkpoint: str | Path,
+    cfg: Gemma3nAudioConfig | None = None,
     *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    strip: str = "model.",
+    dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+    partition_rules=PARTITION_RULES,
 ) -> Gemma3nAudioModel:
-    """Loads the audio tower and embedder from an HF Gemma 3n checkpoint.
+    """Loads the audio tower and embedder from a Gemma 3n checkpoint (`model.audio_tower.*`,
+    `model.embed_audio.*` of `Gemma3nForConditionalGeneration` / `Gemma3nModel`).
 
     Args:
-        cfg: the audio path config (e.g. `Gemma3nAudioConfig.from_hf_config(hf_cfg)`).
         checkpoint: safetensors file, sharded index or directory.
-        dtype: computation dtype.
-        param_dtype: parameter dtype (default `dtype`); float checkpoints are cast.
-        strip: key prefix before `audio_tower.` / `embed_audio.` (`"model."` for
-            Gemma3nForConditionalGeneration and Gemma3nModel checkpoints).
+        cfg: the audio path config; None reads `config.json` next to the checkpoint.
+        dtype: None keeps the checkpoint's float dtype (a bf16 checkpoint loads at bf16); a
+            float dtype casts every parameter and computes in it.
+        mesh: places each parameter on this mesh as it is read (`partition_rules`; parameters
+            no rule matches are replicated). None: the default device.
+        partition_rules: `[(regex over the NNX path, mesh axes), ...]`.
+
+    Raises:
+        jaxsync.weights.WeightError: a missing, unexpected or misshapen tensor, or mixed dtypes.
+        ValueError / TypeError: an unsupported or malformed config.
     """
-    param_dtype = dtype if param_dtype is None else param_dtype
-    select = "^" + strip.replace(".", r"\.") + r"(audio_tower|embed_audio)\."
+    if cfg is None:
+        cfg = from_hf_config(_config_source(checkpoint))
+    if not isinstance(cfg, Gemma3nAudioConfig):
+        raise TypeError(f"cfg must be a Gemma3nAudioConfig, got {type(cfg).__name__}")
+    dt = checkpoint_dtype(checkpoint, _SELECT, _STRIP) if dtype is None else jnp.dtype(dtype)
     return load_weights(
-        lambda: Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype),
+        lambda: Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt),
         checkpoint,
         AUDIO_RULES,
-        select=select,
-        strip=strip,
-        allow_cast=True,
+        select=_SELECT,
+        strip=_STRIP,
+        dtype=dtype,
+        mesh=mesh,
+        partition_rules=partition_rules if mesh is not None else None,
     )

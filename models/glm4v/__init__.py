@@ -1,25 +1,35 @@
 """jaxsync.models.glm4v: the GLM-4.1V vision tower with on-device bicubic position embeddings.
 
-Entry points take host `grid_thw`; all metadata derived from it is planned in numpy and uploaded
-in one packed transfer, and the patch count is padded to a bucket so many image sizes share one
-compiled program.
+Three layers:
+  plan_batch / VisionPlan   - host numpy plan of a batch from `grid_thw` (one packed upload).
+  forward(model, pixels, meta)
+                            - the pure forward of a `Glm4vVisionTower`, callable inside any jit
+                              (weights are arguments): returns (merged, hidden, finite).
+  Glm4vVisionEncoder        - the host entry: `encoder(pixel_values=..., image_grid_thw=...)`
+                              with the image processor's outputs -> `jaxsync.Embeddings`.
+Weights: `load_model(checkpoint, cfg=None, *, dtype=None, mesh=None,
+partition_rules=PARTITION_RULES)`; `RULES` maps HF keys, `PARTITION_RULES` splits the tower's
+matmuls over a "model" mesh axis.
 """
 
 from jaxsync.models.glm4v._config import Glm4vVisionConfig as Glm4vVisionConfig
+from jaxsync.models.glm4v._entry import Glm4vVisionEncoder as Glm4vVisionEncoder
 from jaxsync.models.glm4v._interp import interpolate_pos_embed as interpolate_pos_embed
-from jaxsync.models.glm4v._model import (
-    Glm4vVisionEncoder as Glm4vVisionEncoder,
-    Glm4vVisionModel as Glm4vVisionModel,
-    VisionOutput as VisionOutput,
+from jaxsync.models.glm4v._modules import (
+    Glm4vVisionTower as Glm4vVisionTower,
+    forward as forward,
+    pos_embeds as pos_embeds,
 )
 from jaxsync.models.glm4v._plan import (
     DEFAULT_GROUP_BUCKETS as DEFAULT_GROUP_BUCKETS,
+    DEFAULT_SEGMENT_BUCKETS as DEFAULT_SEGMENT_BUCKETS,
     VisionPlan as VisionPlan,
     merge_block_coords as merge_block_coords,
     plan_batch as plan_batch,
 )
 from jaxsync.models.glm4v._weights import (
     FULL_MODEL_PREFIX as FULL_MODEL_PREFIX,
+    PARTITION_RULES as PARTITION_RULES,
     RULES as RULES,
-    load_vision_model as load_vision_model,
+    load_model as load_model,
 )

@@ -5,47 +5,55 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from jaxsync.hfconfig import unhandled_fields
+import jaxsync
+from jaxsync.hfconfig import as_dict, unhandled_fields
 
 
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 
-# Fields of the HF config that this port reads.
-_HANDLED = (
-    "depth",
-    "hidden_size",
-    "hidden_act",
-    "attention_bias",
-    "num_heads",
-    "in_channels",
-    "image_size",
-    "patch_size",
-    "rms_norm_eps",
-    "spatial_merge_size",
-    "temporal_patch_size",
-    "out_hidden_size",
-    "intermediate_size",
-    "rope_parameters",
-)
+# transformers' `Glm4vVisionConfig()` defaults (the released GLM-4.1V tower), kept here so the
+# product reads configs without importing transformers; a test pins them to the class.
+HF_DEFAULTS: dict[str, Any] = {
+    "depth": 24,
+    "hidden_size": 1536,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "num_heads": 12,
+    "in_channels": 3,
+    "image_size": 336,
+    "patch_size": 14,
+    "rms_norm_eps": 1e-05,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 4096,
+    "intermediate_size": 13696,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
+}
 # Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that cannot change inference.
 _IGNORED = (
     "attention_dropout",  # dropout is off at inference
     "initializer_range",
 )
+_INT_FIELDS = (
+    "depth",
+    "hidden_size",
+    "num_heads",
+    "in_channels",
+    "image_size",
+    "patch_size",
+    "temporal_patch_size",
+    "spatial_merge_size",
+    "out_hidden_size",
+    "intermediate_size",
+)
 
 
-def _square(name: str, value: Any) -> int:
+def _square(name: str, value: Any) -> Any:
     """HF allows `int | [a, b]` sizes; the tower (and its square table) needs a == b."""
     if isinstance(value, list | tuple):
         if len(value) != 2 or value[0] != value[1]:
             raise ValueError(f"{name} must be an int or a square pair, got {value!r}")
-        value = value[0]
-    return int(value)
-
-
-def _scalar(name: str, value: Any) -> int:
-    if not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        return value[0]
     return value
 
 
@@ -68,6 +76,10 @@ class Glm4vVisionConfig:
       intermediate_size: hidden width of the merger's gated MLP.
       rms_norm_eps: epsilon of every RMSNorm.
       rope_theta: rotary base.
+
+    Raises:
+      TypeError: a non-integer (float, bool) for an integer field.
+      ValueError: inconsistent sizes (see `__post_init__`).
     """
 
     depth: int = 24
@@ -86,6 +98,10 @@ class Glm4vVisionConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self):
+        for name in _INT_FIELDS:
+            jaxsync.host_int(getattr(self, name), name=name, minimum=1)
+        if not isinstance(self.attention_bias, bool):
+            raise TypeError(f"attention_bias must be a bool, got {self.attention_bias!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} % num_heads {self.num_heads} != 0")
         if self.head_dim % 4:
@@ -94,9 +110,6 @@ class Glm4vVisionConfig:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported")
         if self.table_side < 1:
             raise ValueError(f"image_size {self.image_size} < patch_size {self.patch_size}")
-        for name in ("depth", "spatial_merge_size", "temporal_patch_size", "in_channels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -113,37 +126,40 @@ class Glm4vVisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
-    def from_hf_config(cls, hf_cfg: Any) -> Glm4vVisionConfig:
-        """Builds the config from a transformers `Glm4vVisionConfig` (or a `Glm4vConfig`).
+    def from_hf_config(cls, src: Any) -> Glm4vVisionConfig:
+        """Builds the config from a transformers `Glm4vVisionConfig` / `Glm4vConfig`, a dict of
+        either, or a checkpoint directory (its `config.json`); a full multimodal config gives
+        its `vision_config`.
 
         Raises:
+          TypeError: `src` is none of these, or an integer field holds a float or bool.
           ValueError: a field this port does not implement has a non-default value.
         """
-        from transformers import Glm4vVisionConfig as HfConfig
-
-        if hasattr(hf_cfg, "vision_config"):
-            hf_cfg = hf_cfg.vision_config
-        got, default = hf_cfg.to_dict(), HfConfig().to_dict()
-        unknown = unhandled_fields(got, default, _HANDLED, ignored=_IGNORED)
+        got = as_dict(src)
+        if "vision_config" in got:
+            got = as_dict(got["vision_config"])
+        # every modelled field is read below; anything else must be absent or generic
+        unknown = unhandled_fields(got, {}, HF_DEFAULTS, ignored=_IGNORED)
         if unknown:
             raise ValueError(f"unsupported Glm4vVisionConfig field(s): {unknown}")
-        rope = got.get("rope_parameters") or {}
+        field = lambda k: got.get(k, HF_DEFAULTS[k])  # noqa: E731
+        rope = field("rope_parameters") or {}
         extra = set(rope) - {"rope_type", "rope_theta"}
         if rope.get("rope_type", "axial") != "axial" or extra:
             raise ValueError(f"only axial rope with rope_theta is supported, got {rope}")
         return cls(
-            depth=got["depth"],
-            hidden_size=got["hidden_size"],
-            num_heads=got["num_heads"],
-            hidden_act=got["hidden_act"],
-            attention_bias=bool(got["attention_bias"]),
-            in_channels=got["in_channels"],
-            image_size=_square("image_size", got["image_size"]),
-            patch_size=_square("patch_size", got["patch_size"]),
-            temporal_patch_size=_scalar("temporal_patch_size", got["temporal_patch_size"]),
-            spatial_merge_size=got["spatial_merge_size"],
-            out_hidden_size=got["out_hidden_size"],
-            intermediate_size=got["intermediate_size"],
-            rms_norm_eps=float(got["rms_norm_eps"]),
+            depth=field("depth"),
+            hidden_size=field("hidden_size"),
+            num_heads=field("num_heads"),
+            hidden_act=field("hidden_act"),
+            attention_bias=field("attention_bias"),
+            in_channels=field("in_channels"),
+            image_size=_square("image_size", field("image_size")),
+            patch_size=_square("patch_size", field("patch_size")),
+            temporal_patch_size=field("temporal_patch_size"),
+            spatial_merge_size=field("spatial_merge_size"),
+            out_hidden_size=field("out_hidden_size"),
+            intermediate_size=field("intermediate_size"),
+            rms_norm_eps=float(field("rms_norm_eps")),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -24,6 +25,15 @@ DEFAULT_GROUP_BUCKETS: tuple[int, ...] = tuple(
 )
 
 
+# Patch-count buckets of one segment (frame) in the "segments" attention layout, and the slot
+# counts of a group: a layout is one compiled program, so both are coarse.
+DEFAULT_SEGMENT_BUCKETS: tuple[int, ...] = (4, 8, 16, *(4 * b for b in DEFAULT_GROUP_BUCKETS))
+_SLOT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(16))
+# Field-name prefix of a segment group's row index in the plan (`segment_L` -> [G, L]).
+SEGMENT_GROUP = "segment_"
+AttentionLayout = Literal["dense", "segments"]
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionPlan:
     """Host metadata of one packed batch.
@@ -35,7 +45,10 @@ class VisionPlan:
       tokens_per_item: merged output tokens per item (t*h*w / merge_size**2).
       fields: the arrays for `upload_packed`, each [padded_patches]:
         h, w (int32 patch coordinates in merge-block order), th, tw (int32 target grid of the
-        patch's image), seg (int32 attention segment: one per frame; padding gets its own).
+        patch's image), seg (int32 attention segment: one per frame; padding gets its own),
+        item (int32 item index; padding gets the item count). The "segments" layout adds, per
+        segment length bucket L, `segment_L` [G, L]: the rows of G segments (frames) of at most
+        L patches, padded with the index P.
     """
 
     grid_thw: np.ndarray
@@ -49,16 +62,25 @@ class VisionPlan:
         return sum(self.tokens_per_item)
 
 
+def _holds_bool(x) -> bool:
+    """A bool anywhere in a nested list / tuple (arrays carry their dtype instead)."""
+    if isinstance(x, bool | np.bool_):
+        return True
+    return isinstance(x, list | tuple) and any(_holds_bool(v) for v in x)
+
+
 def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np.ndarray:
     """Validates `grid_thw` on the host; returns it as [B, 3] int64.
 
     Raises:
-      ValueError: empty batch, wrong shape, non-positive sizes, or h/w not multiples of `merge`.
+      TypeError: device data (a jax array, a torch tensor off the CPU), or non-integers (floats,
+        even integral ones, and bools: truncating them would encode another image size).
+      ValueError: empty batch, wrong shape or ragged rows, non-positive sizes, or h/w not
+        multiples of `merge`.
     """
-    if hasattr(grid_thw, "addressable_shards") or hasattr(grid_thw, "detach"):
-        # a device tensor would need a read-back; upstream's .tolist() is exactly what we avoid
-        raise TypeError("grid_thw must be host data (list or numpy array), not a device array")
-    grid = np.asarray(grid_thw, dtype=np.int64)
+    if _holds_bool(grid_thw):  # numpy would silently widen [[True, 6, 6]] to int64
+        raise TypeError("grid_thw must hold integers, got a bool")
+    grid = jaxsync.host_ints(grid_thw, name="grid_thw", ndim=None, minimum=None)
     if grid.size == 0:
         raise ValueError("empty batch: grid_thw has no items")
     if grid.ndim != 2 or grid.shape[1] != 3:
@@ -88,6 +110,8 @@ def plan_batch(
     *,
     num_patches: int | None = None,
     group_buckets: Sequence[int] | None = None,
+    attention_layout: AttentionLayout = "dense",
+    segment_buckets: Sequence[int] | None = None,
 ) -> VisionPlan:
     """Plans a packed batch of images (t = 1) and videos (t frames, each its own segment).
 
@@ -96,6 +120,10 @@ def plan_batch(
       cfg: the tower config.
       num_patches: rows of the pixel array, checked against sum(t*h*w) when given.
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
+      attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket) or
+        "segments" (segments grouped by length bucket, attention work sum(G * L^2): one
+        program per patch bucket and group mix).
+      segment_buckets: patch-count buckets of one segment (default `DEFAULT_SEGMENT_BUCKETS`).
 
     Raises:
       ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`.
@@ -118,8 +146,10 @@ def plan_batch(
     th = np.ones(padded, np.int32)
     tw = np.ones(padded, np.int32)
     seg = np.zeros(padded, np.int32)
+    item = np.full(padded, len(grid), np.int32)
     start, frame = 0, 0
-    for t, gh, gw in grid.tolist():
+    for index, (t, gh, gw) in enumerate(grid.tolist()):
+        item[start : start + t * gh * gw] = index
         rows, cols = merge_block_coords(gh, gw, merge)
         for _ in range(t):  # every frame gets the same coordinates and its own segment
             end = start + gh * gw
@@ -128,4 +158,30 @@ def plan_batch(
             start, frame = end, frame + 1
     seg[real:] = frame  # padding attends only to padding, so its rows stay finite
     tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
-    return VisionPlan(grid, real, padded, tokens, {"h": h, "w": w, "th": th, "tw": tw, "seg": seg})
+    fields = {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
+    if attention_layout == "segments":
+        fields.update(segment_groups(grid, padded, segment_buckets or DEFAULT_SEGMENT_BUCKETS))
+    elif attention_layout != "dense":
+        raise ValueError(
+            f"attention_layout must be 'dense' or 'segments', got {attention_layout!r}"
+        )
+    return VisionPlan(grid, real, padded, tokens, fields)
+
+
+def segment_groups(grid: np.ndarray, padded: int, buckets: Sequence[int]) -> dict[str, np.ndarray]:
+    """Row indices of every segment (frame), grouped by length bucket: `segment_L` [G, L] with G
+    slots (a power of two), empty places holding `padded` (one past the last row)."""
+    lengths = [gh * gw for t, gh, gw in grid.tolist() for _ in range(t)]
+    by_bucket: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for n in lengths:
+        by_bucket.setdefault(jaxsync.bucket(n, tuple(buckets), minimum=1), []).append((start, n))
+        start += n
+    out = {}
+    for size in sorted(by_bucket):
+        members = by_bucket[size]
+        index = np.full((jaxsync.bucket(len(members), _SLOT_BUCKETS, minimum=1), size), padded)
+        for slot, (first, n) in enumerate(members):
+            index[slot, :n] = np.arange(first, first + n)
+        out[f"{SEGMENT_GROUP}{size:08d}"] = index.astype(np.int32)
+    return out

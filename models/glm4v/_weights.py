@@ -3,16 +3,27 @@ transformers 5.x `Glm4vForConditionalGeneration`, or the bare `Glm4vVisionModel`
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
-from jaxsync.models.glm4v._model import Glm4vVisionModel
-from jaxsync.weights import Rule, conv, linear, load_weights
+from jaxsync.models.glm4v._modules import Glm4vVisionTower
+from jaxsync.weights import (
+    PartitionRules,
+    Rule,
+    WeightError,
+    checkpoint_dtype,
+    conv,
+    linear,
+    load_weights,
+)
 
 
 # Prefix of the tower inside a full Glm4vForConditionalGeneration checkpoint (transformers 5.x).
@@ -50,35 +61,77 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def load_vision_model(
+# Megatron-style split of every wide matmul over a "model" mesh axis: the fused qkv and the MLP
+# gate/up projections by output column, the attention output and MLP down projections by input
+# row (so each pair needs one reduction). Norms, the tables and the convs stay replicated; axis
+# names a mesh lacks and sizes it does not divide fall back to replication.
+PARTITION_RULES: PartitionRules = (
+    (r"blocks\.\d+\.attn\.qkv\.kernel", (None, "model")),
+    (r"blocks\.\d+\.attn\.qkv\.bias", ("model",)),
+    (r"blocks\.\d+\.attn\.proj\.kernel", ("model", None)),
+    (r"mlp\.(gate|up)_proj\.kernel", (None, "model")),
+    (r"mlp\.down_proj\.kernel", ("model", None)),
+)
+
+
+def _prefix_and_dtype(checkpoint: str | Path) -> tuple[str, Any]:
+    """The tower's key prefix ("model.visual." in a full checkpoint, "" in a bare tower) and
+    its float dtype, from the headers alone."""
+    try:
+        return FULL_MODEL_PREFIX, checkpoint_dtype(
+            checkpoint, select=re.escape(FULL_MODEL_PREFIX), strip=FULL_MODEL_PREFIX
+        )
+    except WeightError as full_error:
+        try:
+            return "", checkpoint_dtype(checkpoint, select=r"(patch_embed|blocks|merger)\.")
+        except WeightError:
+            raise full_error from None
+
+
+def _config_source(checkpoint: str | Path) -> str:
+    path = os.fspath(checkpoint)
+    return path if os.path.isdir(path) else os.path.dirname(path) or "."
+
+
+def load_model(
     checkpoint: str | Path,
-    cfg: Glm4vVisionConfig,
+    cfg: Glm4vVisionConfig | None = None,
     *,
-    prefix: str = FULL_MODEL_PREFIX,
-    dtype=jnp.float32,
-    allow_cast: bool = False,
-    attention: str = "auto",
-) -> Glm4vVisionModel:
+    dtype: Any = None,
+    mesh: Mesh | None = None,
+    partition_rules: PartitionRules = PARTITION_RULES,
+) -> Glm4vVisionTower:
     """Loads the vision tower from a safetensors checkpoint through the strict loader.
+
+    The tower's keys are `model.visual.*` in a full `Glm4vForConditionalGeneration` checkpoint
+    (transformers 5.x) or bare `Glm4vVisionModel` keys; other keys are never read.
 
     Args:
       checkpoint: file, sharded index or directory.
-      cfg: the tower config (`Glm4vVisionConfig.from_hf_config`).
-      prefix: key prefix of the tower: "model.visual." for a full transformers 5.x checkpoint,
-        "" for a bare `Glm4vVisionModel` state dict. Keys outside the prefix are ignored.
-      dtype: parameter and compute dtype.
-      allow_cast: allow float dtype conversion (e.g. an fp32 checkpoint into a bf16 tower).
-      attention: attention implementation (see `Glm4vVisionModel`).
+      cfg: the tower config; None reads `config.json` beside the checkpoint
+        (`Glm4vVisionConfig.from_hf_config`).
+      dtype: None keeps the checkpoint's float dtype (a bf16 checkpoint loads at bf16); a float
+        dtype casts every float tensor to it.
+      mesh: place each parameter on this mesh as it is read (`partition_rules` over it).
+      partition_rules: `(regex over the parameter path, mesh axes)` pairs, first match wins.
 
     Raises:
-      jaxsync.weights.WeightError: a tower key no rule maps, a missing parameter, or a shape or
-        dtype mismatch, naming the key.
+      jaxsync.weights.WeightError: a tower key no rule maps, a missing parameter, a shape or
+        dtype mismatch, or an unreadable file, naming the key.
     """
+    if cfg is None:
+        cfg = Glm4vVisionConfig.from_hf_config(_config_source(checkpoint))
+    if not isinstance(cfg, Glm4vVisionConfig):
+        raise TypeError(f"cfg must be a Glm4vVisionConfig or None, got {type(cfg).__name__}")
+    prefix, stored = _prefix_and_dtype(checkpoint)
+    build_dtype = stored if dtype is None else jnp.dtype(dtype)
     return load_weights(
-        lambda: Glm4vVisionModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention=attention),
+        lambda: Glm4vVisionTower(cfg, dtype=build_dtype, rngs=nnx.Rngs(0)),
         checkpoint,
         RULES,
         select=re.escape(prefix) if prefix else None,
         strip=prefix,
-        allow_cast=allow_cast,
+        dtype=dtype,
+        mesh=mesh,
+        partition_rules=partition_rules if mesh is not None else None,
     )

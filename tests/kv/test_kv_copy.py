@@ -17,7 +17,7 @@ from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
 from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
-from jaxsync.testing import block_id_pairs
+from jaxsync.testing import block_id_pairs, requires_torch
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -56,6 +56,7 @@ def assert_bits_equal(actual, expected):
 @pytest.mark.parametrize("direction", ["d2d", "d2h", "h2d"])
 @pytest.mark.parametrize("kind", ["packed", "separate", "mla"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@requires_torch  # its reference is torch
 def test_parity_with_torch(kind, direction, dtype):
     s_place, d_place = PLACE[direction]
     src = make(kind, 13, DTYPES[dtype], 0, s_place)
@@ -186,6 +187,7 @@ def mesh(request):
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 
+@requires_torch  # its reference is torch
 def test_sharded_over_heads_keeps_sharding_without_collectives(mesh):
     layout = KVLayout(kind="packed", num_blocks=12, block_size=4, num_kv_heads=8, head_dim=2,
                       dtype=jnp.float32)  # fmt: skip

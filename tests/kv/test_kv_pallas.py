@@ -148,7 +148,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     def f(s, d, a, b):
         return copy_leaf(s, d, a, b, backend="triton")
 
-    with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns on every Triton lowering
+    # quiet: jax >= 0.11 warns on every Triton lowering; abstract_gpu: the CUDA target, GPU-less
+    with _pallas.quiet_triton_deprecation(), jaxsync.testing.abstract_gpu():
         text = jax.jit(f).trace(s, s, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
@@ -329,7 +330,7 @@ def test_pallas_h2d_runs_per_shard_and_lowers_to_triton_reading_the_host_source(
     one = fresh_copy(LAYOUTS["packed"].random(LAYERS, jax.random.key(2)), "pinned_host")
     dev = LAYOUTS["packed"].random(LAYERS, jax.random.key(3))
     ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
-    with _pallas.quiet_triton_deprecation():
+    with _pallas.quiet_triton_deprecation(), jaxsync.testing.abstract_gpu():
         traced = _pallas.copy_pallas.trace(one, dev, ids, backend="triton")
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == len(LAYERS)

@@ -16,7 +16,7 @@ from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
 from jaxsync.kv._layout import donation_copy, fresh_copy
 from jaxsync.kv._pool import _swap_in, _swap_out
 from jaxsync.kv._reference import as_numpy, host_random_cache
-from jaxsync.testing import block_id_pairs
+from jaxsync.testing import block_id_pairs, requires_torch
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -44,6 +44,7 @@ def bits(a):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@requires_torch  # its reference is torch
 def test_parity_with_torch_index_select(kind, dtype):
     import torch
 

@@ -157,7 +157,8 @@ def test_kernel_lowers_to_one_triton_call_per_layer_reading_the_pool_for_cuda():
     pool = filled_pool("packed")
     leaves = jax.tree.leaves(host_random_cache(layout("packed"), LAYERS, 3, DEV))
     ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
-    with _pallas.quiet_triton_deprecation():  # jax >= 0.11 warns on every Triton lowering
+    # quiet: jax >= 0.11 warns on every Triton lowering; abstract_gpu: the CUDA target, GPU-less
+    with _pallas.quiet_triton_deprecation(), jaxsync.testing.abstract_gpu():
         traced = _pool._swap_in_kernel.trace(pool.blocks, leaves, ids, backend="triton")
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == len(LAYERS)

@@ -21,6 +21,7 @@ from jaxsync.kv._reference import (
     torch_inject,
 )
 from jaxsync.kv._slots import _extract, _inject
+from jaxsync.testing import requires_torch
 
 
 LAYERS = ("a", "b")
@@ -55,12 +56,14 @@ def upstream_slot_mapping(block_ids, bs, n):
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 9, 11, 12])
+@requires_torch  # its reference is torch
 def test_slot_mapping_matches_upstream(n):
     got = slot_mapping_for([5, 2, 6], BS, n)
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, upstream_slot_mapping([5, 2, 6], BS, n))
 
 
+@requires_torch  # its reference is torch
 def test_slot_mapping_edge_cases():
     assert slot_mapping_for([5, 2], BS, 4).size == 0  # one full block keeps nothing
     assert slot_mapping_for([5, 2], BS, 8).tolist() == [20, 21, 22, 23]  # k*S keeps k-1 blocks
@@ -84,6 +87,7 @@ SLOTS = [27, 0, 5, 13, 14, 9, 22, 3, 1, 11]  # 10 slots -> bucket 16
 
 @pytest.mark.parametrize("kind", ["packed", "separate", "mla"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@requires_torch  # its reference is torch
 def test_extract_and_inject_match_torch(kind, dtype):
     cache = make(kind, dtype, 0)
     rows = extract_kv(cache, SLOTS)
@@ -159,6 +163,7 @@ COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "
 
 
 @pytest.mark.parametrize("kind", ["packed", "mla"])
+@requires_torch  # its reference is torch
 def test_sharded_keeps_sharding_without_collectives(kind):
     mesh = jaxsync.testing.device_mesh("h")
     dims = (

@@ -15,12 +15,14 @@ import jaxsync.testing
 from jaxsync.kv import KVLayout, extract_kv, kv_folder, load_kv, save_kv, slot_mapping_for
 from jaxsync.kv._layout import fresh_copy
 from jaxsync.kv._reference import as_numpy, to_numpy, torch_extract
+from jaxsync.testing import requires_torch
 
 
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
 TOKENS = [11, 7, 3, 5, 2, 9, 4, 8, 1, 6, 10]  # 11 tokens, S=4 -> 8 kept (2 blocks)
 
 
+@requires_torch  # its reference is torch
 def test_folder_key_matches_upstream():
     import hashlib
 
@@ -36,6 +38,7 @@ def test_folder_key_matches_upstream():
 
 
 @pytest.mark.parametrize("kind", ["packed", "mla", "separate"])
+@requires_torch  # its reference is torch
 def test_save_matches_torch_and_load_round_trips(tmp_path, kind):
     heads = dict(num_kv_heads=2, head_dim=3)
     dims = {"packed": heads, "separate": heads, "mla": dict(latent_dim=5)}[kind]

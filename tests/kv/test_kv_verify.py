@@ -5,6 +5,7 @@ import pytest
 
 import jaxsync.kv._verify  # noqa: F401  (registers)
 from jaxsync import registry
+from jaxsync.testing import requires_torch
 
 
 KV_PATHS = ["kv.copy_blocks", "kv.extract_kv", "kv.inject_kv", "kv.load_kv", "kv.swap_in",
@@ -17,6 +18,7 @@ def test_registered():
 
 
 @pytest.mark.parametrize("name", KV_PATHS)
+@requires_torch  # its reference is torch
 def test_parity_and_inputs(name):
     case = registry._paths[name].build(None)
     assert len(case.inputs) >= 2
@@ -25,6 +27,7 @@ def test_parity_and_inputs(name):
     jax.block_until_ready(case.fn(*case.inputs[1]))
 
 
+@requires_torch  # its reference is torch
 def test_tiny_bench_cases_run():
     cases = registry._benches["kv"]("cpu", "tiny")
     assert {c.name.split()[1] for c in cases} == {"d2d", "d2h", "h2d"}
@@ -36,6 +39,7 @@ def test_tiny_bench_cases_run():
         assert case.bytes_moved > 0
 
 
+@requires_torch  # its reference is torch
 def test_bench_timing_handles_a_donating_chain():
     # Each KV copy donates the previous output; the timing harness must wait only on the live one
     # (it once waited on every output and failed on the donated ones, on the H200).

@@ -1,5 +1,5 @@
 """Chameleon image paths vs transformers: vocabulary tables, VQ latents, image tokens, logit mask,
-embedding merge. Tiny random models, weights through the production loader (`load_vqvae`)."""
+embedding merge. Tiny random models, weights through the production loader (`load_model`)."""
 
 import numpy as np
 import pytest
@@ -17,11 +17,11 @@ from transformers.models.chameleon.modeling_chameleon import (  # noqa: E402
 
 from jaxsync.models.chameleon import (  # noqa: E402
     ChameleonConfig,
-    ChameleonImagePaths,
+    ChameleonImageEncoder,
     ImageVocabularyMapping,
-    _reference as ref,  # noqa: E402
-    load_vqvae,
+    load_model,
 )
+from jaxsync.paths.chameleon import reference as ref  # noqa: E402
 
 
 BUCKETS = (4,)  # batch sizes 1..3 share one compiled encoder
@@ -33,8 +33,8 @@ def tiny(tmp_path_factory):
     model = ref.build_hf_model(hf_cfg)
     ckpt = ref.save_checkpoint(model, str(tmp_path_factory.mktemp("chameleon")))
     cfg = ChameleonConfig.from_hf_config(model.config)
-    paths = ChameleonImagePaths(cfg, load_vqvae(cfg.vq, ckpt), buckets=BUCKETS)
-    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, paths=paths)
+    enc = ChameleonImageEncoder(cfg, load_model(ckpt, cfg), buckets=BUCKETS)
+    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, enc=enc)
 
 
 # ---------------------------------------------------------------- vocabulary tables
@@ -94,11 +94,11 @@ def test_duplicate_codes_are_an_error_where_hf_silently_keeps_the_later():
 def test_image_tokens_fp32_equal_hf(tiny, batch):
     pixels = ref.random_pixels(batch, tiny["cfg"].vq, seed=batch)
     want = ref.hf_image_tokens(tiny["model"], pixels)
-    latents, codes = tiny["paths"].tokenizer.encode(jnp.asarray(pixels))
+    latents, codes = tiny["enc"].encode(jnp.asarray(pixels))
     err = rel_err(np.asarray(latents).transpose(0, 3, 1, 2), want["latents"])
     assert err <= 1e-5, f"encoder latents rel err {err:.2e}"
     np.testing.assert_array_equal(np.asarray(codes), want["codes"])
-    tokens = tiny["paths"].get_image_tokens(pixels)
+    tokens = tiny["enc"].get_image_tokens(pixels)
     assert tokens.shape == (batch, tiny["cfg"].vq.tokens_per_image) and tokens.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(tokens), want["tokens"])
     # the test is only meaningful if the codes vary
@@ -106,10 +106,10 @@ def test_image_tokens_fp32_equal_hf(tiny, batch):
 
 
 def test_hf_version_converts_codes_to_bpe(tiny):
-    """paths.md 1.5: some HF releases embed raw VQ codes; the installed one must convert."""
+    """enc.md 1.5: some HF releases embed raw VQ codes; the installed one must convert."""
     pixels = ref.random_pixels(2, tiny["cfg"].vq, seed=9)
     want = ref.hf_image_tokens(tiny["model"], pixels)
-    np.testing.assert_array_equal(want["tokens"], tiny["paths"].mapping.img2bpe[want["codes"]])
+    np.testing.assert_array_equal(want["tokens"], tiny["enc"].mapping.img2bpe[want["codes"]])
     assert not np.array_equal(want["tokens"], want["codes"])
 
 
@@ -128,17 +128,17 @@ def test_image_tokens_bf16(tiny):
     ref32 = ref.hf_image_tokens(tiny["model"], pixels)
     hf16 = ref.hf_image_tokens(ref.build_hf_model(tiny["hf_cfg"], dtype="bfloat16"), pixels)
     cfg = tiny["cfg"]
-    paths16 = ChameleonImagePaths(
-        cfg, load_vqvae(cfg.vq, tiny["ckpt"], dtype=jnp.bfloat16), buckets=BUCKETS
+    enc16 = ChameleonImageEncoder(
+        cfg, load_model(tiny["ckpt"], cfg, dtype=jnp.bfloat16), buckets=BUCKETS
     )
-    latents, _ = paths16.tokenizer.encode(jnp.asarray(pixels))
+    latents, _ = enc16.encode(jnp.asarray(pixels))
     ours = np.asarray(latents.astype(jnp.float32)).transpose(0, 3, 1, 2)
     err_ours = rel_err(ours, ref32["latents"])
     err_hf = rel_err(hf16["latents"], ref32["latents"])
     err_pair = rel_err(ours, hf16["latents"])
     assert err_ours <= 2 * err_hf, f"ours {err_ours:.2e} vs HF-bf16's own {err_hf:.2e}"
     assert err_pair <= 5e-2, f"bf16 latents vs HF bf16: {err_pair:.2e}"
-    tokens = np.asarray(paths16.get_image_tokens(pixels))
+    tokens = np.asarray(enc16.get_image_tokens(pixels))
     agree_hf16 = float((tokens == hf16["tokens"]).mean())
     agree_32 = float((tokens == ref32["tokens"]).mean())
     hf_agree_32 = float((hf16["tokens"] == ref32["tokens"]).mean())
@@ -162,21 +162,21 @@ def test_masked_logits_equal_hf(tiny, shape, dtype):
     logits = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(
         getattr(torch, dtype)
     )
-    want = ref.hf_mask_logits(logits, tiny["paths"].mapping.image_token_ids.tolist())
-    got = tiny["paths"].mask_image_logits(jnp.asarray(logits.float().numpy()).astype(dtype))
+    want = ref.hf_mask_logits(logits, tiny["enc"].mapping.image_token_ids.tolist())
+    got = tiny["enc"].mask_image_logits(jnp.asarray(logits.float().numpy()).astype(dtype))
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.float().numpy())
 
 
 def test_compute_logits_vs_hf_forward(tiny):
-    model, paths = tiny["model"], tiny["paths"]
+    model, enc = tiny["model"], tiny["enc"]
     ids = torch.tensor([[1, 5, 9, 2, 11], [3, 3, 7, 8, 0]])
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
         want = model(input_ids=ids).logits.numpy()
     w = jnp.asarray(model.lm_head.weight.detach().numpy())
-    got = np.asarray(paths.compute_logits(jnp.asarray(hidden.numpy()), w))
+    got = np.asarray(enc.compute_logits(jnp.asarray(hidden.numpy()), w))
     masked = np.zeros(got.shape[-1], bool)
-    masked[paths.mapping.image_token_ids] = True
+    masked[enc.mapping.image_token_ids] = True
     np.testing.assert_array_equal(got[..., masked], want[..., masked])
     assert (got[..., masked] == np.finfo(np.float32).min).all()
     assert rel_err(got[..., ~masked], want[..., ~masked]) <= 1e-5
@@ -186,17 +186,17 @@ def test_compute_logits_vs_hf_forward(tiny):
 
 
 def test_merge_equal_hf_masked_scatter(tiny):
-    model, paths = tiny["model"], tiny["paths"]
+    model, enc = tiny["model"], tiny["enc"]
     t = tiny["cfg"].vq.tokens_per_image
-    img = paths.mapping.image_token_id
+    img = enc.mapping.image_token_id
     row0 = [1, 5] + [img] * t + [9]
     row1 = [img] * t + [3, 4, 6]
     ids = np.array([row0, row1], dtype=np.int64)
     pixels = ref.random_pixels(2, tiny["cfg"].vq, seed=11)
     hf = ref.hf_merge(model, ids, pixels)
     want = hf["want"]
-    tokens = paths.get_image_tokens(pixels)
-    got = paths.merge_image_embeddings(
+    tokens = enc.get_image_tokens(pixels)
+    got = enc.merge_image_embeddings(
         jnp.asarray(hf["text_embeds"]),
         jnp.take(jnp.asarray(hf["embed_table"]), tokens, axis=0),
         input_ids=ids,
@@ -217,3 +217,32 @@ def test_verify_on_a_saved_checkpoint(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out)["paths"]
     assert rc == 0 and row["ok"], row
     assert row["parity"]["status"] == "none"  # no reference claimed for a user checkpoint
+
+
+def test_load_model_keeps_the_checkpoint_dtype_and_casts_on_request(tiny, tmp_path):
+    import jax
+    from flax import nnx
+
+    model16 = ref.build_hf_model(tiny["hf_cfg"], dtype="bfloat16")
+    ckpt16 = ref.save_checkpoint(model16, str(tmp_path))
+    dtypes = lambda m: {x.dtype for x in jax.tree.leaves(nnx.state(m))}  # noqa: E731
+    assert dtypes(load_model(ckpt16, tiny["cfg"])) == {jnp.dtype(jnp.bfloat16)}  # no flag
+    assert dtypes(load_model(tiny["ckpt"], tiny["cfg"])) == {jnp.dtype(jnp.float32)}
+    assert dtypes(load_model(ckpt16, tiny["cfg"], dtype=jnp.float32)) == {jnp.dtype(jnp.float32)}
+
+
+def test_load_model_places_parameters_on_a_mesh(tiny):
+    import jax
+    from flax import nnx
+
+    import jaxsync.testing
+
+    mesh = jaxsync.testing.device_mesh("model", auto=True)
+    vq = load_model(tiny["ckpt"], tiny["cfg"], mesh=mesh)
+    leaves = jax.tree.leaves(nnx.state(vq))
+    assert all(x.sharding.mesh == mesh for x in leaves)
+    assert any(not x.sharding.is_fully_replicated for x in leaves)  # conv kernels split
+    sharded = ChameleonImageEncoder(tiny["cfg"], vq, buckets=BUCKETS)
+    pixels = ref.random_pixels(3, tiny["cfg"].vq, seed=2)
+    want = ref.hf_image_tokens(tiny["model"], pixels)["tokens"]
+    np.testing.assert_array_equal(np.asarray(sharded.get_image_tokens(pixels)), want)

@@ -1,185 +1,144 @@
-"""GLM-4.1V vision tower vs transformers `Glm4vVisionModel`; weights via the production loader."""
+"""GLM-4.1V vision entry: sync-freedom, buckets without recompiles, plan layout, the pure forward
+in a server's jit, the compiled-program cache, processor inputs, sharding, registry."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import jaxsync
+from jaxsync.check import assert_sync_free
+from jaxsync.models import glm4v
+from jaxsync.paths.glm4v import reference as ref
+from jaxsync.paths.glm4v.verify import VERIFY_GRIDS
 from jaxsync.testing import assert_close, rel_err, requires_torch
 
 
-pytestmark = requires_torch
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxsync.models import glm4v  # noqa: E402
-from jaxsync.models.glm4v import _reference as ref  # noqa: E402
-
-
-# Square at the table size (6x6), non-square, larger and smaller than the table, several images
-# in one batch, and videos (t > 1) mixed with images.
-BATCHES = {
-    "table_size": [[1, 6, 6]],
-    "non_square_batch": [[1, 4, 8], [1, 10, 6], [1, 2, 2]],
-    "video": [[3, 4, 6]],
-    "mixed": [[2, 6, 4], [1, 8, 8], [1, 2, 12]],
-}
+CFG = glm4v.Glm4vVisionConfig(**ref.TINY)  # the same tiny odd-sized tower as the parity tests
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    hf = ref.hf_config(**ref.TINY)
-    torch_model = ref.build_reference(hf, seed=0)
-    cfg = glm4v.Glm4vVisionConfig.from_hf_config(hf)
-    ckpt = ref.save_checkpoint(torch_model, tmp_path_factory.mktemp("glm4v") / "m.safetensors")
-    encoder = glm4v.Glm4vVisionEncoder(glm4v.load_vision_model(ckpt, cfg))
-    return hf, torch_model, cfg, ckpt, encoder
+def model():
+    return glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0))
 
 
-def test_config_from_hf(tiny):
-    hf, _, cfg, _, _ = tiny
-    assert (cfg.hidden_size, cfg.num_heads, cfg.table_side, cfg.out_hidden_size) == (48, 4, 6, 29)
-    assert cfg.attention_bias and cfg.rope_theta == 10000.0
-    assert glm4v.Glm4vVisionConfig.from_hf_config(ref.hf_config()) == glm4v.Glm4vVisionConfig()
+@pytest.fixture(scope="module")
+def enc(model):
+    return glm4v.Glm4vVisionEncoder(model)
 
 
-def test_config_rejects_unsupported_fields():
-    hf = ref.hf_config(**ref.TINY)
-    hf.window_size = 7  # a field this port does not implement
-    with pytest.raises(ValueError, match="window_size"):
-        glm4v.Glm4vVisionConfig.from_hf_config(hf)
-    hf = ref.hf_config(**ref.TINY)
-    hf.rope_parameters = {"rope_type": "axial", "rope_theta": 1e4, "factor": 2.0}
-    with pytest.raises(ValueError, match="axial"):
-        glm4v.Glm4vVisionConfig.from_hf_config(hf)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        glm4v.Glm4vVisionConfig(hidden_size=30, num_heads=3)
+def _inputs():
+    return [(ref.pixels(g, CFG, seed=i), g) for i, g in enumerate(VERIFY_GRIDS)]
 
 
-# Position-embedding accuracy. The reference is torch's F.grid_sample path. Evaluated in float64
-# (with float64 sampling coordinates) it is exact, and ours must be within 1e-6 absolute of it on
-# an N(0, 1) table. torch's own float32 evaluation is up to ~8e-6 away from that exact value (its
-# float32 coordinate chain and the cancelling far-tap cubic), so against the float32 reference we
-# assert: our distance <= torch-float32's distance from the exact value + 1e-6.
+def _padded(enc, px, grid) -> np.ndarray:
+    host = np.zeros((enc.plan(grid).padded_patches, CFG.patch_dim), np.float32)
+    host[: px.shape[0]] = px
+    return host
 
 
-@pytest.mark.parametrize("name", list(BATCHES))
-def test_pos_embeds_match_grid_sample(tiny, name):
-    _, torch_model, _, _, enc = tiny
-    grid = BATCHES[name]
-    n = sum(t * h * w for t, h, w in grid)
-    got = np.asarray(enc.pos_embeds(grid))
-    assert got.shape[0] % 4 == 0 and got.shape[0] >= n
-    exact = ref.exact_pos_embeds(torch_model, grid, 2)
-    torch32 = ref.pos_embeds(torch_model, grid, 2)  # transformers' Glm4vVisionEmbeddings, fp32
-    ours_err = np.abs(got[:n] - exact).max()
-    torch_err = np.abs(torch32 - exact).max()
-    assert ours_err <= 1e-6, (ours_err, torch_err)
-    assert np.abs(got[:n] - torch32).max() <= torch_err + 1e-6
+def test_verify_grids_share_one_bucket(enc):
+    sizes = {tuple(map(tuple, g)) for g in VERIFY_GRIDS}
+    assert len({s for s in sizes if len(s) == 1 and s[0][0] == 1}) >= 5  # five image sizes
+    assert {enc.plan(g).padded_patches for g in VERIFY_GRIDS} == {128}
 
 
-def test_interpolate_pos_embed_standalone_8x8():
-    """The standalone kernel on an 8x8 table, jitted, at sizes below, at and above the table."""
-    import torch
-    import torch.nn.functional as F
-
-    side, dim = 8, 11
-    table = np.random.default_rng(3).standard_normal((side * side, dim)).astype(np.float32)
-    fn = jax.jit(glm4v.interpolate_pos_embed)
-    t2d = torch.from_numpy(table).view(side, side, dim).permute(2, 0, 1)[None]
-    for h, w in [(8, 8), (6, 10), (16, 4), (2, 2), (30, 22)]:
-        rows, cols = (a.ravel() for a in np.meshgrid(np.arange(h), np.arange(w), indexing="ij"))
-        th, tw = np.full(rows.shape, h), np.full(rows.shape, w)
-        got = np.asarray(fn(table, rows, cols, th, tw))
-        exact = ref.grid_sample_exact(table, rows, cols, th, tw)
-        grid = torch.stack(
-            [((torch.from_numpy(c) + 0.5) / s) * 2 - 1 for c, s in ((cols, w), (rows, h))], -1
-        )[None, :, None, :].float()
-        torch32 = F.grid_sample(
-            t2d, grid, mode="bicubic", align_corners=False, padding_mode="border"
-        )[0, :, :, 0].T.numpy()
-        assert np.abs(got - exact).max() <= 1e-6, (h, w)
-        assert np.abs(got - torch32).max() <= np.abs(torch32 - exact).max() + 1e-6, (h, w)
-    # jax.image.resize's bicubic (Keys a = -0.5, antialiased) is measurably different, so the
-    # comparisons above can tell the kernels apart.
-    wrong = jax.image.resize(table.reshape(side, side, dim), (h, w, dim), "bicubic")
-    assert np.abs(np.asarray(wrong).reshape(h * w, dim) - got).max() > 1e-3
+def test_tower_is_sync_free_and_never_recompiles(enc):
+    first, *rest = _inputs()
+    report = assert_sync_free(enc, *first, inputs=rest)
+    assert report.compiles == 0
 
 
-@pytest.mark.parametrize("name", list(BATCHES))
-def test_tower_fp32(tiny, name):
-    _, torch_model, cfg, _, enc = tiny
-    grid = BATCHES[name]
-    px = ref.pixels(grid, cfg, seed=len(name))
-    out = enc(px, grid)
-    hidden, merged = ref.forward(torch_model, px, grid)
-    n = out.num_tokens
-    assert out.embeddings.shape[0] >= n == merged.shape[0]
-    assert_close(np.asarray(out.hidden)[:n], hidden, rtol=1e-5, err_msg=f"{name} hidden")
-    assert_close(np.asarray(out.embeddings)[:n], merged, rtol=1e-5, err_msg=f"{name} merged")
-    # Per-item split follows grid_thw (videos: t*h*w/4 tokens each).
-    parts = out.split()
-    assert [p.shape[0] for p in parts] == [t * h * w // 4 for t, h, w in grid]
-    assert_close(np.asarray(parts[-1]), merged[n - parts[-1].shape[0] :], rtol=1e-5)
+def test_pos_embeds_is_sync_free(enc):
+    first, *rest = [(g,) for g in VERIFY_GRIDS]
+    assert_sync_free(enc.pos_embeds, *first, inputs=rest)
 
 
-def test_tower_bf16(tiny):
-    """bf16 weights and activations vs the fp32 reference.
-
-    Tolerance 4e-2 (max-norm relative): bf16 keeps 8 mantissa bits (2^-8 ~ 4e-3 per rounding) and
-    two blocks plus the merger chain ~10 rounded matmuls; transformers' own bf16 tower lands in the
-    same range (asserted below, so a regression of ours is visible relative to it).
-    """
-    import torch
-
-    hf, torch_model, cfg, ckpt, _ = tiny
-    enc = glm4v.Glm4vVisionEncoder(
-        glm4v.load_vision_model(ckpt, cfg, dtype=jnp.bfloat16, allow_cast=True)
-    )
-    grid = BATCHES["non_square_batch"]
-    px = ref.pixels(grid, cfg, seed=7)
-    out = enc(px, grid)
-    assert out.embeddings.dtype == jnp.bfloat16
-    _, want = ref.forward(torch_model, px, grid)
-    ours = rel_err(np.asarray(out.embeddings.astype(jnp.float32))[: out.num_tokens], want)
-    torch_bf16 = ref.build_reference(hf, seed=0, dtype=torch.bfloat16)
-    theirs = rel_err(ref.forward(torch_bf16, px, grid)[1], want)
-    assert ours <= 4e-2, (ours, theirs)
-    assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+def test_device_pixels_are_sync_free(enc):
+    padded = [(jaxsync.async_h2d(_padded(enc, px, g)), g) for px, g in _inputs()[:3]]
+    assert_sync_free(enc, *padded[0], inputs=padded[1:])
 
 
-def test_padding_never_changes_real_outputs(tiny):
+def test_one_upload_per_new_grid_and_none_when_cached(model, monkeypatch):
+    """Everything derived from grid_thw moves in one packed transfer (pixels are the other), and
+    a repeated grid mix reuses its uploaded plan."""
+    enc = glm4v.Glm4vVisionEncoder(model)
+    calls = []
+    real = jaxsync.upload_packed
+    monkeypatch.setattr(jaxsync, "upload_packed", lambda f, **k: calls.append(f) or real(f, **k))
+    px, g = _inputs()[-1]
+    enc(px, g)
+    assert len(calls) == 1 and set(calls[0]) == {"h", "w", "th", "tw", "seg", "item"}
+    enc(px * 2, g)
+    assert len(calls) == 1
+
+
+def test_plan_layout():
+    plan = glm4v.plan_batch([[2, 2, 4], [1, 2, 2]], CFG)
+    assert (plan.num_patches, plan.padded_patches, plan.tokens_per_item) == (20, 32, (4, 1))
+    f = plan.fields
+    # merge-block order: block-row, block-col, inner-row, inner-col; both frames identical
+    np.testing.assert_array_equal(f["h"][:16], [0, 0, 1, 1, 0, 0, 1, 1] * 2)
+    np.testing.assert_array_equal(f["w"][:16], [0, 1, 0, 1, 2, 3, 2, 3] * 2)
+    np.testing.assert_array_equal(f["seg"], [0] * 8 + [1] * 8 + [2] * 4 + [3] * 12)
+    np.testing.assert_array_equal(f["tw"][:20], [4] * 16 + [2] * 4)
+    np.testing.assert_array_equal(f["item"], [0] * 16 + [1] * 4 + [2] * 12)
+
+
+def test_padding_never_changes_real_outputs(model):
     """The same batch in its tight bucket and in a 4x larger one: real rows agree."""
-    _, _, cfg, ckpt, enc = tiny
-    grid = BATCHES["mixed"]  # 48 + 64 + 24 patches = 34 merged tokens
-    px = ref.pixels(grid, cfg, seed=11)
-    tight = glm4v.Glm4vVisionEncoder(enc.model, group_buckets=[34])
-    loose = glm4v.Glm4vVisionEncoder(enc.model, group_buckets=[136])
+    grid = [[2, 6, 4], [1, 8, 8], [1, 2, 12]]  # 48 + 64 + 24 patches = 34 merged tokens
+    px = ref.pixels(grid, CFG, seed=11)
+    tight = glm4v.Glm4vVisionEncoder(model, group_buckets=[34])
+    loose = glm4v.Glm4vVisionEncoder(model, group_buckets=[136])
     a, b = tight(px, grid), loose(px, grid)
     assert (a.embeddings.shape[0], b.embeddings.shape[0]) == (34, 136)
     assert_close(np.asarray(b.embeddings)[:34], np.asarray(a.embeddings), rtol=1e-6)
-    assert_close(np.asarray(b.hidden)[:34], np.asarray(a.hidden), rtol=1e-6)
+    assert_close(np.asarray(b.extras["hidden"])[:34], np.asarray(a.extras["hidden"]), rtol=1e-6)
     assert np.isfinite(np.asarray(b.embeddings)).all()
 
 
-def test_device_pixels_padded_to_bucket(tiny):
-    _, _, cfg, _, enc = tiny
-    grid = BATCHES["video"]
-    px = ref.pixels(grid, cfg, seed=5)
-    plan = enc.plan(grid, px.shape[0])
-    padded = np.zeros((plan.padded_patches, cfg.patch_dim), np.float32)
-    padded[: px.shape[0]] = px
-    a = enc(jax.device_put(padded), grid)
+def test_device_pixels_padded_to_bucket(enc):
+    grid = [[3, 4, 6]]
+    px = ref.pixels(grid, CFG, seed=5)
+    a = enc(jax.device_put(_padded(enc, px, grid)), grid)
     b = enc(px, grid)
     np.testing.assert_array_equal(np.asarray(a.embeddings), np.asarray(b.embeddings))
+    assert a.lengths == b.lengths == (18,) and a.offsets == (0,)
     with pytest.raises(ValueError, match="padded to the bucket"):
         enc(jax.device_put(px), grid)
 
 
+def test_released_config_shapes():
+    """The released tower (depth 24, hidden 1536) built abstractly: nothing is allocated."""
+    model = nnx.eval_shape(
+        lambda: glm4v.Glm4vVisionTower(glm4v.Glm4vVisionConfig(), rngs=nnx.Rngs(0))
+    )
+    assert model.embeddings.position_embedding.shape == (576, 1536)
+    assert model.patch_embed.proj.kernel.shape == (3 * 2 * 14 * 14, 1536)
+    assert model.downsample.kernel.shape == (4 * 1536, 4096)
+    assert len(model.blocks) == 24 and model.blocks[0].mlp.gate_proj.kernel.shape == (1536, 4096)
+
+
+@requires_torch
+def test_registered_for_verify():
+    from jaxsync import registry
+
+    names = {s.name for s in registry.paths(["glm4v"])}
+    assert names == {"glm4v.vision_tower", "glm4v.pos_embeds"}
+    for spec in registry.paths(["glm4v"]):
+        case = spec.build(None)
+        assert len(case.inputs) >= 2
+        parity = case.parity()
+        assert parity.ok, (spec.name, str(parity))
+
+
 @pytest.mark.gpu
-def test_cudnn_attention_matches_xla():
+@pytest.mark.parametrize("layout", ["dense", "segments"])
+def test_cudnn_attention_matches_xla(layout):
     """The GPU flash-attention path (segment mask through cuDNN) against the XLA form, bf16.
 
     Tolerance 2e-2: the two differ only in bf16 rounding of the attention (cuDNN keeps the
@@ -187,23 +146,251 @@ def test_cudnn_attention_matches_xla():
     """
     if jax.default_backend() not in ("gpu", "cuda"):
         pytest.skip("cuDNN attention needs a GPU")
-    cfg = glm4v.Glm4vVisionConfig.from_hf_config(
-        ref.hf_config(**{**ref.TINY, "hidden_size": 64, "num_heads": 4})  # head dim 16
-    )
-    grid = BATCHES["mixed"]
+    cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "hidden_size": 64, "num_heads": 4})  # H = 16
+    grid = [[2, 6, 4], [1, 8, 8], [1, 2, 12]]
     px = ref.pixels(grid, cfg, seed=3)
     outs = []
     for impl in ("xla", "cudnn"):
-        model = glm4v.Glm4vVisionModel(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
+        model = glm4v.Glm4vVisionTower(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention=impl)
         assert model.blocks[0].attn.impl == impl
-        outs.append(np.asarray(glm4v.Glm4vVisionEncoder(model)(px, grid).embeddings, np.float32))
+        out = glm4v.Glm4vVisionEncoder(model, attention_layout=layout)(px, grid)
+        assert np.asarray(out.extras["finite"])[: len(grid)].all()
+        outs.append(np.asarray(out.embeddings, np.float32)[: out.num_tokens])
     assert rel_err(outs[1], outs[0]) <= 2e-2
 
 
-def test_tiny_config_without_transformers_matches_the_hf_one():
-    from jaxsync.models.glm4v import _reference as ref
-    from jaxsync.models.glm4v._config import Glm4vVisionConfig
+# --- the three layers: pure forward in a server's jit, shared compiled programs, load_state ---
 
-    assert Glm4vVisionConfig(**ref.TINY) == Glm4vVisionConfig.from_hf_config(
-        ref.hf_config(**ref.TINY)
+
+def _weight_constants(lowered, min_elements: int = 256) -> list[str]:
+    """Constants of the lowered program with at least `min_elements` elements."""
+    import re
+
+    found = []
+    for shape in re.findall(r"stablehlo\.constant dense.*?: tensor<([0-9x]+)x[a-z0-9]+>", lowered):
+        if int(np.prod([int(d) for d in shape.split("x")])) >= min_elements:
+            found.append(shape)
+    return found
+
+
+def test_pure_forward_in_a_server_jit_takes_weights_as_arguments(model, enc):
+    graphdef, state = nnx.split(model)
+    px, grid = _inputs()[1]
+    plan = enc.plan(grid, px.shape[0])
+    pixels = jaxsync.async_h2d(_padded(enc, px, grid))
+    meta = jaxsync.upload_packed(plan.fields)
+
+    @jax.jit
+    def step(state, pixels, meta):
+        return glm4v.forward(nnx.merge(graphdef, state), pixels, meta)
+
+    hlo = step.lower(state, pixels, meta).as_text()
+    assert _weight_constants(hlo) == []
+    # negative control: the same forward closing over the module bakes its weights in
+    baked = jax.jit(lambda pixels, meta: glm4v.forward(model, pixels, meta))
+    assert len(_weight_constants(baked.lower(pixels, meta).as_text())) >= CFG.depth
+    merged, hidden, finite = step(state, pixels, meta)
+    out = enc(px, grid)
+    assert_close(np.asarray(merged), np.asarray(out.embeddings), rtol=1e-6, atol=1e-6)
+    assert_close(np.asarray(hidden), np.asarray(out.extras["hidden"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(finite), np.asarray(out.extras["finite"]))
+
+
+def test_encoder_rebuilt_per_call_compiles_nothing_after_warm_up(model):
+    """A server that keeps (graphdef, state) and builds the encoder for every call."""
+    from jaxsync.check import count_compiles
+
+    graphdef, state = nnx.split(model)
+    calls = _inputs()
+    glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, state))(*calls[0])  # warm-up
+    with count_compiles() as log:
+        for px, grid in calls[1:]:
+            out = glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, state))(px, grid)
+    assert log.count == 0, log
+    # negative control: another config is another program
+    other = glm4v.Glm4vVisionTower(
+        glm4v.Glm4vVisionConfig(**{**ref.TINY, "depth": 3}), rngs=nnx.Rngs(0)
     )
+    with count_compiles() as log:
+        glm4v.Glm4vVisionEncoder(other)(*calls[0])
+    assert log.count >= 1
+    assert out.num_tokens == sum(t * h * w for t, h, w in calls[-1][1]) // 4
+
+
+def test_rebuilt_encoders_keep_their_own_weights(model):
+    """Encoders sharing one compiled program still use their own weights."""
+    graphdef, state = nnx.split(model)
+    halved = nnx.merge(graphdef, jax.tree.map(lambda w: w * 0.5, state))
+    px, grid = _inputs()[0]
+    a = glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, state))
+    b = glm4v.Glm4vVisionEncoder(halved)
+    out_a, out_b = a(px, grid), b(px, grid)
+    assert not np.allclose(np.asarray(out_a.embeddings), np.asarray(out_b.embeddings))
+    np.testing.assert_array_equal(np.asarray(a(px, grid).embeddings), np.asarray(out_a.embeddings))
+
+
+def test_load_state_takes_new_weights_without_recompiling():
+    from jaxsync.check import no_recompile
+
+    model = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(1))
+    enc = glm4v.Glm4vVisionEncoder(model)
+    px, grid = _inputs()[0]
+    before = np.asarray(enc(px, grid).embeddings)
+    before_pos = np.asarray(enc.pos_embeds(grid))
+    _, state = nnx.split(model)
+    nnx.update(model, jax.tree.map(lambda w: w * 0.5, state))
+    np.testing.assert_array_equal(np.asarray(enc(px, grid).embeddings), before)  # a snapshot
+    with no_recompile():
+        enc.load_state(model)
+        after = np.asarray(enc(px, grid).embeddings)
+        after_pos = np.asarray(enc.pos_embeds(grid))
+    want = glm4v.Glm4vVisionEncoder(model)(px, grid).embeddings
+    np.testing.assert_array_equal(after, np.asarray(want))
+    assert not np.allclose(after, before)
+    assert_close(after_pos, before_pos * 0.5, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth", [1, 5])
+def test_program_argument_count_is_small_at_any_depth(depth):
+    cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "depth": depth})
+    enc = glm4v.Glm4vVisionEncoder(glm4v.Glm4vVisionTower(cfg, rngs=nnx.Rngs(0)))
+    grid = [[1, 6, 6]]
+    plan = enc.plan(grid)
+    pixels = jaxsync.async_h2d(np.zeros((plan.padded_patches, cfg.patch_dim), np.float32))
+    lowered = enc.lower(pixels, jaxsync.upload_packed(plan.fields))
+    count = len(jax.tree.leaves(lowered.args_info))
+    assert count <= 6, count
+    assert count == 3  # one packed state buffer (one dtype), the pixels, the packed meta
+
+
+# --- processor outputs go straight in ---
+
+
+@requires_torch
+def test_image_processor_outputs_numpy_and_torch(enc):
+    """The real transformers GLM-4.1V image processor (the PIL one: no torchvision needed),
+    built locally for the tiny tower's patch size, on three images of different sizes: its
+    `return_tensors="pt"` and `"np"` outputs give identical embeddings, as keywords."""
+    pytest.importorskip("PIL")
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    proc = Glm4vImageProcessorPil(
+        patch_size=CFG.patch_size,
+        temporal_patch_size=CFG.temporal_patch_size,
+        merge_size=CFG.spatial_merge_size,
+        size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 64},
+    )
+    rng = np.random.default_rng(0)
+    images = [
+        rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in [(50, 70), (90, 41), (33, 33)]
+    ]
+    as_np = proc(images=images, return_tensors="np")
+    as_pt = proc(images=images, return_tensors="pt")
+    assert len({tuple(g) for g in as_np["image_grid_thw"].tolist()}) == 3
+    a = enc(pixel_values=as_np["pixel_values"], image_grid_thw=as_np["image_grid_thw"])
+    b = enc(pixel_values=as_pt["pixel_values"], image_grid_thw=as_pt["image_grid_thw"])
+    b2 = enc(**as_pt)  # the processor's own field names
+    assert (
+        a.lengths == b.lengths == tuple(int(t * h * w) // 4 for t, h, w in as_np["image_grid_thw"])
+    )
+    np.testing.assert_array_equal(np.asarray(b.embeddings), np.asarray(a.embeddings))
+    np.testing.assert_array_equal(np.asarray(b2.embeddings), np.asarray(a.embeddings))
+    np.testing.assert_array_equal(
+        np.asarray(enc.pos_embeds(as_pt["image_grid_thw"])),
+        np.asarray(enc.pos_embeds(as_np["image_grid_thw"])),
+    )
+
+
+# --- sharding over the 8 simulated CPU devices ---
+
+
+def _mesh(shape, names):
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def test_data_parallel_pixels_with_replicated_weights(model, enc):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = _mesh((8,), ("data",))
+    graphdef, state = nnx.split(model)
+    replicated = jax.device_put(state, NamedSharding(mesh, P()))
+    dp = glm4v.Glm4vVisionEncoder(nnx.merge(graphdef, replicated))
+    grid = [[1, 6, 6], [1, 4, 8], [2, 2, 4]]
+    px = ref.pixels(grid, CFG, seed=9)
+    pixels = jax.device_put(_padded(dp, px, grid), NamedSharding(mesh, P("data", None)))
+    out = dp(pixels, grid)
+    want = enc(px, grid)
+    assert_close(np.asarray(out.embeddings), np.asarray(want.embeddings), rtol=1e-5, atol=1e-6)
+    assert out.embeddings.sharding.device_set == set(mesh.devices.flat)
+    # pixels away from the weights: a clear error, not XLA's "incompatible devices"
+    with pytest.raises(ValueError, match="same devices"):
+        dp(jax.device_put(_padded(dp, px, grid), jax.devices()[0]), grid)
+
+
+@requires_torch
+def test_model_sharded_weights_equal_single_device(tmp_path):
+    """`load_model(mesh=...)` places the tower's matmuls over a "model" axis by
+    `PARTITION_RULES`; outputs equal the single-device ones (host and data-parallel inputs)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    fields = {**ref.TINY, "out_hidden_size": 32, "intermediate_size": 40}  # split by 4
+    ckpt = ref.save_checkpoint(
+        ref.build_reference(ref.hf_config(**fields)), tmp_path / "m.safetensors"
+    )
+    cfg = glm4v.Glm4vVisionConfig(**fields)
+    mesh = _mesh((2, 4), ("data", "model"))
+    sharded = glm4v.load_model(ckpt, cfg, mesh=mesh)
+    qkv = sharded.blocks[0].attn.qkv.kernel[...]
+    assert qkv.sharding.spec == P(None, "model") and not qkv.sharding.is_fully_replicated
+    assert sharded.blocks[1].mlp.down_proj.kernel[...].sharding.spec == P("model", None)
+    assert sharded.post_layernorm.weight[...].sharding.is_fully_replicated
+    single = glm4v.Glm4vVisionEncoder(glm4v.load_model(ckpt, cfg))
+    enc = glm4v.Glm4vVisionEncoder(sharded)
+    grid = [[1, 6, 6], [1, 10, 6], [2, 4, 4]]
+    px = ref.pixels(grid, cfg, seed=2)
+    want = np.asarray(single(px, grid).embeddings)
+    assert_close(np.asarray(enc(px, grid).embeddings), want, rtol=1e-5, atol=1e-6)
+    dp = jax.device_put(_padded(enc, px, grid), NamedSharding(mesh, P("data", None)))
+    assert_close(np.asarray(enc(dp, grid).embeddings), want, rtol=1e-5, atol=1e-6)
+
+
+# --- segment-aware attention: work grows with the sum of per-image squares ---
+
+MIXED_SIZES = [[1, 8, 8], [1, 12, 6], [1, 4, 10], [1, 6, 6]]  # 64, 72, 40, 36 patches
+
+
+def _flops(model, layout: str, grid) -> float:
+    enc = glm4v.Glm4vVisionEncoder(model, attention_layout=layout)
+    plan = enc.plan(grid)
+    graphdef, state = nnx.split(model)
+    pixels = jax.ShapeDtypeStruct((plan.padded_patches, CFG.patch_dim), jnp.float32)
+    step = jax.jit(lambda state, px, meta: glm4v.forward(nnx.merge(graphdef, state), px, meta))
+    cost = step.lower(state, pixels, jaxsync.upload_packed(plan.fields)).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def test_segments_layout_scales_with_per_image_squares(model):
+    """XLA's own flop count of the tower for 1, 4 and 16 images of mixed sizes: the dense
+    [P, P] mask grows ~quadratically in the image count, the segments layout ~linearly."""
+    dense, segments = {}, {}
+    for n in (1, 4, 16):
+        grid = [MIXED_SIZES[i % 4] for i in range(n)]
+        dense[n], segments[n] = _flops(model, "dense", grid), _flops(model, "segments", grid)
+    assert segments[1] <= 1.05 * dense[1]  # one image: the same work
+    assert dense[16] / dense[4] > 8  # quadratic (16x for 4x the images, plus linear terms)
+    assert segments[16] / segments[4] < 5  # linear: 4x the images, ~4x the work
+    assert segments[16] < dense[16] / 4
+
+
+def test_segments_layout_never_recompiles_a_repeated_mix(model):
+    from jaxsync.check import no_recompile
+
+    enc = glm4v.Glm4vVisionEncoder(model, attention_layout="segments")
+    grid = [MIXED_SIZES[i % 4] for i in range(6)]
+    same_mix = [[1, 8, 8], [1, 6, 12], [1, 10, 4], [1, 6, 6], [1, 8, 8], [1, 12, 6]]
+    px = ref.pixels(grid, CFG, seed=1)
+    enc(px, grid)
+    with no_recompile():
+        out = enc(ref.pixels(same_mix, CFG, seed=2), same_mix)
+    assert out.lengths == tuple(t * h * w // 4 for t, h, w in same_mix)

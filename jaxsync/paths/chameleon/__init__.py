@@ -1,3 +1,3 @@
 """Harness for jaxsync.models.chameleon: verify registrations, benchmarks, references."""
 
-import jaxsync.models.chameleon._verify  # noqa: F401  (registers; moves here)
+from jaxsync.paths.chameleon import bench as bench, verify as verify  # noqa: F401  (registers)

@@ -1,3 +1,3 @@
 """Harness for jaxsync.models.gemma3n: verify registrations, benchmarks, references."""
 
-import jaxsync.models.gemma3n._verify  # noqa: F401  (registers; moves here)
+from jaxsync.paths.gemma3n import bench as bench, verify as verify  # registration on import

@@ -1,3 +1,3 @@
-"""Harness for jaxsync.models.glm4v: verify registrations, benchmarks, references."""
+"""Harness for jaxsync.models.glm4v: verify registrations, benchmarks, transformers references."""
 
-import jaxsync.models.glm4v._verify  # noqa: F401  (registers; moves here)
+from jaxsync.paths.glm4v import bench as bench, verify as verify  # noqa: F401  (registration)

@@ -10,10 +10,20 @@ from typing import Any
 
 import numpy as np
 
-from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
+from jaxsync.models.gemma3n import Gemma3nAudioConfig, from_hf_config
 
 
-__all__ = ["TINY_HF", "Reference", "build_reference", "hf_config", "reference_embed", "mel_batch"]
+__all__ = [
+    "TINY_HF",
+    "TINY_INPUTS",
+    "Reference",
+    "build_reference",
+    "hf_config",
+    "mel_batch",
+    "per_clip",
+    "reference_embed",
+    "tiny_config",
+]
 
 # Odd / prime sizes so that a transposed or mis-split axis cannot line up by accident. Non-default
 # rms_norm_eps, right context, reduction factor and first time kernel exercise the generic paths.
@@ -44,6 +54,17 @@ TINY_HF: dict[str, Any] = {
     ),
     "top": dict(audio_soft_tokens_per_image=5, audio_token_id=41),
 }
+
+
+# (lengths, frames) of the verify inputs: one (batch, frame) bucket; tower output shorter than,
+# equal to and (for 60 frames with the 20/37 mask) padded up to soft_tokens.
+TINY_INPUTS = (([23, 9, 1], 23), ([57, 40, 13], 57), ([37, 37, 20], 60))
+
+
+def tiny_config() -> Gemma3nAudioConfig:
+    """`Gemma3nAudioConfig` of `TINY_HF`, read from the dict (no torch or transformers needed)."""
+    t = TINY_HF
+    return from_hf_config({"audio_config": t["audio"], "text_config": t["text"], **t["top"]})
 
 
 def hf_config(size: str = "tiny") -> Any:
@@ -154,3 +175,10 @@ def mel_batch(lengths: list[int], frames: int, n_mel: int, seed: int = 0):
     feats = rng.standard_normal((len(lengths), frames, n_mel)).astype(np.float32)
     mask = np.arange(frames)[None, :] < np.asarray(lengths)[:, None]
     return feats * mask[:, :, None], mask
+
+
+def per_clip(out: Any) -> np.ndarray:
+    """An encoder's `Embeddings` as host `[num_clips, soft_tokens, D]` float32 (tests only)."""
+    rows = np.array(out.embeddings, np.float32)[: out.num_tokens]  # a writable copy
+    n = out.lengths[0]
+    return rows.reshape(len(out.lengths), n, rows.shape[-1])

@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsync.models.glm4v._config import Glm4vVisionConfig
-from jaxsync.models.glm4v._plan import merge_block_coords
+from jaxsync.models.glm4v import Glm4vVisionConfig, merge_block_coords
 
 
 # Tiny odd-sized tower: head dim 12, 6x6 table (image 42 / patch 7), out 29, merger 37.

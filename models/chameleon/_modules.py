@@ -1,10 +1,15 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
-"""The Chameleon VQ-VAE encoder and vector quantizer as NNX modules (NHWC inside).
+"""The Chameleon VQ-VAE encoder and vector quantizer as NNX modules (NHWC inside), and `forward`.
 
 The module tree mirrors `transformers`' `ChameleonVQVAE` (encoder.conv_in, encoder.down[i].block[j],
 .attn[j], .downsample.conv, encoder.mid.{block_1, attn_1, block_2}, norm_out, conv_out, quant_conv,
 quantize.embedding), so the weight rules are one-to-one. The decoder side (`post_quant_conv`) is
 not needed to tokenize images and is not built.
+
+`forward(vq_model, pixels, meta)` is the pure tokenizer forward: callable inside a server's own
+`jax.jit`, `shard_map` or scan with the weights as arguments (`nnx.merge(graphdef, state)`).
+The VQ encoder has no stack of identical layers (levels differ in width), so
+`jaxsync.TowerProgram(model, forward, layers=None)` packs its state flat.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxsync.models.chameleon._config import GROUP_NORM_GROUPS, ChameleonVQConfig
 
@@ -215,3 +220,27 @@ class ChameleonVQVAE(nnx.Module):
         b, h, w, e = z.shape
         codes = self.quantize(z.reshape(b * h * w, e)).reshape(b, h * w)
         return latents, codes
+
+
+def forward(
+    vq_model: ChameleonVQVAE, pixels: Float[Array, "Bp C R R"], meta
+) -> tuple[Int[Array, "Bp T"], Bool[Array, " Bp"]]:
+    """Pixels -> raster-order VQ codes and a per-image finite flag, pure.
+
+    Args:
+      vq_model: the VQ model (weights are traced arguments where the caller jits).
+      pixels: `[Bp, C, R, R]` normalised pixels, bucket padded.
+      meta: `plan_images(...).fields` uploaded (`jaxsync.upload_packed`), or the dict itself:
+        `valid` bool `[Bp]`, True for real images. Padding rows are zeroed first, so a
+        server's reused pixel slab with stale or non-finite rows costs nothing numerically.
+
+    Returns:
+      codes int32 `[Bp, T]` (map them with `img2bpe`) and `finite` bool `[Bp]`: False where an
+      image held a NaN or inf (its codes are then meaningless; every other row is unaffected,
+      since each image is normalised, convolved and quantised on its own).
+    """
+    valid = meta["valid"]  # [Bp]
+    finite = jnp.all(jnp.isfinite(pixels), axis=(1, 2, 3)) & valid
+    pixels = jnp.where(valid[:, None, None, None], pixels, jnp.zeros((), pixels.dtype))
+    _, codes = vq_model(pixels)
+    return codes, finite

@@ -1,0 +1,336 @@
+# ruff: noqa: F722 - jaxtyping shape strings are not forward references
+"""`ChameleonImageEncoder`: Chameleon's sync-free image paths behind one host object.
+
+Pixels -> VQ codes -> BPE image-token ids in one jitted program per batch bucket (vLLM post-PR
+gathers through a cached device copy of `img2bpe`; pre-PR and HF read the codes back to the CPU
+for the lookup). The same object offers the image-token logit mask, logits with the mask, and the
+placeholder merge, each one jitted call with its tables from a `DeviceCache`. Nothing is read
+back. The pure functions behind them (`forward`, `img2bpe`, `mask_image_logits`,
+`compute_logits`, `merge_image_tokens`) are for a server's own jitted step.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+import jaxsync
+import jaxsync.check
+from jaxsync import replicated_near
+from jaxsync.models.chameleon import _logits, _merge
+from jaxsync.models.chameleon._config import ChameleonConfig
+from jaxsync.models.chameleon._modules import ChameleonVQVAE, forward
+from jaxsync.models.chameleon._placing import (
+    batch_shards,
+    check_same_devices,
+    pad_rows,
+    replicated_on,
+    weights_devices,
+)
+from jaxsync.models.chameleon._plan import plan_images, plan_merge
+from jaxsync.models.chameleon._vocab import (
+    ImageVocabularyMapping,
+    check_device_array,
+    img2bpe,
+)
+from jaxsync.models.chameleon._weights import load_model
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def _tokens(model: ChameleonVQVAE, pixels, meta, table):  # -> ids [Bp*T], finite [Bp]
+    codes, finite = forward(model, pixels, meta)
+    return img2bpe(codes, table).reshape(-1), finite
+
+
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def _token_rows(ids: jax.Array, n: int, t: int) -> jax.Array:  # [Bp*T] -> [n, T]
+    return ids[: n * t].reshape(n, t)
+
+
+@ft.partial(jax.jit, static_argnums=1)
+def _take_rows(x: jax.Array, n: int) -> jax.Array:
+    return x[:n]
+
+
+class ChameleonImageEncoder:
+    """Image tokenizer, logit mask and embedding merge of one Chameleon model.
+
+    Args:
+      cfg: the model config.
+      vq_model: the loaded VQ model (`load_model`); None builds the text-side paths only.
+      missing_code_id: see `ImageVocabularyMapping` (None: a VQ code without a name is an error).
+      cache: the `DeviceCache` for the constant tables (default: the process-wide one).
+      buckets: image batch buckets (default: powers of two).
+      placement: where host pixels go (a device, or a sharding; one that splits the batch
+        axis over a mesh's data axis pads the batch to a multiple of that axis).
+
+    The encoder snapshots the VQ weights: after `nnx.update(vq_model, ...)` call
+    `load_state(vq_model)` (no recompile). Compilation: one program per batch bucket; the first
+    call of a bucket also compiles the tiny row slices (and row pads for device pixels) for every
+    batch size of that bucket, so later calls in the bucket compile nothing.
+
+    >>> from jaxsync.paths.chameleon import reference as ref
+    >>> enc = ChameleonImageEncoder(ChameleonConfig.from_hf_config(ref.tiny_hf_config()))
+    >>> logits = enc.mask_image_logits(jnp.zeros((2, enc.cfg.vocab_size)))
+    >>> bool(logits[0, enc.mapping.image_token_ids[0]] == jnp.finfo(jnp.float32).min)
+    True
+    """
+
+    def __init__(
+        self,
+        cfg: ChameleonConfig,
+        vq_model: ChameleonVQVAE | None = None,
+        *,
+        missing_code_id: int | None = None,
+        cache: jaxsync.DeviceCache | None = None,
+        buckets: tuple[int, ...] | None = None,
+        placement: jax.Device | jax.sharding.Sharding | None = None,
+    ):
+        self.cfg = cfg
+        self.mapping = ImageVocabularyMapping(
+            cfg.vocabulary_map,
+            num_embeddings=cfg.vq.num_embeddings,
+            missing_code_id=missing_code_id,
+            cache=cache,
+        )
+        if self.mapping.num_codes < cfg.vq.num_embeddings:
+            raise ValueError(
+                f"img2bpe covers {self.mapping.num_codes} codes but the codebook has "
+                f"{cfg.vq.num_embeddings}"
+            )
+        self.buckets = buckets
+        self.placement = placement
+        self.image_shape = (cfg.vq.in_channels, cfg.vq.resolution, cfg.vq.resolution)
+        self.tokens_per_image = cfg.vq.tokens_per_image
+        self._plans = jaxsync.PlanCache()
+        self._warm: set[tuple] = set()
+        self._program = None
+        if vq_model is not None:
+            if not isinstance(vq_model, ChameleonVQVAE) or vq_model.cfg != cfg.vq:
+                raise ValueError("vq_model was not built from this config's vq config")
+            self._program = jaxsync.TowerProgram(vq_model, _tokens, layers=None)
+            self._encode = jaxsync.TowerProgram(vq_model, lambda m, x: m(x), layers=None)
+            self._devices, weights_at = weights_devices(vq_model)
+            if placement is None and len(self._devices) > 1:  # host pixels go to the weights
+                self.placement = replicated_on(weights_at)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype=None, mesh=None, **kwargs
+    ) -> ChameleonImageEncoder:
+        """Reads `config.json` and the `model.vqmodel.*` weights of a checkpoint directory."""
+        cfg = ChameleonConfig.from_hf_config(path)
+        return cls(cfg, load_model(path, cfg, dtype=dtype, mesh=mesh), **kwargs)
+
+    def load_state(self, vq_model: ChameleonVQVAE) -> None:
+        """Takes new weights of the same structure (e.g. after `nnx.update`), no recompile."""
+        self._require_model()
+        self._program.load_state(vq_model)
+        self._encode.load_state(vq_model)
+
+    # ------------------------------------------------------------ image tokens
+
+    @jaxsync.check.entry_point
+    def __call__(self, pixel_values) -> jaxsync.Embeddings:
+        """Images -> BPE image-token ids, as `jaxsync.Embeddings`.
+
+        Args:
+          pixel_values: `[B, C, R, R]` normalised pixels: numpy or a torch CPU tensor (what
+            `ChameleonImageProcessor` returns; refused if not finite), or a device `jax.Array`
+            (possibly sharded over a mesh's data axis).
+
+        Returns:
+          `Embeddings` whose rows are token ids, not vectors: `embeddings` is int32 `[Bp * T]`
+          (image `i` at rows `i*T : (i+1)*T`, raster order; rows past `B*T` are bucket padding).
+          Chameleon's image tokens are ordinary vocabulary ids that the server embeds with its
+          own table inside its own step. `extras["finite"]`: bool `[B]`, False where a device
+          image held a NaN or inf (computed on the device, never read back).
+
+        Raises:
+          TypeError: wrong type or dtype, a torch tensor off the CPU.
+          ValueError: wrong rank or image size, no image, non-finite host pixels, a deleted
+            (donated) array, or pixels placed apart from the weights or split off the batch axis.
+        """
+        ids, finite, n, rows = self._run(pixel_values)
+        t = self.tokens_per_image
+        flag = finite if n == rows else _take_rows(finite, n)
+        return jaxsync.Embeddings(ids, (t,) * n, tuple(range(0, n * t, t)), {"finite": flag})
+
+    @jaxsync.check.entry_point
+    def get_image_tokens(self, pixel_values) -> Int[Array, "B T"]:
+        """BPE ids `[B, T]` of each image's tokens in raster order (HF `get_image_tokens`)."""
+        ids, _, n, _ = self._run(pixel_values)
+        return _token_rows(ids, n, self.tokens_per_image)
+
+    def encode(self, pixel_values: jax.Array) -> tuple[Float[Array, "B h w L"], Int[Array, "B T"]]:
+        """Encoder latents (NHWC, before `quant_conv`) and VQ codes, unbucketed (for parity)."""
+        self._require_model()
+        check_device_array(pixel_values, "pixel_values")
+        return self._encode(pixel_values)
+
+    def _require_model(self) -> None:
+        if self._program is None:
+            raise ValueError("built without a VQ model: pass vq_model= to tokenize images")
+
+    def _host_pixels(self, pixel_values) -> np.ndarray:
+        x = jaxsync.host_array(pixel_values, name="pixel_values")
+        if x.dtype == np.float64:  # numpy's default float: narrowed exactly as the model would
+            x = x.astype(np.float32)
+        return x
+
+    def _check_pixels(self, x) -> int:
+        shape = tuple(x.shape)
+        if len(shape) != 4 or shape[1:] != self.image_shape:
+            raise ValueError(
+                f"pixel_values must have shape (B, {', '.join(map(str, self.image_shape))}), "
+                f"got {shape}"
+            )
+        if np.dtype(x.dtype) not in _FLOATS:
+            raise TypeError(f"pixel_values must be float32/float16/bfloat16, got {x.dtype}")
+        if shape[0] < 1:
+            raise ValueError("pixel_values holds no image")
+        return shape[0]
+
+    def _run(self, pixel_values):
+        self._require_model()
+        on_device = isinstance(pixel_values, jax.Array)
+        if on_device:
+            check_device_array(pixel_values, "pixel_values")
+            n = self._check_pixels(pixel_values)
+            traced = isinstance(pixel_values, jax.core.Tracer)  # static scans of jaxsync.check
+            where = None if traced or not pixel_values.committed else pixel_values.sharding
+            if where is not None:
+                check_same_devices(where, self._devices, "pixel_values")
+            shards = batch_shards(where, "pixel_values")
+        else:
+            pixel_values = self._host_pixels(pixel_values)
+            n = self._check_pixels(pixel_values)
+            jaxsync.check_finite(pixel_values, name="pixel_values")
+            where = self.placement
+            shards = batch_shards(where, "placement")
+        near = replicated_on(where)
+        plan, meta = self._plans.get(
+            (n, shards, near),
+            lambda: _planned(plan_images(n, self.buckets, batch_shards=shards), near),
+        )
+        rows = plan.rows
+        if on_device:
+            pixels = pixel_values if n == rows else pad_rows(where)(pixel_values, rows)
+        else:
+            staging = np.zeros((rows, *self.image_shape), dtype=pixel_values.dtype)
+            staging[:n] = pixel_values
+            # `staging` is this call's own buffer: no second host copy of the pixels.
+            pixels = jaxsync.async_h2d(staging, placement=where, copy=False)
+        ids, finite = self._program(pixels, meta, self.mapping.img2bpe_on(near))
+        self._warm_bucket(rows, shards, ids, finite, pixel_values, where)
+        return ids, finite, n, rows
+
+    def _warm_bucket(self, rows, shards, ids, finite, pixel_values, where) -> None:
+        # Compile the per-batch-size slice / pad programs of this bucket once, on its first use,
+        # by dispatching them on arrays of the exact shardings later calls will pass.
+        if isinstance(ids, jax.core.Tracer):  # traced by a static scan: nothing runs
+            return
+        on_device = isinstance(pixel_values, jax.Array)
+        key = (rows, on_device, str(pixel_values.dtype), where)
+        if key in self._warm:
+            return
+        self._warm.add(key)
+        lo = rows
+        while lo > 1 and jaxsync.bucket(lo - 1, self.buckets, minimum=1) == rows:
+            lo -= 1
+        for n in range(lo, rows + 1):
+            if n % shards:
+                continue  # a batch split over `shards` devices always holds a multiple of them
+            _token_rows(ids, n, self.tokens_per_image)
+            if n < rows:
+                _take_rows(finite, n)
+                if on_device:
+                    dummy = jax.device_put(
+                        np.zeros((n, *self.image_shape), pixel_values.dtype), where
+                    )
+                    pad_rows(where)(dummy, rows)
+
+    # ------------------------------------------------------------ tables for a server's step
+
+    def mask_column(self, vocab_size: int, placement=None) -> jax.Array:
+        """bool `[vocab_size]` device mask of the image columns (cached): `mask_image_logits`."""
+        return self.mapping.image_token_mask_on(vocab_size, placement)
+
+    def img2bpe_table(self, placement=None) -> jax.Array:
+        """int32 `[num_codes]` device VQ code -> BPE id table (cached), for `img2bpe`."""
+        return self.mapping.img2bpe_on(placement)
+
+    # ------------------------------------------------------------ logits and merge
+
+    @jaxsync.check.entry_point
+    def mask_image_logits(
+        self, logits: Float[Array, "*B T V"], *, donate: bool = False
+    ) -> Float[Array, "*B T V"]:
+        """Every image-token column of `[T, V]` / `[B, T, V]` logits set to `finfo.min`.
+
+        `donate=True` fills in place (the input is deleted; passing it again is a ValueError).
+        """
+        _logits.check_logits(logits, self.mapping.max_image_id)
+        mask = self.mask_column(logits.shape[-1], replicated_near(logits))
+        return (_logits.mask_jit_donated if donate else _logits.mask_jit)(logits, mask)
+
+    @jaxsync.check.entry_point
+    def compute_logits(
+        self, hidden: Float[Array, "*B T D"], lm_head_weight: Float[Array, "V D"]
+    ) -> Float[Array, "*B T V"]:
+        """`hidden @ lm_head_weight.T` with the image tokens masked, in one jitted program."""
+        _logits.check_lm_head(hidden, lm_head_weight, self.mapping.max_image_id)
+        mask = self.mask_column(lm_head_weight.shape[0], replicated_near(hidden))
+        return _logits.compute_logits_jit(hidden, lm_head_weight, mask)
+
+    @jaxsync.check.entry_point
+    def merge_image_embeddings(
+        self,
+        text_embeds: Float[Array, "*B S D"],
+        image_embeds: Float[Array, "*N T D"],
+        *,
+        input_ids=None,
+        positions=None,
+        num_image_tokens: int | None = None,
+        donate: bool = False,
+    ) -> Float[Array, "*B S D"]:
+        """Writes image-token embeddings, in order, at the `<image>` placeholders.
+
+        Args:
+          text_embeds: `[S, D]` or `[B, S, D]` device embeddings of the prompt.
+          image_embeds: `[N, T, D]` or `[M, D]` device image-token embeddings (may be padded).
+          input_ids: host ids shaped like `text_embeds.shape[:-1]`, or
+          positions: host flat row-major placeholder indices.
+          num_image_tokens: leading rows of `image_embeds` that are real (default: all).
+          donate: donate `text_embeds` so the merge happens in place.
+
+        Raises:
+          TypeError / ValueError: see `plan_merge`; device arrays that are not live.
+        """
+        _merge.check_embeds(text_embeds, image_embeds, input_ids, positions)
+        if input_ids is not None and self.mapping.image_token_id is None:
+            raise ValueError("the vocabulary has no <image> token; pass positions instead")
+        plan = plan_merge(
+            text_embeds.shape[:-1],
+            int(np.prod(image_embeds.shape[:-1])),
+            input_ids=input_ids,
+            image_token_id=self.mapping.image_token_id,
+            positions=positions,
+            num_image_tokens=num_image_tokens,
+        )
+        if plan.num_image_tokens == 0:
+            return text_embeds
+        pos = jaxsync.async_h2d(plan.fields["positions"], placement=replicated_near(text_embeds))
+        merge = _merge.merge_jit_donated if donate else _merge.merge_jit
+        return merge(text_embeds, image_embeds, pos)
+
+
+def _planned(plan, near):
+    return plan, jaxsync.upload_packed(plan.fields, placement=near)

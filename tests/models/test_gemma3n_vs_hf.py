@@ -1,0 +1,217 @@
+"""Gemma 3n audio path vs transformers through our loader (tower, embedder, padding, merge)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsync.check
+from jaxsync.models.gemma3n import (
+    AudioTruncationWarning,
+    Gemma3nAudioConfig,
+    Gemma3nAudioEncoder,
+    from_hf_config,
+    load_model,
+    merge_audio_embeddings,
+)
+from jaxsync.paths.gemma3n import reference as R
+from jaxsync.testing import rel_err, requires_torch
+
+
+pytestmark = requires_torch
+
+FP32_TOL = 1e-5
+# bf16 has an 8-bit mantissa (ulp 2^-8 = 3.9e-3 relative); two independent bf16 pipelines through
+# 2 conformer layers, softmax and three RMSNorms drift apart by tens of ulps. Measured worst case
+# over these inputs: see test_bf16 (both ours and HF's own bf16 vs fp32 error are printed).
+BF16_TOL = 6e-2
+BUCKET = 64  # frames: every tiny-config clip below (<= 60 frames) shares one program per batch
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    return R.build_reference(tmp_path_factory.mktemp("gemma3n"))
+
+
+@pytest.fixture(scope="module")
+def model(ref):
+    return load_model(ref.checkpoint, ref.cfg)
+
+
+@pytest.fixture(scope="module")
+def embedder(ref, model):
+    return Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
+
+
+def _noisy_padding(feats, mask, seed=1):
+    """Non-zero features at padded frames: upstream passes them through, so must we."""
+    noise = np.random.default_rng(seed).standard_normal(feats.shape).astype(np.float32)
+    return np.where(mask[:, :, None], feats, noise)
+
+
+@pytest.mark.parametrize("lengths", [[23, 9, 1], [57, 40, 13], [71, 70, 30]])
+def test_tower_parity(ref, model, lengths):
+    import torch
+
+    feats, mask = R.mel_batch(lengths, max(lengths), ref.cfg.input_feat_size, seed=len(lengths))
+    feats = _noisy_padding(feats, mask)
+    with torch.no_grad():
+        want = ref.tower(torch.from_numpy(feats), ~torch.from_numpy(mask), return_dict=True)
+    enc, pad = jax.jit(lambda f, p: model.audio_tower(f, p))(feats, ~mask)
+    assert np.array_equal(np.asarray(pad), want.audio_mel_mask.numpy())
+    assert rel_err(enc, want.last_hidden_state.numpy()) <= FP32_TOL
+
+
+def test_embedder_parity(ref, model):
+    import torch
+
+    x = np.random.default_rng(3).standard_normal((2, 6, ref.cfg.hidden_size)).astype(np.float32)
+    ids = np.arange(ref.cfg.audio_vocab_offset, ref.cfg.audio_vocab_offset + 7)[None, :]
+    with torch.no_grad():
+        soft = ref.embedder(inputs_embeds=torch.from_numpy(x)).numpy()
+        hard = ref.embedder(input_ids=torch.from_numpy(ids)).numpy()
+    assert rel_err(model.embed_audio.embed_soft(jnp.asarray(x)), soft) <= FP32_TOL
+    assert rel_err(model.embed_audio.embed_ids(jnp.asarray(ids)), hard) <= FP32_TOL
+
+
+# (lengths, frames): fewer than soft_tokens positions, exactly soft_tokens, a 1-frame clip.
+PIPELINE_CASES = [([23, 9, 1], 23), ([57, 40, 13], 57), ([37, 37, 20], 60)]
+
+
+@pytest.mark.parametrize("lengths,frames", PIPELINE_CASES)
+def test_pipeline_parity(ref, embedder, lengths, frames):
+    feats, mask = R.mel_batch(lengths, frames, ref.cfg.input_feat_size, seed=frames)
+    feats = _noisy_padding(feats, mask)
+    out = embedder(feats, mask)
+    n, d = ref.cfg.soft_tokens, ref.cfg.text_hidden_size
+    assert out.embeddings.shape == (4 * n, d) and out.lengths == (n,) * 3
+    assert out.offsets == (0, n, 2 * n)
+    assert rel_err(R.per_clip(out), R.reference_embed(ref, feats, mask)) <= FP32_TOL
+    pad = np.asarray(embedder.pad_embedding())
+    padding_clip = np.asarray(out.embeddings)[3 * n :]
+    assert np.array_equal(padding_clip, np.broadcast_to(pad, padding_clip.shape))
+    assert np.asarray(out.extras["finite"]).tolist() == [True] * 3
+
+
+def test_list_input_matches_vllm_batching(ref, embedder):
+    feats, mask = R.mel_batch([30, 51], 51, ref.cfg.input_feat_size, seed=5)
+    clips = [feats[0, :30], feats[1]]
+    got = R.per_clip(embedder(clips))
+    assert rel_err(got, R.reference_embed(ref, feats, mask)) <= FP32_TOL
+
+
+@pytest.mark.parametrize("frames", [71, 80])
+def test_overflow_error_like_transformers(ref, embedder, frames):
+    n = ref.cfg.soft_tokens
+    feats, mask = R.mel_batch([frames, 70, 30], frames, ref.cfg.input_feat_size, seed=7)
+    extra = n - ref.cfg.num_tower_positions(frames)
+    assert extra < 0
+    if extra == -1:
+        # torch's expand(-1) keeps the size-1 dim: transformers silently appends ONE padding
+        # embedding (n + 2 positions) and only fails later in get_placeholder_mask's count check.
+        assert R.reference_embed(ref, feats, mask).shape[1] == n + 2
+    else:
+        with pytest.raises(RuntimeError):  # "numel: integer multiplication overflow"
+            R.reference_embed(ref, feats, mask)
+    with pytest.raises(ValueError, match="soft_tokens"):
+        embedder(feats, mask)
+
+
+def test_overflow_truncate_like_vllm(ref, model):
+    cfg = dataclasses.replace(ref.cfg, overflow="truncate")
+    emb = Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)
+    feats, mask = R.mel_batch([71, 70, 30], 71, cfg.input_feat_size, seed=7)
+    with pytest.warns(AudioTruncationWarning, match=r"\{0: 1, 1: 1\}"):
+        got = R.per_clip(emb(feats, mask))
+    assert rel_err(got, R.reference_embed(ref, feats, mask, truncate=True)) <= FP32_TOL
+
+
+def test_bf16(ref):
+    import torch
+
+    model = load_model(ref.checkpoint, ref.cfg, dtype=jnp.bfloat16)
+    emb = Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
+    feats, mask = R.mel_batch([57, 40, 13], 57, ref.cfg.input_feat_size, seed=57)
+    out = emb(feats, mask)
+    assert out.embeddings.dtype == jnp.bfloat16
+    got = R.per_clip(out)
+    want16 = R.reference_embed(ref, feats, mask, dtype=torch.bfloat16)
+    want32 = R.reference_embed(ref, feats, mask)
+    err, hf_err, ours_err = rel_err(got, want16), rel_err(want16, want32), rel_err(got, want32)
+    print(f"bf16: ours vs HF bf16 {err:.2e}; vs fp32: HF {hf_err:.2e}, ours {ours_err:.2e}")
+    assert err <= BF16_TOL
+    assert ours_err <= max(2 * hf_err, BF16_TOL)  # not worse than HF's own bf16 rounding
+
+
+def test_pad_embedding_cached_once(ref, embedder):
+    import torch
+
+    first = embedder.pad_embedding()
+    assert embedder.pad_embedding() is first
+    with torch.no_grad():
+        want = ref.embedder(input_ids=torch.tensor([[ref.cfg.text_vocab_size - 1]])).numpy()
+    assert rel_err(first, want[0, 0]) <= FP32_TOL
+
+
+def _ids_with_placeholders(cfg: Gemma3nAudioConfig, starts, seq, rng):
+    ids = rng.integers(0, 30, size=seq)
+    for s in starts:
+        ids[s : s + cfg.soft_tokens] = cfg.audio_token_id
+    return ids
+
+
+def test_merge_matches_masked_scatter(ref, embedder):
+    import torch
+
+    cfg = ref.cfg
+    rng = np.random.default_rng(11)
+    feats, mask = R.mel_batch([23, 9, 17], 23, cfg.input_feat_size, seed=11)
+    audio = embedder(feats, mask)  # 4 clips' rows, rows of clip 3 are padding
+    ids = np.stack(
+        [_ids_with_placeholders(cfg, [2], 29, rng), _ids_with_placeholders(cfg, [1, 20], 29, rng)]
+    )
+    text = rng.standard_normal((2, 29, cfg.text_hidden_size)).astype(np.float32)
+    got = merge_audio_embeddings(jnp.asarray(text), audio, ids, audio_token_id=cfg.audio_token_id)
+    tmask = torch.from_numpy(ids == cfg.audio_token_id)[..., None].expand(*text.shape)
+    want = torch.from_numpy(text).masked_scatter(tmask, torch.from_numpy(R.per_clip(audio)))
+    assert np.array_equal(np.asarray(got), want.numpy())
+    one_short = ids.copy()
+    one_short[0, 2] = 0  # a placeholder fewer than the clips' rows
+    with pytest.raises(ValueError, match="placeholder"):
+        merge_audio_embeddings(
+            jnp.asarray(text), audio, one_short, audio_token_id=cfg.audio_token_id
+        )
+    others = [(jnp.asarray(text), audio, np.roll(ids, k, axis=1)) for k in (3, 5)]
+    jaxsync.check.assert_sync_free(
+        merge_audio_embeddings,
+        jnp.asarray(text),
+        audio,
+        ids,
+        audio_token_id=cfg.audio_token_id,
+        inputs=others,
+    )
+
+
+def test_config_from_object_dict_and_directory(ref, tmp_path):
+    hf = R.hf_config()
+    hf.save_pretrained(tmp_path)
+    assert from_hf_config(hf) == ref.cfg
+    assert from_hf_config(hf.to_dict()) == ref.cfg
+    assert from_hf_config(tmp_path) == ref.cfg
+    assert from_hf_config(tmp_path / "config.json") == ref.cfg
+    assert Gemma3nAudioConfig.from_hf_config(str(tmp_path)) == ref.cfg
+
+
+def test_config_rejects_unsupported(ref):
+    hf = R.hf_config()
+    hf.audio_config.conf_something_new = 3
+    with pytest.raises(ValueError, match="conf_something_new"):
+        from_hf_config(hf)
+    with pytest.raises(ValueError, match="conf_something_new"):
+        from_hf_config(hf.to_dict())
+    with pytest.raises(ValueError, match="multiple"):
+        dataclasses.replace(ref.cfg, conf_num_attention_heads=4)
+    with pytest.raises(ValueError, match="overflow"):
+        dataclasses.replace(ref.cfg, overflow="drop")
