@@ -81,7 +81,9 @@ class VoxtralAudioEncoder:
                 "signal, so 30 s windows would not fill (use log_mel_spectrogram for odd n_fft)"
             )
         if chunk_buckets is not None:
-            chunk_buckets = tuple(jaxsync.host_ints(chunk_buckets, name="chunk_buckets", minimum=1))
+            chunk_buckets = tuple(
+                int(b) for b in jaxsync.host_ints(chunk_buckets, name="chunk_buckets", minimum=1)
+            )
             if not chunk_buckets:
                 raise ValueError("chunk_buckets is empty")
         self.config, self.mel_config = cfg, mel_config

@@ -63,7 +63,11 @@ def _log_mel_parity() -> Parity:
     return Parity(worst, 2e-5, "abs", detail)
 
 
-@register_path("voxtral.log_mel", description="padded waveforms -> Whisper log-mel (one program)")
+@register_path(
+    "voxtral.log_mel",
+    description="padded waveforms -> Whisper log-mel (one program)",
+    checkpoints=False,
+)
 def _build_log_mel(checkpoint: str | None) -> PathCase:
     cfg = MelConfig()
     width = 4096 * 160  # 40.96 s: one device bucket; lengths vary inside it
