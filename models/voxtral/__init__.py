@@ -1,32 +1,55 @@
 """Voxtral audio path (vLLM PR #51458, paths.md §4), sync-free in JAX.
 
-* `log_mel_spectrogram`: on-device Whisper log-mel front end (periodic Hann, n_fft 400, hop 160,
-  centre-reflect STFT, last frame dropped, Slaney filters, log10, dynamic-range floor in the three
-  upstream variants, (x + 4) / 4) over a padded batch with host-side lengths.
-* `VoxtralAudioModel` / `VoxtralAudioEmbedder`: the Whisper-style audio encoder and the multimodal
-  projector; waveform -> mel -> encoder -> projector as one jitted call.
-* `load_voxtral_audio`: `audio_tower.*` / `multi_modal_projector.*` weights through jaxsync.weights.
+Three layers, as every model family:
+* Planner (`_plan.py`, NumPy only): `plan_chunks` / `plan_waveform_chunks` -> `VoxtralPlan`
+  (`.fields` for one `jaxsync.upload_packed`, plus host chunk counts, token counts, offsets).
+* Pure forward: `forward(tower, features, meta)` (log-mel windows -> embeddings, per-item finite
+  flag) and `forward_waveforms(tower, waveforms, meta, mel=MelSpec(...))`, callable inside a
+  server's own jit with the weights as arguments; `log_mel_rows` and `log_mel_floor` (vLLM's
+  dynamic-range clamp with Python scalars) are the front end's pure pieces.
+* Entry: `VoxtralAudioEncoder(tower, mel_config)` takes raw audio (`audio=`) or the processor's
+  `input_features=` and returns `jaxsync.Embeddings`; `log_mel_spectrogram` is the front end's
+  own entry (on-device Whisper log-mel: periodic Hann, centre-reflect STFT, last frame dropped,
+  Slaney filters, log10, the three upstream floor variants, (x + 4) / 4).
+
+Modules and weights: `VoxtralAudioTower` (Whisper encoder + multimodal projector),
+`VoxtralAudioConfig.from_hf_config` (HF config object, dict or checkpoint directory), `MelConfig`,
+`load_model` with `RULES` / `PARTITION_RULES`.
 """
 
 from jaxsync.models.voxtral._config import (
     MelConfig as MelConfig,
     VoxtralAudioConfig as VoxtralAudioConfig,
 )
+from jaxsync.models.voxtral._entry import VoxtralAudioEncoder as VoxtralAudioEncoder
 from jaxsync.models.voxtral._filters import (
     periodic_hann as periodic_hann,
     slaney_mel_filters as slaney_mel_filters,
 )
 from jaxsync.models.voxtral._mel import (
-    FloorMode as FloorMode,
     LogMel as LogMel,
+    MelSpec as MelSpec,
+    log_mel_floor as log_mel_floor,
+    log_mel_rows as log_mel_rows,
     log_mel_spectrogram as log_mel_spectrogram,
 )
-from jaxsync.models.voxtral._model import (
-    AudioEmbeddings as AudioEmbeddings,
-    VoxtralAudioEmbedder as VoxtralAudioEmbedder,
-    VoxtralAudioModel as VoxtralAudioModel,
+from jaxsync.models.voxtral._modules import (
+    VoxtralAudioTower as VoxtralAudioTower,
+    forward as forward,
+    forward_waveforms as forward_waveforms,
+)
+from jaxsync.models.voxtral._plan import (
+    FloorMode as FloorMode,
+    MelPlan as MelPlan,
+    VoxtralPlan as VoxtralPlan,
+    num_stft_frames as num_stft_frames,
+    plan_chunks as plan_chunks,
+    plan_log_mel as plan_log_mel,
+    plan_waveform_chunks as plan_waveform_chunks,
 )
 from jaxsync.models.voxtral._weights import (
+    PARTITION_RULES as PARTITION_RULES,
     RULES as RULES,
-    load_voxtral_audio as load_voxtral_audio,
+    SELECT as SELECT,
+    load_model as load_model,
 )

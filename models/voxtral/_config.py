@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxsync.hfconfig import reject_unhandled
+from jaxsync.hfconfig import as_dict, reject_unhandled
 
 
 _GELU_ACTS = ("gelu",)  # transformers ACT2FN["gelu"] is the exact (erf) GELU
@@ -52,9 +52,7 @@ class MelConfig:
             if not math.isfinite(g):
                 raise ValueError(f"global_log_mel_max must be finite, got {g!r}")
         for name in ("num_mel_bins", "sampling_rate", "n_fft", "hop_length", "chunk_length"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            _positive_int(name, getattr(self, name))
         if not 0.0 <= self.min_frequency < self.max_frequency:
             raise ValueError(
                 f"need 0 <= min_frequency < max_frequency, got {self.min_frequency}, "
@@ -133,6 +131,10 @@ class VoxtralAudioConfig:
     text_hidden_size: int = 3072
 
     def __post_init__(self) -> None:
+        ints = ("num_mel_bins", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_source_positions", "text_hidden_size")  # fmt: skip
+        for name in ints:
+            _positive_int(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -173,47 +175,74 @@ class VoxtralAudioConfig:
         return self.max_source_positions // self.frames_per_token
 
     @classmethod
-    def from_hf_config(cls, hf_cfg: Any) -> VoxtralAudioConfig:
-        """From a transformers `VoxtralConfig` (or its `audio_config` plus defaults).
+    def from_hf_config(cls, src: Any) -> VoxtralAudioConfig:
+        """From an HF `VoxtralConfig` / `VoxtralEncoderConfig`, their dict, or a checkpoint
+        directory (its `config.json`); a full Voxtral config gives its `audio_config` plus the
+        projector fields.
 
         Dropouts and layerdrop are inference no-ops; `scale_embedding` is ignored because
         transformers' VoxtralEncoder computes `embed_scale` but never applies it (we match that).
 
         Raises:
           ValueError: on a non-default HF field this port does not implement.
+          ValueError: also for a directory without a readable `config.json`.
+          TypeError: a non-integer where an integer is expected, or a source of another type.
         """
-        from transformers import VoxtralConfig, VoxtralEncoderConfig
-
-        if isinstance(hf_cfg, VoxtralConfig):
-            audio, act, text_hidden = (
-                hf_cfg.audio_config, hf_cfg.projector_hidden_act, hf_cfg.text_config.hidden_size
-            )  # fmt: skip
-            outer = {k: v for k, v in hf_cfg.to_dict().items() if k not in
-                     ("audio_config", "text_config")}  # fmt: skip
-            _reject_unhandled(outer, VoxtralConfig().to_dict(), {"projector_hidden_act",
-                              "audio_token_id", "hidden_size"})  # fmt: skip
-        elif isinstance(hf_cfg, VoxtralEncoderConfig):
-            audio, act, text_hidden = hf_cfg, "gelu", cls.text_hidden_size
+        try:
+            d = as_dict(src)
+        except (OSError, ValueError) as e:  # a missing / unreadable config.json
+            raise ValueError(f"cannot read a Voxtral config from {src!r}: {e}") from None
+        if "audio_config" in d or d.get("model_type") == "voxtral":
+            audio = as_dict(d.get("audio_config") or {})
+            text = as_dict(d.get("text_config") or {})
+            outer = {k: v for k, v in d.items() if k not in ("audio_config", "text_config")}
+            _reject_unhandled(outer, _OUTER_DEFAULTS, {"audio_token_id", "hidden_size"})
+            act = outer.get("projector_hidden_act", "gelu")
+            text_hidden = text.get("hidden_size", outer.get("hidden_size", cls.text_hidden_size))
         else:
-            raise TypeError(f"expected VoxtralConfig or VoxtralEncoderConfig, got {type(hf_cfg)}")
+            audio, act, text_hidden = d, "gelu", cls.text_hidden_size
         handled = {
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_mel_bins", "max_source_positions", "activation_function", "scale_embedding",
             "dropout", "attention_dropout", "activation_dropout", "layerdrop", "initializer_range",
             "vocab_size",  # Whisper decoder vocabulary: unused by the encoder
+            "head_dim", "num_key_value_heads",  # checked for consistency below
         }  # fmt: skip
-        _reject_unhandled(audio.to_dict(), VoxtralEncoderConfig().to_dict(), handled)
-        return cls(
-            num_mel_bins=audio.num_mel_bins,
-            hidden_size=audio.hidden_size,
-            intermediate_size=audio.intermediate_size,
-            num_hidden_layers=audio.num_hidden_layers,
-            num_attention_heads=audio.num_attention_heads,
-            max_source_positions=audio.max_source_positions,
-            activation_function=audio.activation_function,
+        _reject_unhandled(audio, _ENCODER_DEFAULTS, handled)
+        get = lambda k: audio.get(k, _ENCODER_DEFAULTS[k])  # noqa: E731
+        cfg = cls(
+            num_mel_bins=get("num_mel_bins"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"),
+            max_source_positions=get("max_source_positions"),
+            activation_function=get("activation_function"),
             projector_hidden_act=act,
             text_hidden_size=text_hidden,
         )
+        for name, want in (("head_dim", cfg.head_dim), ("num_key_value_heads",
+                           cfg.num_attention_heads)):  # fmt: skip
+            if audio.get(name, want) != want:
+                raise ValueError(f"audio {name}={audio[name]!r} is not supported (need {want})")
+        return cfg
+
+
+# transformers' VoxtralEncoderConfig / VoxtralConfig defaults (the fields that change the math).
+_ENCODER_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=51866, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+    num_attention_heads=20, scale_embedding=False, activation_function="gelu", num_mel_bins=128,
+    max_source_positions=1500, initializer_range=0.02, attention_dropout=0.0, dropout=0.0,
+    layerdrop=0.0, activation_dropout=0.0,
+)  # fmt: skip
+_OUTER_DEFAULTS: dict[str, Any] = dict(audio_token_id=None, projector_hidden_act="gelu")
+
+
+def _positive_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v <= 0:
+        raise ValueError(f"{name} must be positive, got {v}")
 
 
 def _reject_unhandled(got: dict, default: dict, handled: set[str]) -> None:

@@ -1,18 +1,16 @@
-"""Host-side constant tables of the log-mel front end: the Slaney mel filter bank and the window.
+"""Constant tables of the log-mel front end: the Slaney mel filter bank and the Hann window.
 
-Computed once per config with NumPy in float64 and cast to float32 (as vLLM and transformers do
-before the matmul); the device copies live in `jaxsync.default_cache`. The window also carries its
-float32 rounding residual, so the float64 spectral path (`_spectrum.py`) sees the float64 window.
+Pure functions of the config, computed once with NumPy in float64 and closed over by the traced
+front end as constants (so they follow whatever placement the inputs have). The filters are cast
+to float32 where they are used, as vLLM and transformers do before the matmul.
 """
 
 from __future__ import annotations
 
 import functools as ft
 
-import jax
 import numpy as np
 
-import jaxsync
 from jaxsync.models.voxtral._config import MelConfig
 
 
@@ -70,32 +68,3 @@ def periodic_hann(n: int) -> np.ndarray:
     w = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / n)
     w.setflags(write=False)
     return w
-
-
-def device_tables(cfg: MelConfig, placement=None) -> tuple[jax.Array, jax.Array]:
-    """The float32 filter bank `[n_fft // 2 + 1, F]` and window pair `[2, n_fft]` (cached).
-
-    `window[0]` is the float32 window (what vLLM and transformers multiply by) and `window[1]` the
-    float32 residual `hann - window[0]`: their float64 sum is the float64 window to ~2**-48
-    relative. The float32 window alone perturbs a frame by ~2**-24 of its norm, which leaks into
-    spectral nulls as much as a float32 FFT does (up to ~4e-6 on the features, 128 bins).
-    """
-    key = f"voxtral.mel/{cfg.num_mel_bins}/{cfg.n_fft}/{cfg.sampling_rate}/"
-    key += f"{cfg.min_frequency}/{cfg.max_frequency}"
-    filters = jaxsync.default_cache.get(
-        key + "/filters",
-        lambda: slaney_mel_filters(cfg).astype(np.float32),
-        placement=placement,
-    )
-    window = jaxsync.default_cache.get(
-        f"voxtral.mel/hann_hi_lo/{cfg.n_fft}",
-        lambda: _hi_lo(periodic_hann(cfg.n_fft)),
-        placement=placement,
-    )
-    return filters, window
-
-
-def _hi_lo(w: np.ndarray) -> np.ndarray:
-    """`[2, n]` float32: `w` rounded to float32, then the rounding residual rounded to float32."""
-    hi = w.astype(np.float32)
-    return np.stack([hi, (w - hi.astype(np.float64)).astype(np.float32)])

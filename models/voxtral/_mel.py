@@ -11,7 +11,8 @@ Lengths, signals and the dynamic-range floor (the three upstream variants):
     never read (they may hold garbage, NaN included).
   * The *signal* the STFT sees is the real audio zero-padded to `signal[i] >= lengths[i]` samples.
     The STFT reflects at the signal end, like `torch.stft(center=True)` on that signal, and the
-    signal has `signal[i] // hop` frames (the last STFT frame is dropped, as upstream).
+    signal has torch's frame count less the last frame, as upstream: `signal[i] // hop` for an
+    even n_fft, `(signal[i] - 1) // hop` for an odd one.
   * floor="global": `max(log, g - 8)` with the configured `global_log_mel_max` (vLLM post-PR,
     Voxtral-Realtime). signal = audio (or padded to `pad_to_multiple_of`).
   * floor="per_audio": `max(log, max_over_signal_frames(log) - 8)` per waveform (vLLM, and the
@@ -22,14 +23,15 @@ Lengths, signals and the dynamic-range floor (the three upstream variants):
   In every variant the result depends only on (audio samples, lengths, signal lengths): neither the
   buffer width, the batch composition, nor bucket padding changes a valid frame.
 
-Precision: the power spectrum is float64 where the backend has it natively (`_spectrum.py`).
+Precision: the power spectrum is float64 on CPU and GPU and float32 on TPU, chosen when the program
+is lowered, not by the host that traces it (`_spectrum.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Literal, NamedTuple
+import functools as ft
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +40,16 @@ import numpy as np
 import jaxsync
 import jaxsync.check
 from jaxsync.models.voxtral._config import MelConfig
-from jaxsync.models.voxtral._filters import device_tables
-from jaxsync.models.voxtral._spectrum import power_spectrum, spectral_float64
-
-
-FloorMode = Literal["global", "per_audio", "per_example"]
+from jaxsync.models.voxtral._filters import periodic_hann, slaney_mel_filters
+from jaxsync.models.voxtral._plan import (
+    FloorMode,
+    check_waveforms,
+    host_batch,
+    host_buckets,
+    plan_log_mel,
+    resolve_floor,
+)
+from jaxsync.models.voxtral._spectrum import power_spectrum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,196 +57,116 @@ class MelSpec:
     """Static (compile-time) part of a mel call.
 
     Attributes:
-      n_fft: FFT / window size.
-      hop: hop length.
+      config: the front-end config (its filter bank and window are program constants).
       frames: frames T per output row.
       floor_value: `g - 8.0` for the global floor (a compile-time float, no device scalar), or
         None for the dynamic max.
-      float64: power spectrum in float64 (`spectral_float64` of the waveforms' platform).
+      precision: spectral precision, None = per platform at lowering (`power_spectrum`).
     """
 
-    n_fft: int
-    hop: int
+    config: MelConfig
     frames: int
     floor_value: float | None
-    float64: bool = False
+    precision: str | None = None
 
 
-def log_mel_rows(
-    x: jax.Array, meta: jaxsync.Packed, filters: jax.Array, window: jax.Array, *, spec: MelSpec
-) -> tuple[jax.Array, jax.Array]:
+def log_mel_floor(
+    log_spec: jax.Array, *, global_log_mel_max: float | None = None, valid: Any = None
+) -> jax.Array:
+    """The dynamic-range floor and scaling of Whisper features, as a pure traceable function.
+
+    vLLM clamps with Python scalars (`max(log, g - 8)` with a fixed `global_log_mel_max`, else
+    `max(log, log.max() - 8)`); this is that step for a server's own jit, batched.
+
+    Args:
+      log_spec: `[..., F, T]` float32 `log10(max(mel, 1e-10))`.
+      global_log_mel_max: the fixed ceiling (a Python float; None or 0.0 = the dynamic max, as
+        vLLM tests it for truthiness), compiled in as a constant.
+      valid: optional `[..., T]` bool, the real frames: the max spans them only, and the others
+        come out 0.0.
+
+    Returns:
+      `[..., F, T]` float32 `(max(log, floor) + 4) / 4`.
+    """
+    if global_log_mel_max is not None and not isinstance(global_log_mel_max, float):
+        raise TypeError(f"global_log_mel_max must be a Python float, got {global_log_mel_max!r}")
+    mask = None if valid is None else jnp.asarray(valid)[..., None, :]
+    if global_log_mel_max:
+        floor = np.float32(global_log_mel_max - 8.0)
+    else:
+        masked = log_spec if mask is None else jnp.where(mask, log_spec, -jnp.inf)
+        floor = jnp.max(masked, axis=(-2, -1), keepdims=True) - 8.0
+    return _scaled(log_spec, floor, mask)
+
+
+def _scaled(log: jax.Array, floor: Any, mask: Any) -> jax.Array:
+    out = (jnp.maximum(log, floor) + 4.0) / 4.0
+    return out if mask is None else jnp.where(mask, out, 0.0)
+
+
+@ft.cache
+def _tables(config: MelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Program constants: float32 filters `[n_fft // 2 + 1, F]`, float64 window `[n_fft]`."""
+    return slaney_mel_filters(config).astype(np.float32), periodic_hann(config.n_fft)
+
+
+def log_mel_rows(x: jax.Array, meta: Any, *, spec: MelSpec) -> tuple[jax.Array, jax.Array]:
     """Traceable core: log-mel frames of selected windows of a padded waveform batch.
 
     Args:
       x: `[B, W]` padded waveforms.
       meta: packed int32 fields: `length` [B] real samples, `signal` [B] signal samples,
-        `row_audio` [R] waveform of each row, `row_frame0` [R] first frame of the row,
-        `row_frames` [R] valid frames of the row (0 for a padding row).
-      filters: `[n_fft // 2 + 1, F]` float32 mel filters.
-      window: `[2, n_fft]` float32 window and its float32 rounding residual (`device_tables`).
+        `row_audio` [R] waveform of each row (>= B: a padding row), `row_frame0` [R] first
+        frame of the row, `row_frames` [R] valid frames of the row (0 for a padding row).
       spec: static settings.
 
     Returns:
       `[R, F, T]` features (invalid frames are 0.0) and `[B]` bool: every real sample is finite.
     """
+    cfg = spec.config
+    n_fft, hop = cfg.n_fft, cfg.hop_length
+    filters, window = _tables(cfg)
     x = x.astype(jnp.float32)
     b, w = x.shape
     length, signal = meta["length"], meta["signal"]  # [B], [B]
     row_audio, frame0, row_frames = meta["row_audio"], meta["row_frame0"], meta["row_frames"]
+    audio = jnp.minimum(row_audio, b - 1)  # padding rows read a real buffer row, masked below
     n_rows = row_audio.shape[0]
-    nblk = -(-spec.n_fft // spec.hop)  # hops spanned by one window
-    seg = (spec.frames + nblk) * spec.hop
+    nblk = -(-n_fft // hop)  # hops spanned by one window
+    seg = (spec.frames + nblk) * hop
     # Position in the signal of every sample the row's windows touch; centre padding = n_fft // 2.
-    q = frame0[:, None] * spec.hop + jnp.arange(seg, dtype=jnp.int32)[None, :] - spec.n_fft // 2
-    sig = signal[row_audio][:, None]  # [R, 1]
+    q = frame0[:, None] * hop + jnp.arange(seg, dtype=jnp.int32)[None, :] - n_fft // 2
+    sig = signal[audio][:, None]  # [R, 1]
     q = jnp.where(q < 0, -q, q)  # reflect about the first sample
     q = jnp.where(q >= sig, 2 * (sig - 1) - q, q)  # reflect about the last signal sample
-    real = (q >= 0) & (q < length[row_audio][:, None])  # beyond the audio the signal is zero
+    real = (q >= 0) & (q < length[audio][:, None])  # beyond the audio the signal is zero
     src = jnp.clip(q, 0, w - 1)
-    samples = jnp.where(real, x[row_audio[:, None], src], 0.0)  # [R, seg]
+    samples = jnp.where(real, x[audio[:, None], src], 0.0)  # [R, seg]
     # Framing without a per-sample gather: window t = hops t .. t + nblk - 1, truncated to n_fft.
-    blocks = samples.reshape(n_rows, spec.frames + nblk, spec.hop)
+    blocks = samples.reshape(n_rows, spec.frames + nblk, hop)
     frames = jnp.concatenate([blocks[:, i : i + spec.frames] for i in range(nblk)], axis=-1)
-    frames = frames[..., : spec.n_fft]  # [R, T, n_fft], exact float32 samples
-    power = power_spectrum(frames, window, float64=spec.float64)  # [R, T, n_fft // 2 + 1]
+    frames = frames[..., :n_fft]  # [R, T, n_fft], exact float32 samples
+    power = power_spectrum(frames, window, precision=spec.precision)  # [R, T, n_fft // 2 + 1]
     # Full fp32 even where TF32 is the default: the filters' low bins span 7 decades.
     mel = jnp.einsum("rtk,kf->rft", power, filters, precision=jax.lax.Precision.HIGHEST)
     log = jnp.log10(jnp.maximum(mel, 1e-10))  # [R, F, T]
     valid = jnp.arange(spec.frames, dtype=jnp.int32)[None, :] < row_frames[:, None]  # [R, T]
+    mask = valid[:, None, :]
     if spec.floor_value is None:
-        row_max = jnp.max(jnp.where(valid[:, None, :], log, -jnp.inf), axis=(1, 2))  # [R]
-        # A waveform's max spans all of its rows (e.g. all 30 s windows of one audio).
+        row_max = jnp.max(jnp.where(mask, log, -jnp.inf), axis=(1, 2))  # [R]
+        # A waveform's max spans all of its rows (e.g. all 30 s windows of one audio); padding
+        # rows (row_audio >= B) belong to no waveform.
         audio_max = jax.ops.segment_max(row_max, row_audio, num_segments=b)  # [B]
-        log = jnp.maximum(log, (audio_max[row_audio] - 8.0)[:, None, None])
+        floor = (audio_max[audio] - 8.0)[:, None, None]
     else:
-        log = jnp.maximum(log, np.float32(spec.floor_value))
-    out = jnp.where(valid[:, None, :], (log + 4.0) / 4.0, 0.0)
+        floor = np.float32(spec.floor_value)
     finite = jnp.all(
         jnp.isfinite(x) | (jnp.arange(w, dtype=jnp.int32)[None, :] >= length[:, None]), axis=1
     )
-    return out, finite
+    return _scaled(log, floor, mask), finite
 
 
 _log_mel_jit = jax.jit(log_mel_rows, static_argnames=("spec",))
-
-
-@dataclasses.dataclass(frozen=True)
-class WaveformPlan:
-    """Host-side plan of one padded waveform batch (all numpy; nothing read from the device).
-
-    Attributes:
-      x: the waveform batch on the device, `[B_pad, W]`.
-      lengths: real samples per waveform `[B]` (after truncation for per_example).
-      signal: signal samples per waveform `[B]`.
-      batch: B (rows at or after it in `x` are bucket padding).
-    """
-
-    x: jax.Array
-    lengths: np.ndarray
-    signal: np.ndarray
-    batch: int
-
-    def audio_fields(self) -> dict[str, np.ndarray]:
-        """`length` / `signal` over the padded batch (padding waveforms: silent, n_fft samples)."""
-        pad = self.x.shape[0] - self.batch
-        length = np.concatenate([self.lengths, np.zeros(pad, np.int64)]).astype(np.int32)
-        signal = np.concatenate([self.signal, np.full(pad, 1 << 12, np.int64)]).astype(np.int32)
-        return {"length": length, "signal": signal}
-
-
-def resolve_floor(config: MelConfig, floor: FloorMode | None) -> FloorMode:
-    """Default floor: the configured global max when set, else the per-audio max (vLLM)."""
-    if floor is None:
-        return "global" if config.floor_value is not None else "per_audio"
-    if floor not in ("global", "per_audio", "per_example"):
-        raise ValueError(f"floor must be 'global', 'per_audio' or 'per_example', got {floor!r}")
-    if floor == "global" and config.floor_value is None:
-        raise ValueError("floor='global' needs a truthy float config.global_log_mel_max")
-    return floor
-
-
-def plan_waveforms(
-    waveforms: np.ndarray | jax.Array,
-    lengths: Sequence[int] | np.ndarray | None,
-    config: MelConfig,
-    *,
-    floor: FloorMode,
-    pad_to_multiple_of: int | None = None,
-    max_length: int | None = None,
-    sampling_rate: int | None = None,
-    placement=None,
-) -> WaveformPlan:
-    """Validates host metadata, pads a host batch to its bucket and uploads it (one transfer).
-
-    Host NumPy waveforms are checked for NaN/inf here (host data: no device read). A device
-    `jax.Array` is used as given (its width is the caller's bucket) and is *not* checked on the
-    host, since that would be a device read; the `finite` flag computed on the device reports it.
-    """
-    if sampling_rate is not None and sampling_rate != config.sampling_rate:
-        raise ValueError(
-            f"waveforms are sampled at {sampling_rate} Hz but the front end expects "
-            f"{config.sampling_rate} Hz; resample first"
-        )
-    on_device = isinstance(waveforms, jax.Array)
-    if not on_device:
-        waveforms = np.asarray(waveforms)
-        if not np.issubdtype(waveforms.dtype, np.floating):
-            raise TypeError(f"waveforms must be floating point, got {waveforms.dtype}")
-    if waveforms.ndim == 1:
-        waveforms = waveforms[None, :]
-    if waveforms.ndim != 2:
-        raise ValueError(f"waveforms must be [B, W] (mono), got shape {waveforms.shape}")
-    b, w = waveforms.shape
-    if b == 0:
-        raise ValueError("empty batch: no waveforms")
-    lens = np.full(b, w, np.int64) if lengths is None else np.asarray(lengths)
-    if lens.shape != (b,) or not np.issubdtype(lens.dtype, np.integer):
-        raise ValueError(f"lengths must be {b} host ints, got {lens!r}")
-    lens = lens.astype(np.int64)
-    if (lens <= 0).any():
-        raise ValueError(
-            f"empty audio: waveforms {np.flatnonzero(lens <= 0).tolist()} have length 0"
-        )
-    if (lens > w).any():
-        raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
-    if floor == "per_example":
-        if pad_to_multiple_of is not None:
-            raise ValueError("pad_to_multiple_of does not apply to floor='per_example'")
-        max_length = config.n_samples if max_length is None else int(max_length)
-        if max_length <= config.n_fft // 2:
-            raise ValueError(
-                f"max_length {max_length} must exceed n_fft // 2 = {config.n_fft // 2}"
-            )
-        lens = np.minimum(lens, max_length)  # HF truncation=True
-        signal = np.full(b, max_length, np.int64)
-    else:
-        if max_length is not None:
-            raise ValueError("max_length applies to floor='per_example' only")
-        signal = lens.copy()
-        if pad_to_multiple_of is not None:
-            if pad_to_multiple_of <= 0:
-                raise ValueError(f"pad_to_multiple_of must be positive, got {pad_to_multiple_of}")
-            signal = -(-lens // pad_to_multiple_of) * pad_to_multiple_of
-        short = np.flatnonzero(signal <= config.n_fft // 2)
-        if short.size:
-            raise ValueError(
-                f"waveforms {short.tolist()} are shorter than n_fft // 2 + 1 = "
-                f"{config.n_fft // 2 + 1} samples: centre reflect padding is undefined "
-                "(torch.stft raises too); pad them or use floor='per_example'"
-            )
-    if on_device:
-        x = waveforms
-    else:
-        bad = [i for i in range(b) if not np.isfinite(waveforms[i, : lens[i]]).all()]
-        if bad:
-            raise ValueError(f"waveforms {bad} contain NaN or inf samples")
-        hop = config.hop_length
-        width = jaxsync.bucket(-(-int(lens.max()) // hop), minimum=16) * hop
-        host = np.zeros((jaxsync.bucket(b, minimum=1), width), np.float32)
-        for i in range(b):
-            host[i, : lens[i]] = waveforms[i, : lens[i]]
-        x = jaxsync.async_h2d(host, placement=placement, copy=False)  # `host` is ours alone
-    return WaveformPlan(x=x, lengths=lens, signal=signal, batch=b)
 
 
 class LogMel(NamedTuple):
@@ -250,7 +177,8 @@ class LogMel(NamedTuple):
         >= num_frames[i] are padding (0.0).
       finite: `[B_pad]` device bool: every real sample of the waveform was finite (read it
         whenever convenient; the call itself never waits for it).
-      num_frames: `[B]` host int: valid frames per waveform (`signal // hop_length`).
+      num_frames: `[B]` host int: valid frames per waveform (`(signal - n_fft % 2) // hop`,
+        as `torch.stft(center=True)` less its last frame).
     """
 
     features: jax.Array
@@ -260,8 +188,8 @@ class LogMel(NamedTuple):
 
 @jaxsync.check.entry_point
 def log_mel_spectrogram(
-    waveforms: np.ndarray | jax.Array,
-    lengths: Sequence[int] | np.ndarray | None = None,
+    waveforms: Any,
+    lengths: Any = None,
     *,
     config: MelConfig,
     floor: FloorMode | None = None,
@@ -283,36 +211,47 @@ def log_mel_spectrogram(
       max_length: per_example only: samples every example is truncated / padded to (default
         `config.n_samples`, 30 s).
       sampling_rate: if given, must equal `config.sampling_rate`.
-      placement: device or sharding for the upload and the constant tables.
+      placement: device or sharding for the upload of host waveforms (a device input stays
+        where it is: its metadata goes next to it, replicated over its mesh).
 
     Returns:
       `LogMel` with padded device features and host frame counts.
 
     Raises:
       ValueError: empty or too-short audio, lengths out of range, NaN/inf in host waveforms,
-        a sampling-rate mismatch, or floor="global" without a configured max.
+        a sampling-rate mismatch, floor="global" without a configured max, or a device input
+        on other devices than `placement`.
+      TypeError: non-integer lengths or settings, non-float waveforms.
     """
     floor = resolve_floor(config, floor)
-    plan = plan_waveforms(
-        waveforms, lengths, config, floor=floor, pad_to_multiple_of=pad_to_multiple_of,
-        max_length=max_length, sampling_rate=sampling_rate, placement=placement,
+    x, lens = check_waveforms(waveforms, lengths, config, sampling_rate=sampling_rate)
+    on_device = isinstance(x, jax.Array)
+    b_pad, width = x.shape if on_device else host_buckets(lens, config.hop_length)
+    plan = plan_log_mel(
+        lens, width, b_pad, config, floor=floor, pad_to_multiple_of=pad_to_multiple_of,
+        max_length=max_length,
     )  # fmt: skip
-    hop = config.hop_length
-    b_pad, w = plan.x.shape
-    if floor == "per_example":
-        frames = int(plan.signal[0]) // hop
-    elif pad_to_multiple_of is not None:
-        frames = -(-w // pad_to_multiple_of) * pad_to_multiple_of // hop
+    if on_device:
+        check_placement(x, placement, name="waveforms")
     else:
-        frames = w // hop
-    fields = plan.audio_fields()
-    num_frames = plan.signal // hop
-    fields["row_audio"] = np.arange(b_pad, dtype=np.int32)
-    fields["row_frame0"] = np.zeros(b_pad, np.int32)
-    fields["row_frames"] = np.concatenate([num_frames, np.zeros(b_pad - plan.batch, np.int64)])
-    meta = jaxsync.upload_packed(fields, placement=placement)
-    filters, window = device_tables(config, placement)
-    floor_value = config.floor_value if floor == "global" else None
-    spec = MelSpec(config.n_fft, hop, frames, floor_value, spectral_float64(plan.x))
-    feats, finite = _log_mel_jit(plan.x, meta, filters, window, spec=spec)
-    return LogMel(features=feats, finite=finite, num_frames=num_frames)
+        x = jaxsync.async_h2d(
+            host_batch(x, lens, config.hop_length), placement=placement, copy=False
+        )  # fmt: skip  (the padded batch is ours alone)
+    meta = jaxsync.upload_packed(plan.fields, placement=jaxsync.replicated_near(x))
+    spec = MelSpec(config, plan.frames, plan.floor_value)
+    feats, finite = _log_mel_jit(x, meta, spec=spec)
+    return LogMel(features=feats, finite=finite, num_frames=plan.num_frames)
+
+
+def check_placement(x: jax.Array, placement: Any, *, name: str) -> None:
+    """A device input and an explicit `placement=` must name the same devices."""
+    if placement is None or isinstance(x, jax.core.Tracer):
+        return
+    want = placement if isinstance(placement, jax.Device) else None
+    devices = {want} if want is not None else set(placement.device_set)
+    have = set(x.sharding.device_set)
+    if have != devices:
+        raise ValueError(
+            f"{name} live on devices {sorted(d.id for d in have)} but placement= names devices "
+            f"{sorted(d.id for d in devices)}: move the input or drop placement="
+        )

@@ -1,17 +1,26 @@
-"""Voxtral audio encoder (a Whisper encoder) and multimodal projector as NNX modules.
+"""Voxtral audio tower (a Whisper encoder plus the multimodal projector) and its pure forward.
 
-Attribute names mirror transformers' `VoxtralEncoder` / `VoxtralMultiModalProjector`, so the weight
-table in `_weights.py` is a plain rename plus layout transforms.
+Attribute names mirror transformers' `VoxtralEncoder` (`audio_tower.*`) with the projector as
+`multi_modal_projector`, so the weight table in `_weights.py` is a rename plus layout transforms.
+
+`forward(tower, features, meta)` is the pure function a server calls inside its own jit
+(`forward(nnx.merge(graphdef, state), features, meta)`); `forward_waveforms` puts the on-device
+log-mel front end in front of it. Every window ("chunk") is encoded on its own: no value of one
+chunk reaches another, so a NaN in one item never changes another item's rows.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jaxsync
 from jaxsync.models._attention import AttentionImpl, resolve_attention
 from jaxsync.models.voxtral._config import VoxtralAudioConfig
+from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows
 
 
 def _gelu(x: jax.Array) -> jax.Array:
@@ -70,38 +79,6 @@ class EncoderLayer(nnx.Module):
         return x + self.fc2(_gelu(self.fc1(self.final_layer_norm(x))))
 
 
-class AudioEncoder(nnx.Module):
-    """Conv1d (k3) + GELU, Conv1d (k3, stride 2) + GELU, positions, layers, final LayerNorm."""
-
-    def __init__(self, cfg: VoxtralAudioConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
-        d = cfg.hidden_size
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.conv1 = nnx.Conv(cfg.num_mel_bins, d, kernel_size=(3,), padding=((1, 1),), **kw)
-        self.conv2 = nnx.Conv(d, d, kernel_size=(3,), strides=(2,), padding=((1, 1),), **kw)
-        # transformers keeps embed_positions in float32 whatever the model dtype.
-        self.embed_positions = nnx.Embed(
-            cfg.max_source_positions, d, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32
-        )
-        self.layers = nnx.List([EncoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
-        self.layer_norm = nnx.LayerNorm(d, epsilon=cfg.layer_norm_eps, **kw)
-        self.chunk_frames = cfg.chunk_frames
-        self.dtype = dtype
-
-    def __call__(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C, P, D]
-        if mel.shape[-1] != self.chunk_frames:
-            raise ValueError(
-                f"encoder windows must have {self.chunk_frames} frames, got {mel.shape}"
-            )
-        h = jnp.swapaxes(mel.astype(self.dtype), 1, 2)  # [C, 2P, F]
-        h = _gelu(self.conv1(h))
-        h = _gelu(self.conv2(h))  # [C, P, D]
-        pos = self.embed_positions.embedding[...]  # [P, D] float32
-        h = (h.astype(jnp.float32) + pos[None]).astype(h.dtype)
-        for layer in self.layers:
-            h = layer(h)
-        return self.layer_norm(h)
-
-
 class Projector(nnx.Module):
     """`linear_2(gelu(linear_1(x)))` on groups of `frames_per_token` encoder frames (no biases)."""
 
@@ -116,3 +93,92 @@ class Projector(nnx.Module):
         c, p, d = h.shape
         h = h.reshape(c, p // self.group, self.group * d)  # consecutive frames of one window
         return self.linear_2(_gelu(self.linear_1(h)))
+
+
+class VoxtralAudioTower(nnx.Module):
+    """Conv1d (k3) + GELU, Conv1d (k3, stride 2) + GELU, positions, layers, final LayerNorm
+    (transformers `VoxtralEncoder`), then the projector on groups of encoder frames.
+
+    Args:
+      cfg: the audio config.
+      rngs: initialiser keys (weights are usually loaded with `load_model`).
+      dtype: compute dtype; param_dtype: parameter dtype (embed_positions stays float32, as
+        transformers keeps it).
+    """
+
+    def __init__(
+        self,
+        cfg: VoxtralAudioConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        d = cfg.hidden_size
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.conv1 = nnx.Conv(cfg.num_mel_bins, d, kernel_size=(3,), padding=((1, 1),), **kw)
+        self.conv2 = nnx.Conv(d, d, kernel_size=(3,), strides=(2,), padding=((1, 1),), **kw)
+        self.embed_positions = nnx.Embed(
+            cfg.max_source_positions, d, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32
+        )
+        self.layers = nnx.List([EncoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        self.layer_norm = nnx.LayerNorm(d, epsilon=cfg.layer_norm_eps, **kw)
+        self.multi_modal_projector = Projector(cfg, **kw)
+        self.config = cfg
+        self.dtype = dtype
+
+    def embed(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C, P, D]
+        """The convolutions and positions in front of the layers."""
+        if mel.ndim != 3 or mel.shape[1:] != (self.config.num_mel_bins, self.config.chunk_frames):
+            raise ValueError(
+                f"encoder windows must be [C, {self.config.num_mel_bins}, "
+                f"{self.config.chunk_frames}], got {mel.shape}"
+            )
+        h = jnp.swapaxes(mel.astype(self.dtype), 1, 2)  # [C, 2P, F]
+        h = _gelu(self.conv1(h))
+        h = _gelu(self.conv2(h))  # [C, P, D]
+        pos = self.embed_positions.embedding[...]  # [P, D] float32
+        return (h.astype(jnp.float32) + pos[None]).astype(h.dtype)
+
+    def encode(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C, P, D]
+        """transformers `audio_tower(mel).last_hidden_state`."""
+        return self.layer_norm(jaxsync.run_layers(self.layers, self.embed(mel)))
+
+    def audio_features(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C * P/4, V_hidden]
+        """transformers `get_audio_features(mel).pooler_output`."""
+        out = self.multi_modal_projector(self.encode(mel))
+        return out.reshape(-1, out.shape[-1])
+
+
+def forward(tower: VoxtralAudioTower, features: jax.Array, meta: Any) -> tuple[jax.Array, ...]:
+    """Pure forward: log-mel windows -> projected audio embeddings, callable inside any jit.
+
+    Args:
+      tower: the module (weights arrive as arguments when merged inside the caller's jit).
+      features: `[C, F, 2P]` log-mel windows (the processor's `input_features`).
+      meta: packed int32 fields (`plan_chunks`): `row_audio` [C] item of each window (>= B for
+        padding windows), `item_chunks` [B] windows per item.
+
+    Returns:
+      `[C * P / g, V_hidden]` embeddings (window c owns rows `c * P/g ...`) and `[B]` bool:
+      every window of the item had finite features and finite embeddings (an item without
+      windows reports False).
+    """
+    out = tower.multi_modal_projector(tower.encode(features))  # [C, P/g, V]
+    ok = jnp.all(jnp.isfinite(features), axis=(1, 2)) & jnp.all(jnp.isfinite(out), axis=(1, 2))
+    b = meta["item_chunks"].shape[0]
+    # Padding windows (row_audio >= B) fall outside every segment; an empty item keeps the
+    # identity of `segment_min` (the int32 max), so it needs its own "has windows" test.
+    worst = jax.ops.segment_min(ok.astype(jnp.int32), meta["row_audio"], num_segments=b)
+    finite = (worst == 1) & (meta["item_chunks"] > 0)
+    return out.reshape(-1, out.shape[-1]), finite
+
+
+def forward_waveforms(
+    tower: VoxtralAudioTower, waveforms: jax.Array, meta: Any, *, mel: MelSpec
+) -> tuple[jax.Array, ...]:
+    """`forward` behind the on-device log-mel: padded waveforms `[B, W]` -> embeddings, `[B]`
+    finite (every real sample finite too). `meta` holds the `plan_waveform_chunks` fields."""
+    features, samples_ok = log_mel_rows(waveforms, meta, spec=mel)  # [C, F, 2P], [B]
+    emb, finite = forward(tower, features, meta)
+    return emb, finite & samples_ok

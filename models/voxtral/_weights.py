@@ -1,22 +1,23 @@
-"""Checkpoint key table: transformers / Hub Voxtral keys -> `VoxtralAudioModel` parameters.
+"""Checkpoint key table (transformers / Hub Voxtral keys -> `VoxtralAudioTower`), sharding rules,
+and `load_model`.
 
 Hub checkpoints (Voxtral-Mini-3B-2507, -Small-24B-2507) store `audio_tower.*` and
 `multi_modal_projector.*` at the top level; transformers 5.x renames them on load to
 `model.audio_tower.*` / `model.multi_modal_projector.*` (conversion_mapping "qwen2_audio"), which is
 what `state_dict()` of a 5.x `VoxtralForConditionalGeneration` shows. Both spellings load.
-Language-model keys are not selected.
+Language-model keys are not selected (nor their shards read, given an index).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxsync.models.voxtral._config import VoxtralAudioConfig
-from jaxsync.models.voxtral._model import VoxtralAudioModel
-from jaxsync.weights import Rule, conv, linear, load_weights
+from jaxsync.models.voxtral._modules import VoxtralAudioTower
+from jaxsync.weights import PartitionRules, Rule, checkpoint_dtype, conv, linear, load_weights
 
 
 _P = r"(?:model\.)?"  # optional transformers-5.x prefix
@@ -26,23 +27,19 @@ _L = _A + r"layers\.(\d+)\."
 SELECT = _P + r"(?:audio_tower|multi_modal_projector)\."
 
 RULES: tuple[Rule, ...] = (
-    Rule(_A + r"conv([12])\.weight", r"audio_tower.conv\1.kernel", conv(1)),
-    Rule(_A + r"conv([12])\.bias", r"audio_tower.conv\1.bias"),
-    Rule(_A + r"embed_positions\.weight", "audio_tower.embed_positions.embedding"),
+    Rule(_A + r"conv([12])\.weight", r"conv\1.kernel", conv(1)),
+    Rule(_A + r"conv([12])\.bias", r"conv\1.bias"),
+    Rule(_A + r"embed_positions\.weight", "embed_positions.embedding"),
     Rule(
-        _L + r"self_attn\.([qkv]|out)_proj\.weight",
-        r"audio_tower.layers.\1.self_attn.\2_proj.kernel",
-        linear,
-    ),  # fmt: skip
-    Rule(_L + r"self_attn\.(q|v|out)_proj\.bias", r"audio_tower.layers.\1.self_attn.\2_proj.bias"),
-    Rule(_L + r"fc([12])\.weight", r"audio_tower.layers.\1.fc\2.kernel", linear),
-    Rule(_L + r"fc([12])\.bias", r"audio_tower.layers.\1.fc\2.bias"),
-    Rule(
-        _L + r"(self_attn_layer_norm|final_layer_norm)\.weight", r"audio_tower.layers.\1.\2.scale"
+        _L + r"self_attn\.([qkv]|out)_proj\.weight", r"layers.\1.self_attn.\2_proj.kernel", linear
     ),
-    Rule(_L + r"(self_attn_layer_norm|final_layer_norm)\.bias", r"audio_tower.layers.\1.\2.bias"),
-    Rule(_A + r"layer_norm\.weight", "audio_tower.layer_norm.scale"),
-    Rule(_A + r"layer_norm\.bias", "audio_tower.layer_norm.bias"),
+    Rule(_L + r"self_attn\.(q|v|out)_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
+    Rule(_L + r"fc([12])\.weight", r"layers.\1.fc\2.kernel", linear),
+    Rule(_L + r"fc([12])\.bias", r"layers.\1.fc\2.bias"),
+    Rule(_L + r"(self_attn_layer_norm|final_layer_norm)\.weight", r"layers.\1.\2.scale"),
+    Rule(_L + r"(self_attn_layer_norm|final_layer_norm)\.bias", r"layers.\1.\2.bias"),
+    Rule(_A + r"layer_norm\.weight", "layer_norm.scale"),
+    Rule(_A + r"layer_norm\.bias", "layer_norm.bias"),
     Rule(
         _P + r"multi_modal_projector\.linear_([12])\.weight",
         r"multi_modal_projector.linear_\1.kernel",
@@ -50,31 +47,58 @@ RULES: tuple[Rule, ...] = (
     ),  # fmt: skip
 )
 
+# Megatron-style tensor parallelism over a "model" mesh axis: heads and MLP columns split on the
+# way in, rows on the way out (one all-reduce per block); everything else replicated. Axes a mesh
+# lacks, or that do not divide a dimension, are dropped (`jaxsync.weights.partition_spec`).
+PARTITION_RULES: PartitionRules = (
+    (r"self_attn\.(q|k|v)_proj\.kernel", (None, "model")),
+    (r"self_attn\.(q|v)_proj\.bias", ("model",)),
+    (r"self_attn\.out_proj\.kernel", ("model", None)),
+    (r"fc1\.kernel", (None, "model")),
+    (r"fc1\.bias", ("model",)),
+    (r"fc2\.kernel", ("model", None)),
+    (r"multi_modal_projector\.linear_1\.kernel", (None, "model")),
+    (r"multi_modal_projector\.linear_2\.kernel", ("model", None)),
+)
 
-def load_voxtral_audio(
+
+def load_model(
     checkpoint: str | Path,
-    config: VoxtralAudioConfig,
+    cfg: VoxtralAudioConfig | None = None,
     *,
-    dtype=jnp.float32,
-    allow_cast: bool = False,
-    sharding=None,
-) -> VoxtralAudioModel:
+    dtype: Any = None,
+    mesh: Any = None,
+    partition_rules: PartitionRules = PARTITION_RULES,
+) -> VoxtralAudioTower:
     """Loads the audio tower and projector of a Voxtral checkpoint (file, index or directory).
 
     Args:
       checkpoint: safetensors file, sharded index, or directory.
-      config: the audio config (see `VoxtralAudioConfig.from_hf_config`).
-      dtype: compute and parameter dtype (embed_positions stays float32, as upstream).
-      allow_cast: allow float casts, e.g. an fp32 checkpoint into a bf16 model.
-      sharding: optional per-parameter placement, forwarded to `jaxsync.weights.load_weights`.
+      cfg: the audio config; None reads `from_hf_config(checkpoint)` (a directory's
+        `config.json`, or the one next to a file).
+      dtype: None keeps the checkpoint's float dtype (a bf16 checkpoint loads at bf16); a dtype
+        casts to it. `embed_positions` stays float32 either way, as transformers keeps it.
+      mesh: place each parameter on this mesh as it is read, per `partition_rules`.
+      partition_rules: `[(regex over parameter paths, axes), ...]` (default `PARTITION_RULES`).
 
     Raises:
-      jaxsync.weights.WeightError: unknown, missing, mis-shaped or mis-typed tensors.
+      jaxsync.weights.WeightError: unknown, missing, mis-shaped or mis-typed tensors, or an
+        unreadable file.
     """
+    if cfg is None:
+        path = Path(checkpoint)
+        cfg = VoxtralAudioConfig.from_hf_config(path if path.is_dir() else path.parent)
+    if not isinstance(cfg, VoxtralAudioConfig):
+        raise TypeError(f"cfg must be a VoxtralAudioConfig or None, got {type(cfg).__name__}")
+    if dtype is None:
+        dtype = checkpoint_dtype(checkpoint, select=SELECT)
 
-    def factory() -> VoxtralAudioModel:
-        return VoxtralAudioModel(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    def factory() -> VoxtralAudioTower:
+        return VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
 
+    # Every float tensor goes to its parameter's declared dtype: `dtype` for all but the
+    # float32 position table.
     return load_weights(
-        factory, checkpoint, RULES, select=SELECT, allow_cast=allow_cast, sharding=sharding
-    )
+        factory, checkpoint, RULES, select=SELECT, allow_cast=True, mesh=mesh,
+        partition_rules=partition_rules if mesh is not None else None,
+    )  # fmt: skip

@@ -1,3 +1,3 @@
 """Harness for jaxsync.models.voxtral: verify registrations, benchmarks, references."""
 
-import jaxsync.models.voxtral._verify  # noqa: F401  (registers; moves here)
+from jaxsync.paths.voxtral import bench as bench, verify as verify  # registration on import

@@ -1,10 +1,10 @@
-"""Voxtral audio encoder + projector vs transformers, end to end from waveforms, sync-freedom."""
+"""Voxtral audio tower + projector vs transformers through our loader, end to end from waveforms."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,11 +15,11 @@ import jaxsync.check
 from jaxsync.models.voxtral import (
     MelConfig,
     VoxtralAudioConfig,
-    VoxtralAudioEmbedder,
-    VoxtralAudioModel,
-    _reference as ref,
-    load_voxtral_audio,
+    VoxtralAudioEncoder,
+    VoxtralAudioTower,
+    load_model,
 )
+from jaxsync.paths.voxtral import reference as ref
 from jaxsync.testing import rel_err, requires_torch
 from jaxsync.weights import WeightError
 
@@ -36,13 +36,7 @@ BF16_RTOL = 3e-2
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     model, path, cfg = ref.build_tiny_voxtral(tmp_path_factory.mktemp("voxtral"))
-    return model, path, cfg, load_voxtral_audio(path, cfg)
-
-
-@pytest.fixture(scope="module")
-def embedder(tiny):
-    fe = ref.whisper_fe(128)
-    return VoxtralAudioEmbedder(tiny[3], MelConfig.from_feature_extractor(fe)), fe
+    return model, path, cfg, load_model(path)
 
 
 def _mel(c: int, cfg: VoxtralAudioConfig, seed: int) -> np.ndarray:
@@ -65,7 +59,7 @@ def _batch(audios, width=None):
 def test_hub_and_transformers_keys_load_identically(tiny, tmp_path):
     *_, cfg, loaded = tiny
     _, hub_path, _ = ref.build_tiny_voxtral(tmp_path, hub_keys=True)  # same seed, "audio_tower.*"
-    hub = load_voxtral_audio(hub_path, cfg)
+    hub = load_model(hub_path, cfg)
     a, b = nnx.to_flat_state(nnx.state(loaded)), nnx.to_flat_state(nnx.state(hub))
     assert len(a) == len(b) and len(a) == 4 + 1 + 2 + cfg.num_hidden_layers * 15 + 2
     for (pa, va), (pb, vb) in zip(a, b, strict=True):
@@ -79,6 +73,7 @@ def test_encoder_and_audio_features_parity(tiny, chunks):
     want_enc, want_emb = ref.torch_audio_features(model, mel)
     x = jnp.asarray(mel, jnp.float32)
     enc = jaxsync.jit_method(jmodel, "encode")(x)
+    assert jmodel.config == cfg  # read from the checkpoint's config.json
     emb = jaxsync.jit_method(jmodel, "audio_features")(x)
     assert emb.shape == (chunks * cfg.tokens_per_chunk, cfg.text_hidden_size)
     assert rel_err(enc, want_enc) <= RTOL, rel_err(enc, want_enc)
@@ -91,74 +86,54 @@ def test_waveform_to_embeddings_one_call(tiny, g):
     (pad to whole windows, per-audio max or fixed floor) fed to `get_audio_features`."""
     model, _, cfg, jmodel = tiny
     fe = ref.whisper_fe(128) if g is None else ref.realtime_fe(128, g)
-    emb = VoxtralAudioEmbedder(jmodel, MelConfig.from_feature_extractor(fe))
+    emb = VoxtralAudioEncoder(jmodel, MelConfig.from_feature_extractor(fe))
     window = cfg.chunk_frames * 160  # 6400 samples
     audios = [_audio(n, i) for i, n in enumerate([7001, 3000, 2 * window, 301])]
     out = emb(_batch(audios), [len(a) for a in audios], sampling_rate=16000)
-    assert out.num_chunks.tolist() == [2, 1, 2, 1]
-    assert out.offsets.tolist() == [0, 10, 15, 25] and out.num_tokens.tolist() == [10, 5, 10, 5]
+    assert out.offsets == (0, 10, 15, 25) and out.lengths == (10, 5, 10, 5)  # 2, 1, 2, 1 windows
     got = np.asarray(out.embeddings)
     assert got.shape == (8 * cfg.tokens_per_chunk, cfg.text_hidden_size)  # 6 windows -> bucket 8
     for i, a in enumerate(audios):
         if g is None:
             mel = ref.processor_features(fe, a, cfg.chunk_frames)
         else:  # realtime extractor on the audio zero-padded to whole windows
-            padded = _batch([a], out.num_chunks[i] * window)[0]
+            padded = _batch([a], out.lengths[i] // cfg.tokens_per_chunk * window)[0]
             mel = ref.realtime_torch(fe, padded).reshape(128, -1, cfg.chunk_frames)
             mel = mel.transpose(1, 0, 2)
         _, want = ref.torch_audio_features(model, mel)
-        rows = got[out.offsets[i] : out.offsets[i] + out.num_tokens[i]]
+        rows = got[out.offsets[i] : out.offsets[i] + out.lengths[i]]
         assert rel_err(rows, want) <= RTOL, (i, rel_err(rows, want))
-    assert np.asarray(out.finite)[:4].all()
+    assert np.asarray(out.extras["finite"])[:4].all()
 
 
-def test_bf16(tiny):
+def test_bf16_checkpoint_loads_at_bf16(tiny, tmp_path):
+    """A bf16 checkpoint loads at bf16 with no flag (embed_positions float32, as upstream); an
+    fp32 one casts to bf16 on request. Both against the fp32 reference at the bf16 tolerance."""
     model, path, cfg, _ = tiny
-    jbf16 = load_voxtral_audio(path, cfg, dtype=jnp.bfloat16, allow_cast=True)
-    assert jbf16.audio_tower.embed_positions.embedding[...].dtype == jnp.float32  # as upstream
+    bf16_model = copy.deepcopy(model).to(dtype=_torch_bf16())
+    ckpt = tmp_path / "bf16"
+    ckpt.mkdir()
+    from jaxsync.testing import save_torch_state
+
+    save_torch_state(bf16_model.state_dict(), ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text((Path(path).parent / "config.json").read_text())
     mel = _mel(2, cfg, 7)
     _, want = ref.torch_audio_features(model, mel)
-    got = jaxsync.jit_method(jbf16, "audio_features")(jnp.asarray(mel, jnp.float32))
-    assert got.dtype == jnp.bfloat16
-    _, torch_bf16 = ref.torch_audio_features(copy.deepcopy(model).to(dtype=_torch_bf16()), mel)
-    ours, theirs = rel_err(got, want), rel_err(torch_bf16, want)
-    assert ours <= BF16_RTOL, (ours, theirs)
-    assert ours <= 3 * theirs, (ours, theirs)  # no worse than bf16 rounding explains
+    _, torch_bf16 = ref.torch_audio_features(bf16_model, mel)
+    for jbf16 in (load_model(ckpt), load_model(path, dtype=jnp.bfloat16)):
+        assert jbf16.conv1.kernel[...].dtype == jnp.bfloat16
+        assert jbf16.embed_positions.embedding[...].dtype == jnp.float32  # as upstream
+        got = jaxsync.jit_method(jbf16, "audio_features")(jnp.asarray(mel, jnp.float32))
+        assert got.dtype == jnp.bfloat16
+        ours, theirs = rel_err(got, want), rel_err(torch_bf16, want)
+        assert ours <= BF16_RTOL, (ours, theirs)
+        assert ours <= 3 * theirs, (ours, theirs)  # no worse than bf16 rounding explains
 
 
 def _torch_bf16():
     import torch
 
     return torch.bfloat16
-
-
-def test_sync_free_and_no_recompile(embedder):
-    emb, _ = embedder
-    rng = np.random.default_rng(3)
-
-    def case(lens):  # all: batch bucket 4, width bucket 128 hops, 8 windows (<= 8)
-        return _batch([_audio(n, int(rng.integers(99))) for n in lens], 20000), list(lens)
-
-    first = case([7001, 3000, 12800, 301])
-    more = [case([19000, 5000, 6400]), case([12801, 12000, 400, 6399])]
-    jaxsync.check.assert_sync_free(emb, *first, inputs=more)
-    mel = jnp.asarray(_mel(2, emb.config, 0), jnp.float32)
-    jaxsync.check.assert_sync_free(emb.from_features, mel, inputs=[(mel * 0.5,)])
-
-
-def test_bad_input(tiny, embedder):
-    emb, _ = embedder
-    x = _batch([_audio(5000, 0), _audio(3000, 1)])
-    x[1, 10] = np.inf
-    with pytest.raises(ValueError, match=r"waveforms \[1\] contain NaN or inf"):
-        emb(x, [5000, 3000])
-    assert np.asarray(emb(jax.device_put(x), [5000, 3000]).finite)[:2].tolist() == [True, False]
-    with pytest.raises(ValueError, match="empty audio"):
-        emb(x, [5000, 0])
-    with pytest.raises(ValueError, match="sampled at 24000 Hz"):
-        emb(x, [5000, 3000], sampling_rate=24000)
-    with pytest.raises(ValueError, match="80 mel bins, the encoder expects 128"):
-        VoxtralAudioEmbedder(tiny[3], MelConfig(num_mel_bins=80))
 
 
 def test_config_from_hf_and_released_shapes():
@@ -177,7 +152,8 @@ def test_config_from_hf_and_released_shapes():
     released = VoxtralConfig(text_config=text)
     cfg = VoxtralAudioConfig.from_hf_config(released)
     assert (cfg.chunk_frames, cfg.tokens_per_chunk) == (3000, 375)
-    abstract = nnx.eval_shape(lambda: VoxtralAudioModel(cfg, rngs=nnx.Rngs(0)))
+    assert VoxtralAudioConfig.from_hf_config(released.to_dict()) == cfg  # a dict too
+    abstract = nnx.eval_shape(lambda: VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
     ours = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(abstract)))
     with torch.device("meta"):
         hf = VoxtralForConditionalGeneration(released)
@@ -195,4 +171,4 @@ def test_weight_errors(tiny, tmp_path):
     del state["model.audio_tower.layers.1.fc2.bias"]
     save_file(state, str(tmp_path / "m.safetensors"))
     with pytest.raises(WeightError, match=r"layers\.1\.fc2\.bias"):
-        load_voxtral_audio(tmp_path / "m.safetensors", cfg)
+        load_model(tmp_path / "m.safetensors", cfg)

@@ -46,7 +46,7 @@ def build_tiny_voxtral(
     tensor is left at an initialiser value a wrong mapping could get right by accident.
 
     Args:
-      directory: where `model.safetensors` goes.
+      directory: where `model.safetensors` and `config.json` go.
       num_mel_bins: encoder input bins.
       seed: torch seed.
       hub_keys: save with the Hub spelling (`audio_tower.*`) instead of transformers 5.x's
@@ -77,6 +77,7 @@ def build_tiny_voxtral(
     if hub_keys:
         state = {k.removeprefix("model."): v for k, v in state.items()}
     path = save_torch_state(state, Path(directory) / "model.safetensors")
+    hf_cfg.to_json_file(str(Path(directory) / "config.json"))
     return model, path, VoxtralAudioConfig.from_hf_config(hf_cfg)
 
 

@@ -1,0 +1,97 @@
+"""Benchmarks of the Voxtral paths for `jaxsync bench` (torch baselines imported lazily)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsync.models.voxtral import (
+    MelConfig,
+    VoxtralAudioConfig,
+    VoxtralAudioEncoder,
+    VoxtralAudioTower,
+    log_mel_spectrogram,
+)
+from jaxsync.paths.voxtral import reference as ref
+from jaxsync.paths.voxtral.verify import _SR, _batch
+from jaxsync.registry import BenchCase, register_bench
+
+
+def _rotate(items):
+    cycle = itertools.cycle(items)
+    return lambda: next(cycle)
+
+
+def _mel_cases(device: str, size: str) -> list[BenchCase]:
+    import torch
+
+    fe = ref.whisper_fe(128)
+    cfg = MelConfig.from_feature_extractor(fe)
+    filters = torch.from_numpy(fe.mel_filters).to(device, torch.float32)
+    n = 30 * _SR if size == "released" else 2 * _SR
+    cases = []
+    for b in (1, 4, 16, 32) if size == "released" else (1, 3):
+        hosts = [_batch([n] * b, n, seed) for seed in range(3)]
+        jx = _rotate([jax.device_put(h) for h in hosts])
+        tx = _rotate([torch.from_numpy(h).to(device) for h in hosts])
+        hx = _rotate(hosts)
+
+        def jax_fn(jx=jx, b=b):  # HF batch semantics: per-example max over the 30 s rows
+            return log_mel_spectrogram(jx(), [n] * b, config=cfg, floor="per_example",
+                                       max_length=n).features  # fmt: skip
+
+        def hf_torch(hx=hx):  # transformers' torch extractor on the GPU (host in, host out)
+            return fe._torch_extract_fbank_features(hx(), device)
+
+        def vllm(tx=tx):  # vLLM: per waveform, already on the device
+            return torch.stack([ref.vllm_melspec(w, filters) for w in tx()])
+
+        fns = {"transformers_torch_extractor": hf_torch, "vllm_post_pr": vllm}
+        cases.append(BenchCase(f"log_mel[{size},B={b}x{n // _SR}s]", jax_fn, fns, b * n * 4))
+    return cases
+
+
+def _encoder_cases(device: str, size: str) -> list[BenchCase]:
+    import torch
+
+    if size == "released":
+        from transformers import VoxtralConfig
+
+        text = {"model_type": "llama", **ref.TINY_TEXT, "hidden_size": 3072, "head_dim": 128}
+        hf_cfg = VoxtralConfig(text_config=text)
+        dtype, tdtype, counts = jnp.bfloat16, torch.bfloat16, (1, 4, 8)
+    else:
+        hf_cfg, dtype, tdtype, counts = ref.tiny_hf_config(128), jnp.float32, torch.float32, (1, 3)
+    cfg = VoxtralAudioConfig.from_hf_config(hf_cfg)
+    hf_cfg._attn_implementation = "eager"
+    from transformers import VoxtralForConditionalGeneration
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = VoxtralForConditionalGeneration(hf_cfg).to(tdtype).eval()
+    model = VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    emb = VoxtralAudioEncoder(model, MelConfig(num_mel_bins=cfg.num_mel_bins))
+    cases = []
+    for c in counts:
+        mels = [np.random.default_rng(s).uniform(-1, 2, (c, 128, cfg.chunk_frames)) for s in (0, 1)]
+        jx = _rotate([jax.device_put(m.astype(np.float32)) for m in mels])
+        tx = _rotate([torch.from_numpy(m).to(device, tdtype) for m in mels])
+
+        def jax_fn(jx=jx):
+            return emb(input_features=jx()).embeddings
+
+        def hf_eager(tx=tx):
+            return hf.get_audio_features(tx()).pooler_output
+
+        name = f"audio_encoder[{size},C={c}x{cfg.chunk_frames}]"
+        cases.append(BenchCase(name, jax_fn, {"transformers_eager": hf_eager}))
+    return cases
+
+
+@register_bench("voxtral")
+def _bench(device: str, size: str) -> list[BenchCase]:
+    return _mel_cases(device, size) + _encoder_cases(device, size)

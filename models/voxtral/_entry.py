@@ -1,0 +1,274 @@
+"""`VoxtralAudioEncoder`: the host entry of the audio path (plan, upload once, one dispatch).
+
+The Voxtral processor (and mistral-common ahead of vLLM) zero-pads every audio to a multiple of
+30 s, computes the log-mel of the whole padded audio (its dynamic-range max spans all its
+windows), cuts it into windows of `2 * max_source_positions` frames and encodes the stacked
+windows. From raw audio the windows are the rows of the on-device log-mel, so no per-audio
+spectrogram of the padded batch width is built, and the per-audio max is a segment max over its
+windows. The processor's own `input_features` go straight in as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jaxsync
+import jaxsync.check
+from jaxsync.models.voxtral._config import MelConfig
+from jaxsync.models.voxtral._mel import MelSpec
+from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
+from jaxsync.models.voxtral._plan import (
+    VoxtralPlan,
+    check_live,
+    check_waveforms,
+    host_batch,
+    host_buckets,
+    plan_chunks,
+    plan_log_mel,
+    plan_waveform_chunks,
+    resolve_floor,
+)
+
+
+def _replicated(placement: Any) -> Any:
+    """Where per-call metadata goes next to data uploaded to `placement` (whole, on each device)."""
+    if isinstance(placement, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+    return placement
+
+
+class VoxtralAudioEncoder:
+    """Audio in, projected audio embeddings out, in one compiled program per shape mix.
+
+    The encoder snapshots the model's weights when built: after `nnx.update(model, ...)` call
+    `load_state(model)` (no recompile) or the old weights keep serving.
+
+    Args:
+      model: the loaded `VoxtralAudioTower`.
+      mel_config: front-end config for raw audio (default: Whisper's 128-bin extractor with the
+        model's bins); its `num_mel_bins` must match the model and its n_fft must be even (an
+        odd one does not fill whole windows).
+      chunk_buckets: allowed padded window counts (default: powers of two).
+      placement: device or sharding for host uploads (default: where the weights live,
+        replicated over their mesh).
+    """
+
+    def __init__(
+        self,
+        model: VoxtralAudioTower,
+        mel_config: MelConfig | None = None,
+        *,
+        chunk_buckets: Sequence[int] | None = None,
+        placement: Any = None,
+    ):
+        if not isinstance(model, VoxtralAudioTower):
+            raise TypeError(f"model must be a VoxtralAudioTower, got {type(model).__name__}")
+        cfg = model.config
+        mel_config = MelConfig(num_mel_bins=cfg.num_mel_bins) if mel_config is None else mel_config
+        if mel_config.num_mel_bins != cfg.num_mel_bins:
+            raise ValueError(
+                f"mel_config has {mel_config.num_mel_bins} mel bins, the encoder expects "
+                f"{cfg.num_mel_bins}"
+            )
+        if mel_config.n_fft % 2:
+            raise ValueError(
+                f"n_fft={mel_config.n_fft} is odd: torch.stft then yields one frame less per "
+                "signal, so 30 s windows would not fill (use log_mel_spectrogram for odd n_fft)"
+            )
+        if chunk_buckets is not None:
+            chunk_buckets = tuple(
+                int(b) for b in jaxsync.host_ints(chunk_buckets, name="chunk_buckets", minimum=1)
+            )
+            if not chunk_buckets:
+                raise ValueError("chunk_buckets is empty")
+        self.config, self.mel_config = cfg, mel_config
+        self.chunk_samples = cfg.chunk_frames * mel_config.hop_length
+        self.chunk_buckets = chunk_buckets
+        self._floor = resolve_floor(mel_config, None)
+        self._program = jaxsync.TowerProgram(model, self._forward, layers="layers")
+        self._devices = self._weight_devices(model)
+        if placement is None:
+            leaf = jax.tree.leaves(nnx.state(model))[0]
+            placement = _replicated(leaf.sharding)
+        self.placement = placement
+        self._plans: jaxsync.PlanCache[tuple[VoxtralPlan, jaxsync.Packed]] = jaxsync.PlanCache()
+
+    @staticmethod
+    def _weight_devices(model: nnx.Module) -> frozenset:
+        return frozenset(
+            d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set
+        )
+
+    def _forward(self, tower: VoxtralAudioTower, x: jax.Array, meta: Any):
+        if x.ndim == 2:  # waveforms: the log-mel front end first
+            spec = MelSpec(self.mel_config, self.config.chunk_frames, self._floor_value)
+            return forward_waveforms(tower, x, meta, mel=spec)
+        return forward(tower, x, meta)
+
+    @property
+    def _floor_value(self) -> float | None:
+        return self.mel_config.floor_value if self._floor == "global" else None
+
+    def load_state(self, model: VoxtralAudioTower) -> None:
+        """Takes new weights (same structure, shapes, dtypes, placement) without recompiling."""
+        self._program.load_state(model)
+
+    def lower(self, x: jax.Array, meta: jaxsync.Packed) -> Any:
+        """`jax.jit(...).lower` of the program on device inputs (argument counts, HLO)."""
+        return self._program.lower(x, meta)
+
+    def _meta_placement(self, x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            if not isinstance(x, jax.core.Tracer):
+                have = frozenset(x.sharding.device_set)
+                if have != self._devices:
+                    raise ValueError(
+                        f"inputs live on devices {sorted(d.id for d in have)} but the weights "
+                        f"on {sorted(d.id for d in self._devices)}: place them together"
+                    )
+            return jaxsync.replicated_near(x)
+        return _replicated(self.placement)
+
+    def _upload(self, host: np.ndarray) -> jax.Array:
+        return jaxsync.async_h2d(host, placement=self.placement, copy=False)  # ours alone
+
+    @jaxsync.check.entry_point
+    def __call__(
+        self,
+        audio: Any = None,
+        lengths: Any = None,
+        *,
+        input_features: Any = None,
+        num_chunks: Any = None,
+        attention_mask: Any = None,
+        sampling_rate: int | None = None,
+    ) -> jaxsync.Embeddings:
+        """Projected audio embeddings of raw audio or of processor features.
+
+        Args:
+          audio: raw mono audio: a list of 1-D waveforms, or a padded `[B, W]` batch (host data,
+            or a device array whose width is the caller's bucket) with host `lengths` [B].
+            Each audio is zero-padded to whole 30 s windows, as the Voxtral processor does.
+          lengths: real samples per row of a padded `audio` batch (default: W for all).
+          input_features: `[C, F, 2P]` (or `[F, 2P]`) log-mel windows, as
+            `WhisperFeatureExtractor` / the Voxtral processor return them (numpy, torch CPU,
+            or a device array whose C is the caller's bucket).
+          num_chunks: host ints, windows per item of `input_features` (default: one item per
+            window); items own consecutive windows.
+          attention_mask: accepted with `input_features` and unused: the Whisper encoder attends
+            over whole windows, as transformers' does.
+          sampling_rate: if given, must equal the front end's rate.
+
+        Returns:
+          `jaxsync.Embeddings`: item i owns rows `offsets[i] : offsets[i] + lengths[i]`
+          (`tokens_per_chunk` per window); `extras["finite"]` is an on-device bool per padded
+          item (`[B_pad]`, the first B are the items): every input value and output row of the
+          item was finite.
+
+        Raises:
+          ValueError / TypeError: bad shapes, dtypes, lengths, NaN/inf host data, both or
+            neither input, more windows than the largest chunk bucket, inputs on other devices
+            than the weights; all before any upload or compile.
+        """
+        if (audio is None) == (input_features is None):
+            raise ValueError("pass exactly one of audio= and input_features=")
+        if input_features is None:
+            if num_chunks is not None or attention_mask is not None:
+                raise ValueError("num_chunks and attention_mask go with input_features=")
+            return self._from_audio(audio, lengths, sampling_rate)
+        if lengths is not None or sampling_rate is not None:
+            raise ValueError("lengths and sampling_rate go with audio=, not input_features=")
+        return self._from_features(input_features, num_chunks)
+
+    def _from_audio(self, audio: Any, lengths: Any, sampling_rate: Any) -> jaxsync.Embeddings:
+        if isinstance(audio, list | tuple):
+            if lengths is not None:
+                raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
+            rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
+            if not rows:
+                raise ValueError("empty batch: no audio")
+            lengths = [len(r) for r in rows]
+            audio = np.zeros((len(rows), max(lengths)), np.result_type(*rows))
+            for i, r in enumerate(rows):
+                audio[i, : len(r)] = r
+        x, lens = check_waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
+        on_device = isinstance(x, jax.Array)
+        hop = self.mel_config.hop_length
+        b_pad, width = x.shape if on_device else host_buckets(lens, hop)
+        where = self._meta_placement(x)
+
+        def build() -> tuple[VoxtralPlan, jaxsync.Packed]:
+            mel = plan_log_mel(
+                lens, width, b_pad, self.mel_config, floor=self._floor,
+                pad_to_multiple_of=self.chunk_samples,
+            )  # fmt: skip
+            plan = plan_waveform_chunks(mel, b_pad, self.mel_config, self.config,
+                                        self.chunk_buckets)  # fmt: skip
+            return plan, jaxsync.upload_packed(plan.fields, placement=where)
+
+        key = ("audio", lens.tobytes(), b_pad, width, where)
+        plan, meta = self._plans.get(key, build)  # refuses bad plans before any upload
+        if not on_device:
+            x = self._upload(host_batch(x, lens, hop))
+        return self._run(x, plan, meta)
+
+    def _run(self, x: jax.Array, plan: VoxtralPlan, meta: jaxsync.Packed) -> jaxsync.Embeddings:
+        emb, finite = self._program(x, meta)
+        return jaxsync.Embeddings(emb, plan.num_tokens.tolist(), plan.offsets.tolist(),
+                                  {"finite": finite})  # fmt: skip
+
+    def _from_features(self, features: Any, num_chunks: Any) -> jaxsync.Embeddings:
+        cfg = self.config
+        on_device = isinstance(features, jax.Array)
+        if on_device:
+            check_live(features, name="input_features")
+        else:
+            features = jaxsync.host_array(features, name="input_features")
+        if features.ndim == 2:
+            features = features[None]
+        want = (cfg.num_mel_bins, cfg.chunk_frames)
+        if features.ndim != 3 or tuple(features.shape[1:]) != want:
+            raise ValueError(f"input_features must be [C, {want[0]}, {want[1]}], got "
+                             f"{tuple(features.shape)}")  # fmt: skip
+        if not np.issubdtype(features.dtype, np.floating) and features.dtype != jax.numpy.bfloat16:
+            raise TypeError(f"input_features must be floating point, got {features.dtype}")
+        rows = features.shape[0]
+        if rows == 0:
+            raise ValueError("input_features has no windows")
+        if num_chunks is None:
+            counts = np.ones(rows, np.int64)
+        else:
+            counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
+            if counts.size == 0:
+                raise ValueError("num_chunks is empty")
+        total = int(counts.sum())
+        if on_device:
+            if total > rows:
+                raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
+            c_pad = rows
+        else:
+            if total != rows:
+                raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
+            jaxsync.check_finite(features, name="input_features")
+            largest = None if self.chunk_buckets is None else max(self.chunk_buckets)
+            if largest is not None and total > largest:
+                raise ValueError(f"{total} windows exceed the largest chunk bucket {largest}")
+            c_pad = jaxsync.bucket(total, self.chunk_buckets, minimum=1)
+        b_pad = jaxsync.bucket(len(counts), minimum=1)
+        where = self._meta_placement(features)
+
+        def build() -> tuple[VoxtralPlan, jaxsync.Packed]:
+            plan = plan_chunks(counts, b_pad, c_pad, cfg)
+            return plan, jaxsync.upload_packed(plan.fields, placement=where)
+
+        plan, meta = self._plans.get(("features", counts.tobytes(), c_pad, where), build)
+        if not on_device:
+            host = np.zeros((c_pad, *want), np.float32)
+            host[:rows] = features
+            features = self._upload(host)
+        return self._run(features, plan, meta)

@@ -1,0 +1,256 @@
+"""Host planning of the Voxtral paths: validation and the packed per-call metadata (NumPy only).
+
+A plan's `fields` go up in one `jaxsync.upload_packed`; everything else (lengths, frame counts,
+chunk counts, row offsets) stays on the host. Nothing here touches device data: a device
+waveform or feature array is checked by shape and dtype only (its values are reported by the
+on-device `finite` flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+import jaxsync
+from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
+
+
+FloorMode = Literal["global", "per_audio", "per_example"]
+
+
+def resolve_floor(config: MelConfig, floor: FloorMode | None) -> FloorMode:
+    """Default floor: the configured global max when set, else the per-audio max (vLLM)."""
+    if floor is None:
+        return "global" if config.floor_value is not None else "per_audio"
+    if floor not in ("global", "per_audio", "per_example"):
+        raise ValueError(f"floor must be 'global', 'per_audio' or 'per_example', got {floor!r}")
+    if floor == "global" and config.floor_value is None:
+        raise ValueError("floor='global' needs a truthy float config.global_log_mel_max")
+    return floor
+
+
+def num_stft_frames(signal: np.ndarray | int, config: MelConfig) -> np.ndarray | int:
+    """Frames of `torch.stft(center=True)` on `signal` samples, less the dropped last one.
+
+    `1 + (signal + 2 * (n_fft // 2) - n_fft) // hop - 1`: `signal // hop` for an even n_fft,
+    `(signal - 1) // hop` for an odd one.
+    """
+    return (signal - config.n_fft % 2) // config.hop_length
+
+
+def check_waveforms(
+    waveforms: Any, lengths: Any, config: MelConfig, *, sampling_rate: int | None
+) -> tuple[np.ndarray | jax.Array, np.ndarray]:
+    """Validates a `[B, W]` (or `[W]`) batch and its host lengths; returns `(batch, lengths)`.
+
+    Host data is converted (numpy, lists, torch CPU tensors) and refused when a real sample is
+    NaN or inf; device data is checked by shape and dtype only.
+    """
+    if sampling_rate is not None:
+        sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
+        if sr != config.sampling_rate:
+            raise ValueError(
+                f"waveforms are sampled at {sr} Hz but the front end expects "
+                f"{config.sampling_rate} Hz; resample first"
+            )
+    on_device = isinstance(waveforms, jax.Array)
+    if on_device:
+        check_live(waveforms, name="waveforms")
+    else:
+        waveforms = jaxsync.host_array(waveforms, name="waveforms")
+    if not np.issubdtype(waveforms.dtype, np.floating):
+        raise TypeError(f"waveforms must be floating point, got {waveforms.dtype}")
+    if waveforms.ndim == 1:
+        waveforms = waveforms[None, :]
+    if waveforms.ndim != 2:
+        raise ValueError(f"waveforms must be [B, W] (mono), got shape {waveforms.shape}")
+    b, w = waveforms.shape
+    if b == 0:
+        raise ValueError("empty batch: no waveforms")
+    if lengths is None:
+        lens = np.full(b, w, np.int64)
+    else:
+        lens = jaxsync.host_ints(lengths, name="lengths", minimum=None)
+        if lens.shape != (b,):
+            raise ValueError(f"lengths must be {b} host ints (one per waveform), got {lens!r}")
+    if (lens <= 0).any():
+        raise ValueError(
+            f"empty audio: waveforms {np.flatnonzero(lens <= 0).tolist()} have length <= 0"
+        )
+    if (lens > w).any():
+        raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
+    if not on_device:
+        bad = [i for i in range(b) if not np.isfinite(waveforms[i, : lens[i]]).all()]
+        if bad:
+            raise ValueError(f"waveforms {bad} contain NaN or inf samples")
+    return waveforms, lens
+
+
+def check_live(x: jax.Array, *, name: str) -> None:
+    """A deleted (e.g. donated) device array is refused by name (host metadata: no sync)."""
+    if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(f"{name} was deleted (donated to another program?): pass a live array")
+
+
+def host_buckets(lens: np.ndarray, hop: int) -> tuple[int, int]:
+    """`(B_pad, W_pad)` of a host batch: power-of-two batch, power-of-two hops (>= 16)."""
+    return jaxsync.bucket(len(lens), minimum=1), jaxsync.bucket(
+        -(-int(lens.max()) // hop), minimum=16
+    ) * hop
+
+
+def host_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int) -> np.ndarray:
+    """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length)."""
+    b = len(lens)
+    host = np.zeros(host_buckets(lens, hop), np.float32)
+    for i in range(b):
+        host[i, : lens[i]] = waveforms[i, : lens[i]]
+    return host
+
+
+@dataclasses.dataclass(frozen=True)
+class MelPlan:
+    """Host plan of one padded waveform batch.
+
+    Attributes:
+      fields: packed int32 metadata for `log_mel_rows` (`length`, `signal` [B_pad]; `row_audio`,
+        `row_frame0`, `row_frames` [R]).
+      lengths: real samples per waveform `[B]` (after truncation for per_example).
+      signal: signal samples per waveform `[B]`.
+      num_frames: valid frames per waveform `[B]`.
+      frames: static frames T per output row.
+      floor_value: `g - 8.0` for the global floor, else None (dynamic max).
+    """
+
+    fields: dict[str, np.ndarray]
+    lengths: np.ndarray
+    signal: np.ndarray
+    num_frames: np.ndarray
+    frames: int
+    floor_value: float | None
+
+
+def plan_log_mel(
+    lens: np.ndarray,
+    width: int,
+    batch_pad: int,
+    config: MelConfig,
+    *,
+    floor: FloorMode,
+    pad_to_multiple_of: int | None = None,
+    max_length: int | None = None,
+) -> MelPlan:
+    """Signals, frame counts and one row per waveform of a `[batch_pad, width]` buffer."""
+    b = len(lens)
+    half = config.n_fft // 2
+    if pad_to_multiple_of is not None:
+        pad_to_multiple_of = jaxsync.host_int(pad_to_multiple_of, name="pad_to_multiple_of")
+        if pad_to_multiple_of <= 0:
+            raise ValueError(f"pad_to_multiple_of must be positive, got {pad_to_multiple_of}")
+    if floor == "per_example":
+        if pad_to_multiple_of is not None:
+            raise ValueError("pad_to_multiple_of does not apply to floor='per_example'")
+        max_length = config.n_samples if max_length is None else max_length
+        max_length = jaxsync.host_int(max_length, name="max_length")
+        if max_length <= half:
+            raise ValueError(f"max_length {max_length} must exceed n_fft // 2 = {half}")
+        lens = np.minimum(lens, max_length)  # HF truncation=True
+        signal = np.full(b, max_length, np.int64)
+        frames = num_stft_frames(max_length, config)
+    else:
+        if max_length is not None:
+            raise ValueError("max_length applies to floor='per_example' only")
+        signal, span = lens.copy(), width
+        if pad_to_multiple_of is not None:
+            signal = -(-lens // pad_to_multiple_of) * pad_to_multiple_of
+            span = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        short = np.flatnonzero(signal <= half)
+        if short.size:
+            raise ValueError(
+                f"waveforms {short.tolist()} are shorter than n_fft // 2 + 1 = {half + 1} "
+                "samples: centre reflect padding is undefined (torch.stft raises too); pad "
+                "them or use floor='per_example'"
+            )
+        frames = num_stft_frames(span, config)
+    num_frames = num_stft_frames(signal, config)
+    pad = batch_pad - b
+    fields = {
+        "length": np.concatenate([lens, np.zeros(pad, np.int64)]),
+        # Padding waveforms: silent signals long enough to reflect (never read: length 0).
+        "signal": np.concatenate([signal, np.full(pad, 1 << 12, np.int64)]),
+        "row_audio": np.arange(batch_pad),
+        "row_frame0": np.zeros(batch_pad, np.int64),
+        "row_frames": np.concatenate([num_frames, np.zeros(pad, np.int64)]),
+    }
+    fields = {k: v.astype(np.int32) for k, v in fields.items()}
+    floor_value = config.floor_value if floor == "global" else None
+    return MelPlan(fields, lens, signal, num_frames, int(frames), floor_value)
+
+
+@dataclasses.dataclass(frozen=True)
+class VoxtralPlan:
+    """Host plan of one encoder call: which 30-second window ("chunk") belongs to which audio.
+
+    Attributes:
+      fields: packed int32 metadata: `row_audio` [C_pad] item of each chunk (B_pad for a padding
+        chunk: it belongs to no item), `item_chunks` [B_pad] chunks per item; for waveforms also
+        the `log_mel_rows` fields.
+      num_chunks: `[B]` host chunks per item.
+      num_tokens: `[B]` host embeddings per item.
+      offsets: `[B]` host first embedding row per item.
+      chunks: C_pad, the padded chunk count of the program.
+    """
+
+    fields: dict[str, np.ndarray]
+    num_chunks: np.ndarray
+    num_tokens: np.ndarray
+    offsets: np.ndarray
+    chunks: int
+
+
+def plan_chunks(
+    num_chunks: np.ndarray, batch_pad: int, chunks: int, cfg: VoxtralAudioConfig
+) -> VoxtralPlan:
+    """Chunk-to-item tables for `num_chunks[i]` consecutive chunks per item in `chunks` rows."""
+    b, total = len(num_chunks), int(num_chunks.sum())
+    if total > chunks:
+        raise ValueError(f"{total} chunks do not fit the {chunks} chunk rows given")
+    row_audio = np.full(chunks, batch_pad, np.int32)
+    row_audio[:total] = np.repeat(np.arange(b), num_chunks)
+    item_chunks = np.zeros(batch_pad, np.int32)
+    item_chunks[:b] = num_chunks
+    first = np.concatenate([[0], np.cumsum(num_chunks)[:-1]]).astype(np.int64)
+    tokens = num_chunks * cfg.tokens_per_chunk
+    fields = {"row_audio": row_audio, "item_chunks": item_chunks}
+    return VoxtralPlan(fields, num_chunks, tokens, first * cfg.tokens_per_chunk, chunks)
+
+
+def plan_waveform_chunks(
+    mel: MelPlan,
+    batch_pad: int,
+    mel_config: MelConfig,
+    cfg: VoxtralAudioConfig,
+    chunk_buckets: Any,
+) -> VoxtralPlan:
+    """Every audio zero-padded to whole windows, one log-mel row per window (before any upload:
+    too many windows for the largest bucket is a `ValueError` here)."""
+    window = cfg.chunk_frames * mel_config.hop_length
+    num_chunks = mel.signal // window
+    total = int(num_chunks.sum())
+    largest = None if chunk_buckets is None else max(chunk_buckets)
+    if largest is not None and total > largest:
+        raise ValueError(
+            f"{total} windows of {window} samples exceed the largest chunk bucket {largest}"
+        )
+    plan = plan_chunks(num_chunks, batch_pad, jaxsync.bucket(total, chunk_buckets, minimum=1), cfg)
+    first = np.repeat(np.concatenate([[0], np.cumsum(num_chunks)[:-1]]), num_chunks)
+    row_frame0 = np.zeros(plan.chunks, np.int32)
+    row_frame0[:total] = (np.arange(total) - first) * cfg.chunk_frames
+    row_frames = np.zeros(plan.chunks, np.int32)
+    row_frames[:total] = cfg.chunk_frames
+    fields = {"length": mel.fields["length"], "signal": mel.fields["signal"], **plan.fields}
+    fields.update(row_frame0=row_frame0, row_frames=row_frames)
+    return dataclasses.replace(plan, fields=fields)

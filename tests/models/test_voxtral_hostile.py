@@ -1,0 +1,301 @@
+"""Hostile inputs to every public Voxtral entry point: a typed error naming the problem, raised
+on the host before any upload or compile, inputs untouched; or a correct result."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsync
+import jaxsync._transfer as transfer
+import jaxsync.check
+from jaxsync.models.voxtral import (
+    MelConfig,
+    VoxtralAudioConfig,
+    VoxtralAudioEncoder,
+    VoxtralAudioTower,
+    load_model,
+    log_mel_floor,
+    log_mel_spectrogram,
+    plan_chunks,
+)
+from jaxsync.weights import WeightError
+
+
+TINY = dict(
+    num_mel_bins=128, hidden_size=28, intermediate_size=112, num_hidden_layers=2,
+    num_attention_heads=4, max_source_positions=20, text_hidden_size=36,
+)  # fmt: skip
+CFG = VoxtralAudioConfig(**TINY)
+
+
+@pytest.fixture(scope="module")
+def encoder() -> VoxtralAudioEncoder:
+    enc = VoxtralAudioEncoder(VoxtralAudioTower(CFG, rngs=nnx.Rngs(0)), MelConfig())
+    x = _batch([_audio(5000, 0), _audio(3000, 1)])
+    enc(x, [5000, 3000])  # warm: a refused call below must compile nothing new
+    enc(input_features=np.zeros((2, 128, 40), np.float32))
+    return enc
+
+
+def _audio(n: int, seed: int) -> np.ndarray:
+    return (0.1 * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+
+
+def _batch(audios, width=None):
+    x = np.zeros((len(audios), width or max(map(len, audios))), np.float32)
+    for i, a in enumerate(audios):
+        x[i, : len(a)] = a
+    return x
+
+
+@pytest.fixture
+def uploads(monkeypatch):
+    """Counts host->device transfers (every upload goes through `jaxsync._transfer._put`)."""
+    count = [0]
+    real = transfer._put
+
+    def put(host, placement):
+        count[0] += 1
+        return real(host, placement)
+
+    monkeypatch.setattr(transfer, "_put", put)
+    return count
+
+
+@contextlib.contextmanager
+def refused(uploads, exc, match, *inputs):
+    """The call raises `exc` matching `match`, with no upload, no trace or compile, and the
+    host inputs unchanged."""
+    before, copies = uploads[0], [np.array(x, copy=True) for x in inputs]
+    with jaxsync.check.no_recompile(), pytest.raises(exc, match=match):
+        yield
+    assert uploads[0] == before, "uploaded before refusing"
+    for x, c in zip(inputs, copies, strict=True):
+        np.testing.assert_array_equal(x, c)
+
+
+X = _batch([_audio(5000, 0), _audio(3000, 1)])
+
+AUDIO_CASES = [
+    (dict(lengths=[5000.0, 3000.0]), TypeError, "lengths must hold integers"),
+    (dict(lengths=[True, True]), TypeError, "lengths must hold integers"),
+    (dict(lengths=[5000]), ValueError, "lengths must be 2 host ints"),
+    (dict(lengths=[[5000], [3000, 1]]), ValueError, "ragged"),
+    (dict(lengths=[5000, -3]), ValueError, "empty audio"),
+    (dict(lengths=[5000, 0]), ValueError, "empty audio"),
+    (dict(lengths=[5001, 3000]), ValueError, "exceed the buffer width"),
+    (dict(lengths=[5000, 3000], sampling_rate=24000), ValueError, "sampled at 24000 Hz"),
+    (dict(lengths=[5000, 3000], sampling_rate=16000.0), TypeError, "sampling_rate must be an int"),
+]
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), AUDIO_CASES)
+def test_encoder_audio_metadata(encoder, uploads, kw, exc, match):
+    with refused(uploads, exc, match, X):
+        encoder(X, **kw)
+
+
+@pytest.mark.parametrize(
+    ("audio", "exc", "match"),
+    [
+        (X.astype(np.int16), TypeError, "floating point"),
+        (X[:, :, None], ValueError, "mono"),
+        (np.zeros((0, 100), np.float32), ValueError, "empty batch"),
+        ([], ValueError, "empty batch"),
+        ([X[0], X], ValueError, r"audio\[1\] must have rank 1"),
+        ([X[0], np.array(["a", None], dtype=object)], TypeError, "numeric"),
+        (np.where(np.arange(5000) == 17, np.nan, X), ValueError, r"waveforms \[0, 1\] contain NaN"),
+    ],
+)
+def test_encoder_bad_audio_data(encoder, uploads, audio, exc, match):
+    inputs = (audio,) if isinstance(audio, np.ndarray) and audio.dtype != object else ()
+    with refused(uploads, exc, match, *inputs):
+        encoder(audio)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        (dict(), ValueError, "exactly one of audio= and input_features="),
+        (dict(audio=X, input_features=np.zeros((1, 128, 40))), ValueError, "exactly one"),
+        (dict(input_features=np.zeros((1, 80, 40))), ValueError, r"must be \[C, 128, 40\]"),
+        (dict(input_features=np.zeros((1, 128, 3000))), ValueError, r"must be \[C, 128, 40\]"),
+        (dict(input_features=np.zeros((1, 128, 40), np.int32)), TypeError, "floating point"),
+        (dict(input_features=np.full((1, 128, 40), np.nan)), ValueError, "non-finite"),
+        (dict(input_features=np.zeros((0, 128, 40))), ValueError, "no windows"),
+        (dict(input_features=np.zeros((3, 128, 40)), num_chunks=[1.0, 2.0]), TypeError,
+         "num_chunks must hold integers"),
+        (dict(input_features=np.zeros((3, 128, 40)), num_chunks=[1, 1]), ValueError,
+         "sums to 2 but input_features has 3"),
+        (dict(input_features=np.zeros((3, 128, 40)), num_chunks=[3, 0]), ValueError, ">= 1"),
+        (dict(input_features=np.zeros((1, 128, 40)), lengths=[3]), ValueError, "go with audio="),
+        (dict(audio=X, num_chunks=[1]), ValueError, "go with input_features="),
+    ],
+)  # fmt: skip
+def test_encoder_bad_features_and_keywords(encoder, uploads, kw, exc, match):
+    arrays = [v for v in kw.values() if isinstance(v, np.ndarray)]
+    with refused(uploads, exc, match, *arrays):
+        encoder(**kw)
+
+
+def test_encoder_device_inputs_stale_or_misplaced(encoder, uploads):
+    x = jax.device_put(X, jax.devices()[1])
+    with refused(uploads, ValueError, "inputs live on devices \\[1\\] but the weights on \\[0\\]"):
+        encoder(x, [5000, 3000])
+    dead = jax.device_put(X)
+    dead.delete()  # as after donation to another program
+    with refused(uploads, ValueError, "waveforms was deleted"):
+        encoder(dead, [5000, 3000])
+    feats = jax.device_put(np.zeros((2, 128, 40), np.float32))
+    feats.delete()
+    with refused(uploads, ValueError, "input_features was deleted"):
+        encoder(input_features=feats)
+    with refused(uploads, ValueError, "num_chunks sums to 3 but input_features has 2"):
+        encoder(input_features=jax.device_put(np.zeros((2, 128, 40), np.float32)),
+                num_chunks=[3])  # fmt: skip
+
+
+def test_encoder_construction():
+    tower = VoxtralAudioTower(CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="80 mel bins, the encoder expects 128"):
+        VoxtralAudioEncoder(tower, MelConfig(num_mel_bins=80))
+    with pytest.raises(ValueError, match="n_fft=401 is odd"):
+        VoxtralAudioEncoder(tower, MelConfig(n_fft=401))
+    with pytest.raises(TypeError, match="chunk_buckets must hold integers"):
+        VoxtralAudioEncoder(tower, chunk_buckets=[2.0, 4.0])
+    with pytest.raises(TypeError, match="VoxtralAudioTower"):
+        VoxtralAudioEncoder(tower.multi_modal_projector)
+
+
+def test_load_state_refuses_another_model_and_keeps_serving(encoder):
+    feats = np.ones((2, 128, 40), np.float32)
+    before = np.asarray(encoder(input_features=feats).embeddings)
+    other = VoxtralAudioTower(VoxtralAudioConfig(**{**TINY, "num_hidden_layers": 3}),
+                              rngs=nnx.Rngs(1))  # fmt: skip
+    with pytest.raises(ValueError, match="same parameter structure"):
+        encoder.load_state(other)
+    np.testing.assert_array_equal(encoder(input_features=feats).embeddings, before)
+
+
+def test_too_many_windows_fail_before_any_upload(uploads):
+    tower = VoxtralAudioTower(CFG, rngs=nnx.Rngs(0))
+    enc = VoxtralAudioEncoder(tower, MelConfig(), chunk_buckets=[2, 4])
+    x = _batch([_audio(6400 * 3 + 1, 0), _audio(6400, 1)])  # 4 + 1 windows > 4
+    with refused(uploads, ValueError, "5 windows of 6400 samples exceed the largest chunk", x):
+        enc(x, [6400 * 3 + 1, 6400])
+    feats = np.zeros((5, 128, 40), np.float32)
+    with refused(uploads, ValueError, "5 windows exceed the largest chunk bucket 4", feats):
+        enc(input_features=feats)
+    assert enc(x[:, :6400], [6400, 6400]).lengths == (5, 5)  # within the buckets: fine
+    assert uploads[0] == 2  # the plan's metadata and the waveforms
+
+
+LOG_MEL_CASES = [
+    (dict(lengths=[5000, 100]), ValueError, "shorter than n_fft // 2 \\+ 1"),
+    (dict(lengths=[5000.0, 3000.0]), TypeError, "lengths must hold integers"),
+    (dict(lengths=[5000, 3000], pad_to_multiple_of=6400.0), TypeError, "pad_to_multiple_of"),
+    (dict(lengths=[5000, 3000], pad_to_multiple_of=0), ValueError, "must be positive"),
+    (dict(lengths=[5000, 3000], floor="per_example", max_length=9e3), TypeError, "max_length"),
+    (dict(lengths=[5000, 3000], floor="per_example", max_length=100), ValueError, "must exceed"),
+    (dict(lengths=[5000, 3000], max_length=9000), ValueError, "applies to floor='per_example'"),
+    (dict(lengths=[5000, 3000], floor="loud"), ValueError, "floor must be"),
+    (dict(lengths=[5000, 3000], floor="global"), ValueError, "floor='global' needs"),
+    (dict(lengths=[5000, 3000], floor="per_example", pad_to_multiple_of=400), ValueError,
+     "does not apply"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kw", "exc", "match"), LOG_MEL_CASES)
+def test_log_mel_metadata(uploads, kw, exc, match):
+    with refused(uploads, exc, match, X):
+        log_mel_spectrogram(X, config=MelConfig(num_mel_bins=80), **kw)
+
+
+def test_log_mel_device_input_stale_or_misplaced(uploads):
+    cfg = MelConfig(num_mel_bins=80)
+    x = jax.device_put(X, jax.devices()[2])
+    with refused(uploads, ValueError, r"live on devices \[2\] but placement= names devices \[0\]"):
+        log_mel_spectrogram(x, [5000, 3000], config=cfg, placement=jax.devices()[0])
+    x.delete()
+    with refused(uploads, ValueError, "waveforms was deleted"):
+        log_mel_spectrogram(x, [5000, 3000], config=cfg)
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "match"),
+    [
+        (lambda: MelConfig(n_fft=400.0), TypeError, "n_fft must be an int, got float"),
+        (lambda: MelConfig(hop_length=True), TypeError, "hop_length must be an int, got bool"),
+        (lambda: MelConfig(num_mel_bins=0), ValueError, "num_mel_bins must be positive"),
+        (lambda: MelConfig(global_log_mel_max=2), TypeError, "Python float"),
+        (lambda: VoxtralAudioConfig(**{**TINY, "hidden_size": 28.0}), TypeError, "hidden_size"),
+        (lambda: VoxtralAudioConfig(**{**TINY, "num_hidden_layers": True}), TypeError,
+         "num_hidden_layers must be an int, got bool"),
+        (lambda: VoxtralAudioConfig(**{**TINY, "num_attention_heads": 5}), ValueError,
+         "not divisible"),
+        (lambda: VoxtralAudioConfig.from_hf_config({"audio_config": {"num_hidden_layers": 2.0}}),
+         TypeError, "num_hidden_layers must be an int"),
+        (lambda: VoxtralAudioConfig.from_hf_config({"model_type": "voxtral_encoder",
+                                                    "rope_theta": 1e4}), ValueError,
+         "unsupported non-default Voxtral config field"),
+        (lambda: VoxtralAudioConfig.from_hf_config({"head_dim": 99}), ValueError, "head_dim=99"),
+        (lambda: VoxtralAudioConfig.from_hf_config(42), TypeError, "expected an HF config"),
+        (lambda: log_mel_floor(np.zeros((2, 3)), global_log_mel_max=2), TypeError, "Python float"),
+    ],
+)  # fmt: skip
+def test_bad_configs(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_bad_checkpoints(tmp_path):
+    from safetensors.numpy import save_file
+
+    with pytest.raises(ValueError, match="cannot read a Voxtral config"):
+        VoxtralAudioConfig.from_hf_config(tmp_path)  # no config.json
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read a Voxtral config"):
+        VoxtralAudioConfig.from_hf_config(tmp_path)
+    tower = VoxtralAudioTower(CFG, rngs=nnx.Rngs(0))
+    state = {
+        "audio_tower." + k.replace(".kernel", ".weight").replace(".scale", ".weight"): np.asarray(v)
+        for k, v in jaxsync.weights.to_numpy_state(tower).items()
+    }
+    (tmp_path / "config.json").write_text(json.dumps({"audio_config": TINY | {"text_hidden_size":
+                                                      None}}))  # fmt: skip
+    save_file({"audio_tower.conv1.weight": state["audio_tower.conv1.weight"]},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match="unsupported non-default Voxtral config field"):
+        load_model(tmp_path)
+    with pytest.raises(WeightError, match="stored shape"):  # conv kernel in the wrong layout
+        load_model(tmp_path / "model.safetensors", CFG)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    with pytest.raises(WeightError):
+        load_model(tmp_path / "model.safetensors", CFG)
+    with pytest.raises(TypeError, match="cfg must be a VoxtralAudioConfig"):
+        load_model(tmp_path / "model.safetensors", {"hidden_size": 28})
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(st.lists(st.integers(1, 5), min_size=1, max_size=9), st.integers(0, 4))
+def test_chunk_plans_are_consistent(num_chunks, spare):
+    """Any item mix: items own consecutive windows, padding windows belong to no item."""
+    counts = np.array(num_chunks)
+    total = int(counts.sum())
+    b_pad = jaxsync.bucket(len(counts), minimum=1)
+    plan = plan_chunks(counts, b_pad, total + spare, CFG)
+    rows = plan.fields["row_audio"]
+    assert rows.tolist() == np.repeat(np.arange(len(counts)), counts).tolist() + [b_pad] * spare
+    assert (plan.num_tokens == counts * CFG.tokens_per_chunk).all()
+    assert (plan.offsets == np.concatenate([[0], np.cumsum(plan.num_tokens)[:-1]])).all()
+    assert plan.fields["item_chunks"][: len(counts)].tolist() == num_chunks
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_chunks(counts, b_pad, total - 1, CFG)
