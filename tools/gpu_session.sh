@@ -23,7 +23,7 @@ bench() {  # $1: label; one process per family keeps each inside its own time li
   local label=$1 fam
   [ ${#families[@]} -gt 0 ] || families=(kv chameleon gemma3n glm4v voxtral qwen3_omni)
   for fam in "${families[@]}"; do
-    timeout 200 jaxsync bench --paths "$fam" --sizes released --out "$out/$label-$fam" 2>&1 \
+    timeout "${BENCH_TIMEOUT:-180}" jaxsync bench --paths "$fam" --sizes released --out "$out/$label-$fam" 2>&1 \
       | tail -40 | tee "$out/$label-$fam.log"
   done
 }

@@ -92,17 +92,21 @@ def _copy_case(src_kind: str, dst_kind: str) -> PathCase:
     )
 
 
-@register_path("kv.copy_blocks", "paged KV block copy, device -> device, all layers in one call")
+@register_path(
+    "kv.copy_blocks",
+    "paged KV block copy, device -> device, all layers in one call",
+    checkpoints=False,
+)
 def _build_copy(checkpoint: str | None) -> PathCase:
     return _copy_case("device", "device")
 
 
-@register_path("kv.swap_out", "paged KV block copy, device -> pinned host")
+@register_path("kv.swap_out", "paged KV block copy, device -> pinned host", checkpoints=False)
 def _build_swap_out(checkpoint: str | None) -> PathCase:
     return _copy_case("device", "pinned_host")
 
 
-@register_path("kv.swap_in", "paged KV block copy, pinned host -> device")
+@register_path("kv.swap_in", "paged KV block copy, pinned host -> device", checkpoints=False)
 def _build_swap_in(checkpoint: str | None) -> PathCase:
     return _copy_case("pinned_host", "device")
 
@@ -129,7 +133,9 @@ def _pool_src():
     return _KERNEL_LAYOUT.random(_LAYERS, jax.random.key(4), placement=_placement("device"))
 
 
-@register_path("kv.swap_out_pool", "device cache -> block-major pinned-host HostPool")
+@register_path(
+    "kv.swap_out_pool", "device cache -> block-major pinned-host HostPool", checkpoints=False
+)
 def _build_pool_out(checkpoint: str | None) -> PathCase:
     from jaxsync.paths.kv.reference import as_numpy
 
@@ -152,7 +158,9 @@ def _build_pool_out(checkpoint: str | None) -> PathCase:
                                            list(range(min(b, 13)))[::-1]))  # fmt: skip
 
 
-@register_path("kv.swap_in_pool", "block-major pinned-host HostPool -> device cache")
+@register_path(
+    "kv.swap_in_pool", "block-major pinned-host HostPool -> device cache", checkpoints=False
+)
 def _build_pool_in(checkpoint: str | None) -> PathCase:
     n = _KERNEL_LAYOUT.num_blocks
     src = _pool_src()
@@ -174,7 +182,9 @@ def _build_pool_in(checkpoint: str | None) -> PathCase:
                                            list(range(min(b, n)))[::-1]))  # fmt: skip
 
 
-@register_path("kv.extract_kv", "per-token KV rows at a slot mapping (packed + MLA layers)")
+@register_path(
+    "kv.extract_kv", "per-token KV rows at a slot mapping (packed + MLA layers)", checkpoints=False
+)
 def _build_extract(checkpoint: str | None) -> PathCase:
     cache = _LAYOUT.random(_LAYERS, jax.random.key(0)) | {
         "mla": _MLA.random(["m"], jax.random.key(1))["m"]
@@ -194,7 +204,11 @@ def _build_extract(checkpoint: str | None) -> PathCase:
     return PathCase(extract_kv, [(cache, s) for s in _SLOTS], parity)
 
 
-@register_path("kv.inject_kv", "write per-token KV rows at a slot mapping (packed + MLA layers)")
+@register_path(
+    "kv.inject_kv",
+    "write per-token KV rows at a slot mapping (packed + MLA layers)",
+    checkpoints=False,
+)
 def _build_inject(checkpoint: str | None) -> PathCase:
     cache = _LAYOUT.random(_LAYERS, jax.random.key(0)) | {
         "mla": _MLA.random(["m"], jax.random.key(1))["m"]
@@ -221,7 +235,9 @@ def _build_inject(checkpoint: str | None) -> PathCase:
     return PathCase(step, [(cache, rows, s) for s in _SLOTS], parity)
 
 
-@register_path("kv.load_kv", "safetensors per layer -> cache's own placement, no wait")
+@register_path(
+    "kv.load_kv", "safetensors per layer -> cache's own placement, no wait", checkpoints=False
+)
 def _build_load(checkpoint: str | None) -> PathCase:
     root = tempfile.mkdtemp(prefix="jaxsync-kv-")
     cache = _LAYOUT.random(_LAYERS, jax.random.key(0))
