@@ -70,7 +70,7 @@ BAD_LENS = {
     "2-D": ([[120, 30]], ValueError, "rank 1"),
     "ragged": ([[120], [30, 1]], ValueError, "ragged"),
     "strings": (["120", "30"], TypeError, "integers"),
-    "objects": ([object(), 1], TypeError, "numeric"),
+    "objects": ([object(), 1], TypeError, "integers|numeric"),
     "device array": (jnp.array([120, 30]), TypeError, "host data"),
     "sum too large": ([120, 31], ValueError, "sum to 151"),
     "sum too small": ([120, 29], ValueError, "sum to 149"),
