@@ -1,7 +1,7 @@
 """Identical layers as one stacked state, run with `jax.lax.scan`.
 
-A tower of L identical layers passes L x (leaves per layer) arrays to jit on every call (about
-2 us of host dispatch each on an H200) and traces L copies of the layer into the HLO. Stacking
+A tower of L identical layers passes L x (leaves per layer) arrays to jit on every call (each
+costs host dispatch time) and traces L copies of the layer into the HLO. Stacking
 the layers' leaves along a new leading axis makes that (leaves per layer) arguments and one
 traced layer, at the cost of a loop in the compiled program (the standard practice of JAX LLM
 stacks such as MaxText).

@@ -1,13 +1,13 @@
 """Model state as a few flat buffers: fewer jit arguments per call.
 
-A jitted forward pays host dispatch per argument (H200 host, jax 0.11.2: about 3 us each under
-the TFRT client, 7 us under the default one). `PackedLeaves` concatenates state arrays into one
+A jitted forward pays host dispatch per argument (a few microseconds each on a GPU host, under
+either runtime client). `PackedLeaves` concatenates state arrays into one
 flat device buffer per dtype, once, and `unpack` slices them back by static offsets inside the
 jitted function. Whether XLA then reads the slices in place or copies them is up to the backend:
-on an H200 it copies big weights out of a flat buffer (+7% device time for qwen3_omni), while
+on a GPU it copies big weights out of a flat buffer (a few percent of device time), while
 stacked layers packed in rows (`rows=True`, one [L, S] buffer per dtype) are sliced once per
 layer by the scan, as stacked leaves are, at no extra device time. Measure device time before
-making a packing a default (`tools/explore_dispatch.py --packed`).
+making a packing a default.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class PackedLeaves:
         that layer's leaves, so the loop slices each weight out of the buffer once per layer,
         as it slices stacked leaves, with no copy of the whole buffer first. Without it, one
         flat buffer per dtype: big matmul weights sliced out of it may be copied by XLA before
-        use (+7% device time for qwen3_omni on an H200).
+        use (a few percent of device time on a GPU).
 
     Attributes:
       buffers: the jit arguments: one buffer per dtype, sorted by dtype name.

@@ -1,15 +1,15 @@
 """Explicit, alias-safe host->device uploads: one array, or many small ones in one transfer.
 
 `jax.device_put` of a NumPy array is asynchronous and may read (or alias) the host buffer after
-it returns (measured on CPU and an H200; `tests/test_device_cache.py` shows it on CPU). Every
+it returns (`tests/test_device_cache.py` shows it on CPU). Every
 upload here first copies the caller's data into a fresh private host buffer that nobody mutates
 afterwards, so a caller may reuse its staging arrays immediately. The copy costs one small host
 allocation; it never waits on the device.
 
 The private buffer then goes up through jaxlib's C++ transfer directly (`_put`, through
-`jaxsync._compat`): on H200 hosts with device work queued, `jax.device_put` took 0.27-0.43 ms of
-host time per small upload and the C++ call under it 0.09-0.11 ms, under both runtime clients;
-the rest is `device_put`'s own Python, run cold (`tools/explore_upload.py`, docs/benchmarks.md).
+`jaxsync._compat`): with device work queued, most of a small upload's host time through
+`jax.device_put` is its own Python, run cold, under both runtime clients; the C++ call under it
+is a fraction of that.
 """
 
 from __future__ import annotations
@@ -109,8 +109,7 @@ class _Layout:
     It is a `Packed`'s pytree metadata, which jit hashes and compares on every call. Identity
     hashing and equality (object's C defaults) make that free; a tuple of dataclass fields
     costs Python-level hashing of every field per call (a no-op program taking a `Packed`
-    dispatched 0.010 ms slower than with its raw buffer, one cold-call run on the CPU CI
-    machine; after this change the two read the same on an H200).
+    dispatched measurably slower than one taking its raw buffer; interned, the two match).
     """
 
     __slots__ = ("fields", "__weakref__")

@@ -14,8 +14,8 @@ AttentionImpl = Literal["auto", "xla", "cudnn"]
 def resolve_attention(impl: AttentionImpl, dtype: jnp.dtype, head_dim: int) -> str:
     """ "auto" picks cuDNN flash attention on GPU for 16-bit towers, else XLA's dense softmax.
 
-    cuDNN never writes the [N, Q, K] scores to memory (3x faster than the XLA form on an H200 at
-    4096 patches, measured on the GLM-4.1V tower); fp32 parity runs keep the XLA form.
+    cuDNN never writes the [N, Q, K] scores to memory (several times faster than the XLA form on
+    a GPU at thousands of patches); fp32 parity runs keep the XLA form.
     """
     if impl not in ("auto", "xla", "cudnn"):
         raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got {impl!r}")

@@ -105,7 +105,7 @@ def _aligned_arange(n: int, align: int = 64) -> np.ndarray:
 
 @pytest.mark.parametrize("n", [16, 4096, 1 << 20])
 def test_async_h2d_is_alias_safe(n):
-    # device_put of an aligned numpy buffer may alias it (measured on CPU and H200); ours must not.
+    # device_put of an aligned numpy buffer may alias it (seen on CPU and GPU); ours must not.
     for _ in range(5):
         buf = _aligned_arange(n)
         dev = jaxsync.async_h2d(buf)

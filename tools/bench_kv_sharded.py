@@ -42,7 +42,7 @@ def _pinned_ceiling(mesh, nbytes_per_gpu: int, to_host: bool) -> float:
 
     Wall time from the call to the last byte, median of 5: a transfer runs on its own stream,
     so `measure`'s queued busy work (a kernel on the first GPU) would overlap it and inflate the
-    rate (it read 99.5 GB/s per GPU host->device on two H200s, over a PCIe link)."""
+    rate (a PCIe link cannot carry more)."""
     dev = NamedSharding(mesh, P("h"), memory_kind="device")
     host = dev.with_memory_kind("pinned_host")
     x = jax.device_put(jnp.zeros((mesh.size * nbytes_per_gpu // 2,), jnp.bfloat16), dev)

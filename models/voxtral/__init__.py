@@ -1,4 +1,4 @@
-"""Voxtral audio path (vLLM PR #51458, paths.md §4), sync-free in JAX.
+"""Voxtral audio path (vLLM PR #51458), sync-free in JAX.
 
 Three layers, as every model family:
 * Planner (`_plan.py`, NumPy only): `plan_chunks` / `plan_waveform_chunks` -> `VoxtralPlan`

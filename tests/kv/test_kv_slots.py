@@ -46,7 +46,7 @@ def bits(x):
 
 
 def upstream_slot_mapping(block_ids, bs, n):
-    """vLLM ReqMeta.make_meta, transcribed from paths.md §7 (torch)."""
+    """vLLM ReqMeta.make_meta, transcribed from vLLM's torch code."""
     import torch
 
     valid = (n - 1) // bs * bs

@@ -42,7 +42,7 @@ def test_tiny_bench_cases_run():
 @requires_torch  # its reference is torch
 def test_bench_timing_handles_a_donating_chain():
     # Each KV copy donates the previous output; the timing harness must wait only on the live one
-    # (it once waited on every output and failed on the donated ones, on the H200).
+    # (waiting on every output would fail on the donated ones).
     from jaxsync.bench._timing import _Side, measure
 
     case = registry._benches["kv"]("cpu", "tiny")[0]

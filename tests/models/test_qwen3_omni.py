@@ -14,7 +14,7 @@ from jaxsync.models import qwen3_omni as q3
 from jaxsync.paths.qwen3_omni import reference as ref
 
 
-# ---------------------------------------------------------------- upstream formulas (spec §5)
+# ---------------------------------------------------------------- upstream formulas
 
 
 def upstream_output_len(lens):
