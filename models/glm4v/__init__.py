@@ -8,7 +8,7 @@ Three layers:
   Glm4vVisionEncoder        - the host entry: `encoder(pixel_values=..., image_grid_thw=...)`
                               with the image processor's outputs -> `jaxsync.Embeddings`.
 Weights: `load_model(checkpoint, cfg=None, *, dtype=None, mesh=None,
-partition_rules=PARTITION_RULES)`; `RULES` maps HF keys, `PARTITION_RULES` splits the tower's
+partition_rules=PARTITION_RULES)`; `rules(cfg)` maps HF keys, `PARTITION_RULES` splits the tower's
 matmuls over a "model" mesh axis.
 """
 
@@ -30,6 +30,6 @@ from jaxsync.models.glm4v._plan import (
 from jaxsync.models.glm4v._weights import (
     FULL_MODEL_PREFIX as FULL_MODEL_PREFIX,
     PARTITION_RULES as PARTITION_RULES,
-    RULES as RULES,
     load_model as load_model,
+    rules as rules,
 )

@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -18,6 +17,7 @@ from jaxsync.models.glm4v._modules import Glm4vVisionTower
 from jaxsync.weights import (
     PartitionRules,
     Rule,
+    Transform,
     WeightError,
     checkpoint_dtype,
     conv,
@@ -30,35 +30,57 @@ from jaxsync.weights import (
 FULL_MODEL_PREFIX = "model.visual."
 
 
-def _flat_patch(w: jax.Array) -> jax.Array:
-    """Conv3d [D, C, T, p, p] -> linear kernel [C*T*p*p, D] over the flattened patch."""
-    return jnp.transpose(w.reshape(w.shape[0], -1))
+def _flat_patch(cfg: Glm4vVisionConfig) -> Transform:
+    """Conv3d [D, C, T, p, p] -> linear kernel [C*T*p*p, D] over the flattened patch.
+
+    The stored layout is checked before the reshape: a kernel with C and T swapped has the same
+    element count and would otherwise load scrambled.
+    """
+    c, t, p = cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size
+
+    def stored(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) != 2 or shape[0] != c * t * p * p:
+            raise ValueError(f"flat_patch maps onto [{c * t * p * p}, D], not {shape}")
+        return (shape[1], c, t, p, p)
+
+    return Transform(lambda w: jnp.transpose(w.reshape(w.shape[0], -1)), stored, "flat_patch")
 
 
-def _flat_block(w: jax.Array) -> jax.Array:
+def _flat_block(cfg: Glm4vVisionConfig) -> Transform:
     """Conv2d [O, D, m, m] -> linear kernel [m*m*D, O] over the flattened (row, col, ch) block."""
-    return conv(2)(w).reshape(-1, w.shape[0])
+    m = cfg.spatial_merge_size
+
+    def stored(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) != 2 or shape[0] % (m * m):
+            raise ValueError(f"flat_block maps onto [m*m*D, O] with m={m}, not {shape}")
+        return (shape[1], shape[0] // (m * m), m, m)
+
+    return Transform(lambda w: conv(2)(w).reshape(-1, w.shape[0]), stored, "flat_block")
 
 
-RULES: tuple[Rule, ...] = (
-    Rule(r"patch_embed\.proj\.weight", "patch_embed.proj.kernel", _flat_patch),
-    Rule(r"patch_embed\.proj\.bias", "patch_embed.proj.bias"),
-    Rule(r"post_conv_layernorm\.weight", "post_conv_layernorm.weight"),
-    Rule(r"embeddings\.position_embedding\.weight", "embeddings.position_embedding"),
-    Rule(r"blocks\.(\d+)\.(norm[12])\.weight", r"blocks.\1.\2.weight"),
-    Rule(r"blocks\.(\d+)\.attn\.(qkv|proj)\.weight", r"blocks.\1.attn.\2.kernel", linear),
-    Rule(r"blocks\.(\d+)\.attn\.qkv\.bias", r"blocks.\1.attn.qkv.bias"),
-    Rule(
-        r"blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"blocks.\1.mlp.\2_proj.kernel", linear
-    ),
-    Rule(r"post_layernorm\.weight", "post_layernorm.weight"),
-    Rule(r"downsample\.weight", "downsample.kernel", _flat_block),
-    Rule(r"downsample\.bias", "downsample.bias"),
-    Rule(r"merger\.proj\.weight", "merger.proj.kernel", linear),
-    Rule(r"merger\.post_projection_norm\.weight", "merger.post_projection_norm.scale"),
-    Rule(r"merger\.post_projection_norm\.bias", "merger.post_projection_norm.bias"),
-    Rule(r"merger\.(gate|up|down)_proj\.weight", r"merger.mlp.\1_proj.kernel", linear),
-)
+def rules(cfg: Glm4vVisionConfig) -> tuple[Rule, ...]:
+    """The HF key rules of a tower with this config (the conv layouts depend on its sizes)."""
+    return (
+        Rule(r"patch_embed\.proj\.weight", "patch_embed.proj.kernel", _flat_patch(cfg)),
+        Rule(r"patch_embed\.proj\.bias", "patch_embed.proj.bias"),
+        Rule(r"post_conv_layernorm\.weight", "post_conv_layernorm.weight"),
+        Rule(r"embeddings\.position_embedding\.weight", "embeddings.position_embedding"),
+        Rule(r"blocks\.(\d+)\.(norm[12])\.weight", r"blocks.\1.\2.weight"),
+        Rule(r"blocks\.(\d+)\.attn\.(qkv|proj)\.weight", r"blocks.\1.attn.\2.kernel", linear),
+        Rule(r"blocks\.(\d+)\.attn\.qkv\.bias", r"blocks.\1.attn.qkv.bias"),
+        Rule(
+            r"blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.weight",
+            r"blocks.\1.mlp.\2_proj.kernel",
+            linear,
+        ),
+        Rule(r"post_layernorm\.weight", "post_layernorm.weight"),
+        Rule(r"downsample\.weight", "downsample.kernel", _flat_block(cfg)),
+        Rule(r"downsample\.bias", "downsample.bias"),
+        Rule(r"merger\.proj\.weight", "merger.proj.kernel", linear),
+        Rule(r"merger\.post_projection_norm\.weight", "merger.post_projection_norm.scale"),
+        Rule(r"merger\.post_projection_norm\.bias", "merger.post_projection_norm.bias"),
+        Rule(r"merger\.(gate|up|down)_proj\.weight", r"merger.mlp.\1_proj.kernel", linear),
+    )
 
 
 # Megatron-style split of every wide matmul over a "model" mesh axis: the fused qkv and the MLP
@@ -128,7 +150,7 @@ def load_model(
     return load_weights(
         lambda: Glm4vVisionTower(cfg, dtype=build_dtype, rngs=nnx.Rngs(0)),
         checkpoint,
-        RULES,
+        rules(cfg),
         select=re.escape(prefix) if prefix else None,
         strip=prefix,
         dtype=dtype,

@@ -56,8 +56,13 @@ def audio_rules(cfg: Qwen3OmniAudioConfig) -> tuple[Rule, ...]:
     return (
         Rule(r"(conv2d[123])\.weight", r"\1.kernel", _CONV_TIME_MAJOR),
         Rule(r"(conv2d[123])\.bias", r"\1.bias"),
-        # [D, C * F] with torch's (channel, freq) flattening -> [C, F, D]
-        Rule(r"conv_out\.weight", "conv_out.kernel", compose(linear, reshape_to(*conv_out))),
+        # [D, C * F] with torch's (channel, freq) flattening -> [C, F, D]; the stored layout is
+        # checked before the reshape (a transposed [C * F, D] has the same element count).
+        Rule(
+            r"conv_out\.weight",
+            "conv_out.kernel",
+            compose(linear, reshape_to(*conv_out, stored=(conv_out[0] * conv_out[1], conv_out[2]))),
+        ),
         Rule(lin + r"\.weight", r"\1.kernel", linear),
         Rule(lin + r"\.bias", r"\1.bias"),
         Rule(norm + r"\.weight", r"\1.scale"),
