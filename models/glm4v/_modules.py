@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
+from jaxsync.models._activations import gelu
 from jaxsync.models._attention import AttentionImpl
 from jaxsync.models.glm4v._attention import Attention, linear, rotary_cos_sin
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
@@ -23,7 +24,7 @@ from jaxsync.models.glm4v._plan import SEGMENT_GROUP
 
 _ACT = {
     "silu": jax.nn.silu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # HF "gelu" is the exact erf form
+    "gelu": gelu,  # HF "gelu" is the exact erf form
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
 }
 
@@ -91,7 +92,7 @@ class PatchMerger(nnx.Module):
         self.mlp = GatedMlp(dim, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = jax.nn.gelu(self.post_projection_norm(self.proj(x)), approximate=False)
+        x = gelu(self.post_projection_norm(self.proj(x)))
         return self.mlp(x)
 
 

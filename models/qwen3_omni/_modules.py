@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float
 
 import jaxsync
+from jaxsync.models._activations import gelu
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
 
 
@@ -26,7 +27,7 @@ _LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
 # Built once: a layer keeps its activation as a static attribute, and layers stack (scan) only
 # when those compare equal, i.e. are the same function object.
 _ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
@@ -154,9 +155,9 @@ class Qwen3OmniAudioTower(nnx.Module):
         x = x.astype(self.dtype)[..., None]  # [S, 100, F, 1]: time is the conv's "height"
 
         limits = meta["conv_limits"]
-        x = _mask_time(_gelu(self.conv2d1(x)), limits[0])  # [S, 50, F/2, C]
-        x = _mask_time(_gelu(self.conv2d2(x)), limits[1])  # [S, 25, F/4, C]
-        x = _gelu(self.conv2d3(x))  # [S, 13, F/8, C]
+        x = _mask_time(gelu(self.conv2d1(x)), limits[0])  # [S, 50, F/2, C]
+        x = _mask_time(gelu(self.conv2d2(x)), limits[1])  # [S, 25, F/4, C]
+        x = gelu(self.conv2d3(x))  # [S, 13, F/8, C]
         x = self.conv_out(x)  # [S, 13, D]
         # positions restart in every chunk: a compile-time constant, not a jit argument
         positions = sinusoid_table(TOKENS_PER_FULL_CHUNK, cfg.d_model)
@@ -198,10 +199,6 @@ def forward(
     window = meta["out_src"] // tower.cfg.window_tokens
     finite = jnp.take(window_flag, window, mode="fill", fill_value=True)
     return tower.head(x, meta), finite
-
-
-def _gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=False)  # upstream's conv stem uses exact (erf) F.gelu
 
 
 def _mask_time(x: Float[Array, "S T F C"], limit: jax.Array) -> Float[Array, "S T F C"]:

@@ -18,13 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
+from jaxsync.models._activations import gelu as _gelu
 from jaxsync.models._attention import AttentionImpl, resolve_attention
 from jaxsync.models.voxtral._config import VoxtralAudioConfig
 from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows
-
-
-def _gelu(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=False)  # transformers "gelu" is the erf form
 
 
 class Attention(nnx.Module):
