@@ -73,6 +73,7 @@ def _encoder_cases(device: str, size: str) -> list[BenchCase]:
     torch.manual_seed(0)
     with torch.device(device):
         hf = VoxtralForConditionalGeneration(hf_cfg).to(tdtype).eval()
+    configs = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}.values()
     model = VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     emb = VoxtralAudioEncoder(model, MelConfig(num_mel_bins=cfg.num_mel_bins))
     cases = []
@@ -84,11 +85,18 @@ def _encoder_cases(device: str, size: str) -> list[BenchCase]:
         def jax_fn(jx=jx):
             return emb(input_features=jx()).embeddings
 
-        def hf_eager(tx=tx):
-            return hf.get_audio_features(tx()).pooler_output
+        def hf_run(attn: str, tx=tx):
+            def run():
+                for conf in configs:  # transformers reads it at call time
+                    conf._attn_implementation = attn
+                with torch.no_grad():
+                    return hf.get_audio_features(tx()).pooler_output
+
+            return run
 
         name = f"audio_encoder[{size},C={c}x{cfg.chunk_frames}]"
-        cases.append(BenchCase(name, jax_fn, {"transformers_eager": hf_eager}))
+        baselines = {"transformers_sdpa": hf_run("sdpa"), "transformers_eager": hf_run("eager")}
+        cases.append(BenchCase(name, jax_fn, baselines))
     return cases
 
 
