@@ -26,7 +26,7 @@ import jax.numpy as jnp
 CLASSES = (  # first match wins; kernel names of XLA:GPU, cuDNN, cuBLAS and Triton
     ("attention", r"flash|fmha|cudnn.*(attn|sdpa)|softmax"),
     ("matmul", r"gemm|cublas|nvjet|matmul|dot|wgmma|xmma|cutlass"),
-    ("conv", r"conv"),
+    ("conv", r"conv(?!ert)|fprop_implicit"),  # not XLA's "convert" fusions
     ("copy/transpose", r"copy|transpose|memcpy|memset|dynamic.update.slice|concatenate"),
     ("fusion", r"fusion|reduce|loop_|input_"),
 )
