@@ -33,7 +33,7 @@ import jaxsync
 from jaxsync.check import no_recompile, sync_guard
 from jaxsync.models import qwen3_omni
 from jaxsync.paths.qwen3_omni.reference import TINY, random_features
-from jaxsync.weights import partition_spec
+from jaxsync.weights import PartitionRules, partition_spec
 
 
 VOCAB = 97
@@ -119,7 +119,7 @@ def jitted_embed_mm(
     )
 
 
-def rename_axis(rules: qwen3_omni.PARTITION_RULES, old: str, new: str):
+def rename_axis(rules: PartitionRules, old: str, new: str) -> PartitionRules:
     """A partition-rule table with mesh axis `old` renamed to `new` (e.g. "model" -> "tensor")."""
 
     def entry(e):
@@ -132,7 +132,7 @@ def rename_axis(rules: qwen3_omni.PARTITION_RULES, old: str, new: str):
     )
 
 
-def shard(model: nnx.Module, mesh: Mesh, rules) -> None:
+def shard(model: nnx.Module, mesh: Mesh, rules: PartitionRules) -> None:
     """Places every parameter by the first rule whose regex matches its path (else replicated)."""
     state = nnx.state(model)
     flat = []
