@@ -2,9 +2,10 @@
 
 tpu-inference builds a model under `nnx.eval_shape`, fills it with `load_weights`, keeps
 `(graphdef, state)`, and on every multimodal call rebuilds the module with `nnx.merge` and calls
-`get_multimodal_embeddings(image_grid_thw, **kwargs)`, which returns one `[tokens_i, D]` array per
-image. This example does exactly that, with a tiny random GLM-4.1V tower saved as a sharded
-checkpoint next to a large unrelated "language model" shard the loader never opens, and checks:
+`embed_multimodal(image_grid_thw, **kwargs)` (`get_multimodal_embeddings` in older releases),
+which returns one `[tokens_i, D]` array per image. This example does exactly that, with a tiny
+random GLM-4.1V tower saved as a sharded checkpoint next to a large unrelated "language model"
+shard the loader never opens, and checks:
 
 - the embeddings equal `Glm4vVisionEncoder`'s;
 - after one warm-up call, further calls compile nothing and read nothing back;
@@ -40,7 +41,7 @@ class Glm4vMultimodal(nnx.Module):
         # Streams only `model.visual.*` from the sharded checkpoint, placing each as it is read.
         self.visual = glm4v.load_model(checkpoint, self.visual.cfg)
 
-    def get_multimodal_embeddings(self, image_grid_thw, pixel_values) -> tuple[jax.Array, ...]:
+    def embed_multimodal(self, image_grid_thw, pixel_values) -> tuple[jax.Array, ...]:
         plan, meta = _planned(self.visual.cfg, image_grid_thw)
         host = np.zeros((plan.padded_patches, pixel_values.shape[1]), np.float32)
         host[: plan.num_patches] = pixel_values  # padding patches are zeros
@@ -49,6 +50,8 @@ class Glm4vMultimodal(nnx.Module):
         merged, _, _ = _encode(graphdef, state, pixels, meta)
         out = jaxsync.Embeddings(merged, plan.tokens_per_item)
         return tuple(out.split())  # static slices at host offsets: nothing is read back
+
+    get_multimodal_embeddings = embed_multimodal  # the name older tpu-inference releases call
 
 
 _plans: jaxsync.PlanCache = jaxsync.PlanCache()
@@ -98,14 +101,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pixels = rng.standard_normal((sum(t * h * w for t, h, w in grid), cfg.patch_dim), np.float32)
 
-    def run_get_multimodal_embeddings(graphdef, state, image_grid_thw, **kwargs):
-        return nnx.merge(graphdef, state).get_multimodal_embeddings(image_grid_thw, **kwargs)
+    def run_embed_multimodal(graphdef, state, image_grid_thw, **kwargs):
+        return nnx.merge(graphdef, state).embed_multimodal(image_grid_thw, **kwargs)
 
-    first = run_get_multimodal_embeddings(graphdef, state, grid, pixel_values=pixels)  # warm-up
+    first = run_embed_multimodal(graphdef, state, grid, pixel_values=pixels)  # warm-up
     halved = jax.tree.map(lambda w: w * 0.5, state)  # a weight update in the server's state
     with sync_guard("error"), no_recompile():
-        again = run_get_multimodal_embeddings(graphdef, state, grid, pixel_values=pixels)
-        updated = run_get_multimodal_embeddings(graphdef, halved, grid, pixel_values=pixels)
+        again = run_embed_multimodal(graphdef, state, grid, pixel_values=pixels)
+        updated = run_embed_multimodal(graphdef, halved, grid, pixel_values=pixels)
 
     expected = glm4v.Glm4vVisionEncoder(model.visual)(pixel_values=pixels, image_grid_thw=grid)
     assert len(first) == len(grid)

@@ -29,13 +29,13 @@ def test_example_would_catch_a_read_back(monkeypatch):
     from jaxsync.check import SyncError
 
     example = _load()
-    original = example.Glm4vMultimodal.get_multimodal_embeddings
+    original = example.Glm4vMultimodal.embed_multimodal
 
     def reads_back(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         np.asarray(out[0])  # a device->host read
         return out
 
-    monkeypatch.setattr(example.Glm4vMultimodal, "get_multimodal_embeddings", reads_back)
+    monkeypatch.setattr(example.Glm4vMultimodal, "embed_multimodal", reads_back)
     with pytest.raises(SyncError):
         example.main()
