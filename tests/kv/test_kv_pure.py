@@ -4,6 +4,7 @@ points, donated in place, one program per bucket, no transfer but the plan's one
 jit arguments of a stacked-layout step independent of the layer count."""
 
 import functools as ft
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxsync
+import jaxsync.testing
 from jaxsync.check import RecompileError, SyncError, no_recompile, sync_guard
 from jaxsync.kv import (
     KVLayout,
@@ -217,3 +219,36 @@ def test_mismatched_rows_fail_while_tracing():
         jax.jit(write_slots)(kv_cache, rows, jnp.zeros(8))
     assert not any(x.is_deleted() for x in jax.tree.leaves(kv_cache))
     write_step(kv_cache, rows, plan)  # control: the right rows go in
+
+
+def test_caches_sharded_over_kv_heads_stay_sharded():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jaxsync.testing.device_mesh("h")
+    heads = KVLayout(kind="packed", num_blocks=NUM_BLOCKS, block_size=BLOCK, num_kv_heads=8,
+                     head_dim=4, dtype=jnp.float32, stacked=True)  # fmt: skip
+    kv_cache = heads.random(LAYERS, jax.random.key(0), placement=NamedSharding(mesh, P(None, "h")))
+    sharding = kv_cache.kv.sharding
+    assert sharding.spec[2] == "h"  # [P, L, K, S, X]: split over kv heads
+    near = jaxsync.replicated_near(kv_cache.kv)  # the plan goes where the cache is
+    # control for the collective scan below: a program that needs every head on each device
+    gathered = jax.jit(lambda c: c.kv, out_shardings=NamedSharding(mesh, P()))
+    slots = [3, 60, 17, 22, 41]
+    rows = read_step(kv_cache, jaxsync.upload_packed(plan_slots(kv_cache, slots), placement=near))
+    assert_bit_exact(rows, extract_kv(kv_cache, slots))
+    want = inject_kv(fresh_copy(kv_cache), rows, [0, 1, 2, 3, 4])
+    plan = plan_slots(kv_cache, [0, 1, 2, 3, 4])
+    plan = jaxsync.upload_packed(plan, placement=near)
+    got = write_step(kv_cache, rows, plan)
+    assert got.kv.sharding.is_equivalent_to(sharding, 5)
+    assert_bit_exact(got, want)
+    pairs = jaxsync.upload_packed(plan_copy(got, [0, 5], [5, 9]), placement=near)
+    steps = ((read_step, (got, plan)), (write_step, (got, rows, plan)), (copy_step, (got, pairs)))
+    for step, args in steps:
+        hlo = step.lower(*args).compile().as_text()
+        assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", hlo)
+    assert re.search("all-gather", gathered.lower(got).compile().as_text())  # control
+    want = copy_blocks(*[fresh_copy(got)] * 2, [0, 5], [5, 9])
+    got = copy_step(got, pairs)
+    assert got.kv.sharding.is_equivalent_to(sharding, 5)
+    assert_bit_exact(got, want)
