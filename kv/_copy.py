@@ -59,7 +59,9 @@ _DIRECTIONS: dict[tuple[str, str], str] = {
 }
 
 
-def copy_pairs(cache: Cache, src: jax.Array, dst: jax.Array, *, source: Cache | None = None):
+def copy_pairs(
+    cache: Cache, src: jax.Array, dst: jax.Array, *, source: Cache | None = None
+) -> Cache:
     """Copies blocks `src[k]` -> `dst[k]` in every layer: pure and traceable, for a server's own
     jit; donate the cache there (it is updated in place).
 

@@ -85,9 +85,12 @@ def test_slots_equal_the_entries(kind, stacked, count):
     plan = jaxsync.upload_packed(plan_slots(src, slots, write=False))
     rows = read_step(src, plan)
     assert_bit_exact(rows, extract_kv(src, slots))
+    before = fresh_copy(dst)
     want = inject_kv(fresh_copy(dst), rows, slots)
     plan = jaxsync.upload_packed(plan_slots(dst, slots))
     assert_bit_exact(write_step(dst, rows, plan), want)
+    with pytest.raises(AssertionError):  # control: the comparison sees the written rows
+        assert_bit_exact(before, want)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -100,7 +103,11 @@ def test_copies_equal_the_entries(kind, stacked, pairs):
     kv_cache = cache(kind, stacked, 2)
     want = copy_blocks(*[fresh_copy(kv_cache)] * 2, src_ids, dst_ids)  # the entry's within-copy
     plan = jaxsync.upload_packed(plan_copy(kv_cache, src_ids, dst_ids))
+    before = fresh_copy(kv_cache)
     assert_bit_exact(copy_step(kv_cache, plan), want)
+    if src_ids != dst_ids:  # control: the comparison sees the copied blocks
+        with pytest.raises(AssertionError):
+            assert_bit_exact(before, want)
     source, dst = cache(kind, stacked, 3, num_blocks=17), cache(kind, stacked, 4)
     want = copy_blocks(source, fresh_copy(dst), src_ids, dst_ids, impl="xla")
     plan = jaxsync.upload_packed(plan_copy(dst, src_ids, dst_ids, source=source))
