@@ -6,14 +6,18 @@ One multimodal request at a time, the way a server runs it:
    VQ codes) and `img2bpe` (codes -> BPE ids) with the tokenizer's weights as step arguments, the
    image tokens embedded and merged into the prompt at the `<image>` placeholders
    (`merge_image_tokens`, positions planned on the host from the prompt), the toy layer, and the
-   logits with the image-token mask (`compute_logits`). The request's host metadata (image
-   validity, merge positions, prompt ids) goes up in one packed transfer; the cached tables
-   (`img2bpe`, the logit mask column) are plain step arguments. The prompt's KV rows are then
-   written into a paged cache with `jaxsync.kv.inject_kv` at slots from a host-side block table;
-2. decode: each step embeds the previous token *on device*, computes the masked logits and picks
-   the next token in one jitted step, then writes its KV row with `inject_kv`;
+   logits with the image-token mask (`compute_logits`), and the prompt's KV rows written into
+   the paged cache (`jaxsync.kv.write_slots`, the cache donated: updated in place). The
+   request's host metadata (image validity, merge positions, prompt ids, and the KV slots
+   planned by `jaxsync.kv.plan_slots` from a host-side block table) goes up in one packed
+   transfer; the cached tables (`img2bpe`, the logit mask column) are plain step arguments;
+2. decode: each step embeds the previous token *on device*, computes the masked logits, picks
+   the next token and writes its KV row, in one jitted step with one packed upload (the slot);
 3. between steps the scheduler swaps a block out to pinned host memory and back (block ids are
    host data), as a KV offload would.
+
+The cache is a `StackedCache` (all layers in one block-major array), so the steps' arguments do
+not grow with the layer count.
 
 The sampled tokens are read back the way tpu-inference does it: `copy_to_host_async` after the next
 step is dispatched, read one step later. That is the only deliberate readback, counted separately;
@@ -39,7 +43,15 @@ from flax import nnx
 
 import jaxsync
 from jaxsync import check
-from jaxsync.kv import host_pool, inject_kv, swap_in, swap_out
+from jaxsync.kv import (
+    StackedCache,
+    host_pool,
+    plan_slots,
+    stack_layers,
+    swap_in,
+    swap_out,
+    write_slots,
+)
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,
@@ -68,37 +80,39 @@ def toy_lm(vocab: int, dim: int, seed: int = 0) -> dict[str, jax.Array]:
     }
 
 
-def _layer(lm, x):  # x: [T, D] -> hidden [T, D], KV rows [L, T, K, 2H]
+def _layer(lm, x):  # x: [T, D] -> hidden [T, D], KV rows of the stacked cache [T, L, K, 2H]
     h = jnp.tanh(x @ lm["w"])
-    return h, jnp.einsum("TD,DLKX->LTKX", h, lm["w_kv"])
+    return h, jnp.einsum("TD,DLKX->TLKX", h, lm["w_kv"])
 
 
-def _kv_dict(kv: jax.Array, size: int) -> dict[str, jax.Array]:
-    # [L, T, K, 2H] -> {layer: [size, K, 2H]}, rows padded to the slot bucket inject_kv expects.
-    pad = ((0, size - kv.shape[1]), (0, 0), (0, 0))
-    return {f"layer{i}": jnp.pad(kv[i], pad) for i in range(LAYERS)}
+def _write(cache, kv, slots):
+    # [T, L, K, 2H] rows at slots [N] (N = T's bucket; padding slots are no-ops)
+    pad = ((0, slots.shape[0] - kv.shape[0]), (0, 0), (0, 0), (0, 0))
+    return write_slots(cache, StackedCache(jnp.pad(kv, pad), cache.layers), slots)
 
 
 def _next_token(logits, last):  # [T, V], index of the last real row -> [1] int32 (greedy)
     return jnp.argmax(jax.lax.dynamic_slice_in_dim(logits, last, 1), axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnums=0)
-def prefill_step(vq_merge, vq_leaves, lm, pixels, req, table, mask):
-    """Image tokens, merge, layer and masked logits of one request: one program of the server."""
+@partial(jax.jit, static_argnums=0, donate_argnums=7)
+def prefill_step(vq_merge, vq_leaves, lm, pixels, req, table, mask, cache):
+    """Image tokens, merge, layer, masked logits and the KV write of one request: one program of
+    the server."""
     codes, finite = forward(vq_merge(vq_leaves), pixels, req)  # [Bp, T] VQ codes, [Bp]
     image = jnp.take(lm["embed"], img2bpe(codes, table).reshape(-1), axis=0)  # [Bp*T, D]
     text = jnp.take(lm["embed"], req["prompt"], axis=0)  # [S, D], S = the prompt's bucket
     hidden, kv = _layer(lm, merge_image_tokens(text, image, req["positions"]))
     logits = compute_logits(hidden, lm["lm_head"], mask)  # image columns at finfo.min
-    return _next_token(logits, req["last"][0]), _kv_dict(kv, kv.shape[1]), finite
+    return _next_token(logits, req["last"][0]), _write(cache, kv, req["slots"]), finite
 
 
-@jax.jit
-def decode_step(lm, token, mask):
+@partial(jax.jit, donate_argnums=3)
+def decode_step(lm, token, mask, cache, slot):
     x = jnp.take(lm["embed"], token, axis=0)  # [1, D], the token never leaves the device
     hidden, kv = _layer(lm, x)
-    return _next_token(compute_logits(hidden, lm["lm_head"], mask), 0), _kv_dict(kv, 8)
+    token = _next_token(compute_logits(hidden, lm["lm_head"], mask), 0)
+    return token, _write(cache, kv, slot["slots"])
 
 
 class Server:
@@ -113,7 +127,7 @@ class Server:
         self.table = self.encoder.img2bpe_table()
         self.mask = self.encoder.mask_column(cfg.vocab_size)
         shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
-        self.cache = {f"layer{i}": jnp.zeros(shape) for i in range(LAYERS)}
+        self.cache = stack_layers({f"layer{i}": jnp.zeros(shape) for i in range(LAYERS)})
         # Block-major pinned-host swap space: one DMA moves a block of every layer.
         self.swap_pool = host_pool(self.cache, NUM_BLOCKS)
         self.free_blocks = list(range(NUM_BLOCKS))
@@ -134,9 +148,12 @@ class Server:
             image_token_id=self.encoder.mapping.image_token_id,
             num_image_tokens=len(pixels) * self.cfg.vq.tokens_per_image,
         )
+        blocks = [self.free_blocks.pop(0) for _ in range(-(-(n + 1) // BLOCK))]
+        slots = (np.asarray(blocks)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
         fields = {
             **images.fields,
             **merge.fields,
+            **plan_slots(self.cache, slots),  # validated and padded to the prompt's bucket
             "prompt": np.pad(prompt, (0, size - n)),
             "last": np.array([n - 1], np.int32),
         }
@@ -144,20 +161,18 @@ class Server:
         staging = np.zeros((images.rows, *self.encoder.image_shape), np.float32)
         staging[: len(pixels)] = pixels
         px = jaxsync.async_h2d(staging, copy=False)
-        token, kv, _ = prefill_step(
-            self.vq_merge, self.vq_leaves, self.lm, px, req, self.table, self.mask
+        token, self.cache, _ = prefill_step(
+            self.vq_merge, self.vq_leaves, self.lm, px, req, self.table, self.mask, self.cache
         )
-        blocks = [self.free_blocks.pop(0) for _ in range(-(-(n + 1) // BLOCK))]
-        slots = (np.asarray(blocks)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
-        self.cache = inject_kv(self.cache, kv, slots)
         return token, blocks, n
 
     def decode_step(self, token: jax.Array, blocks: list[int], pos: int) -> jax.Array:
         if pos // BLOCK >= len(blocks):
             blocks.append(self.free_blocks.pop(0))  # host-side block table grows
-        token, kv = decode_step(self.lm, token, self.mask)
-        slot = [blocks[pos // BLOCK] * BLOCK + pos % BLOCK]
-        self.cache = inject_kv(self.cache, kv, slot)
+        slot = plan_slots(self.cache, [blocks[pos // BLOCK] * BLOCK + pos % BLOCK])
+        token, self.cache = decode_step(
+            self.lm, token, self.mask, self.cache, jaxsync.upload_packed(slot)
+        )
         return token
 
     def swap_out_and_in(self, block: int, spare: int) -> None:

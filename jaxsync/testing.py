@@ -281,3 +281,12 @@ def count_dispatch():
             seen.compiles = log.count
 
     return region()
+
+
+def main_arg_count(lowered: Any) -> int:
+    """The number of arguments of a lowered program's entry function (a `jax.stages.Lowered`):
+    what the host passes per call, after jit flattened the pytrees."""
+    import re
+
+    signature = re.search(r"func\.func public @main\((.*?)\)\s*(->|\{)", lowered.as_text(), re.S)
+    return signature.group(1).count("%arg")

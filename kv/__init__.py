@@ -8,9 +8,18 @@ one DMA per block and layer).
 Ports vLLM's `copy_kv_blocks` and the ExampleConnector's KV paths. Every entry
 point validates its host metadata before dispatch, uploads ids in one transfer, pads counts to
 buckets (one compiled program per bucket) and handles all layers of a cache in one jitted call.
+
+Inside a server's own jitted step: `write_slots` / `read_slots` / `copy_pairs` are the entries'
+bodies as pure functions of device ids, planned on the host by `plan_slots` / `plan_copy` (the
+entries' validation and padding, as fields for the step's one `jaxsync.upload_packed`).
 """
 
-from jaxsync.kv._copy import Direction as Direction, copy_blocks as copy_blocks
+from jaxsync.kv._copy import (
+    Direction as Direction,
+    copy_blocks as copy_blocks,
+    copy_pairs as copy_pairs,
+    plan_copy as plan_copy,
+)
 from jaxsync.kv._layout import (
     Cache as Cache,
     KVLayout as KVLayout,
@@ -27,7 +36,10 @@ from jaxsync.kv._pool import (
 from jaxsync.kv._slots import (
     extract_kv as extract_kv,
     inject_kv as inject_kv,
+    plan_slots as plan_slots,
+    read_slots as read_slots,
     row_sharding as row_sharding,
     slot_mapping_for as slot_mapping_for,
+    write_slots as write_slots,
 )
 from jaxsync.kv._storage import kv_folder as kv_folder, load_kv as load_kv, save_kv as save_kv

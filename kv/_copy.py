@@ -48,6 +48,7 @@ from jaxsync.kv._layout import (
     memory_kind,
     upload_ids,
 )
+from jaxsync.kv._slots import check_id_array
 
 
 Direction = Literal["d2d", "d2h", "h2d"]
@@ -58,22 +59,44 @@ _DIRECTIONS: dict[tuple[str, str], str] = {
 }
 
 
-@ft.partial(jax.jit, donate_argnames="dst")
-def _copy_same_memory(src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
-    src_ids, dst_ids = ids["src"], ids["dst"]  # [N] each, N = bucket
+def copy_pairs(
+    cache: Cache, src: jax.Array, dst: jax.Array, *, source: Cache | None = None
+) -> Cache:
+    """Copies blocks `src[k]` -> `dst[k]` in every layer: pure and traceable, for a server's own
+    jit; donate the cache there (it is updated in place).
+
+    Every source block is read before any destination is written, so a block that is both is
+    copied out with its old contents (copy-on-write, prefix caching).
+
+    Args:
+      cache: `{layer: [P, ...] | (k, v)}` or a `StackedCache` (`[P, L, ...]`), device memory.
+      src: int32 `[N]` source block ids on the device (`plan_copy(...)["src"]`).
+      dst: int32 `[N]` unique destination block ids; padding ids (>= P) are dropped.
+      source: another cache of the same layers and block shapes to copy from (default: `cache`).
+
+    Returns:
+      The updated cache; what `copy_blocks(source, cache, ...)` returns for the same ids.
+    """
+    check_id_array(src, "src")
+    check_id_array(dst, "dst")
 
     def one(s, d):  # s: [Ps, ...], d: [Pd, ...]
-        blocks = s.at[src_ids].get(mode="clip")  # [N, ...]
-        return d.at[dst_ids].set(blocks, mode="drop", unique_indices=True)
+        blocks = s.at[src].get(mode="clip")  # [N, ...]
+        return d.at[dst].set(blocks, mode="drop", unique_indices=True)
 
-    return jax.tree.map(one, src, dst)
+    return jax.tree.map(one, cache if source is None else source, cache)
+
+
+@ft.partial(jax.jit, donate_argnames="dst")
+def _copy_same_memory(src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
+    return copy_pairs(dst, ids["src"], ids["dst"], source=src)
 
 
 @ft.partial(jax.jit, donate_argnames="cache")
 def _copy_within(cache: Cache, ids: jaxsync.Packed) -> Cache:
     """`_copy_same_memory(cache, cache, ids)` with the cache passed (and donated) once: every
     source block is gathered before any destination is written."""
-    return _copy_same_memory.__wrapped__(cache, cache, ids)
+    return copy_pairs(cache, ids["src"], ids["dst"])
 
 
 @ft.partial(jax.jit, donate_argnames="dst", static_argnames="to_host")
@@ -153,16 +176,47 @@ def _program(src: Cache, dst: Cache, direction: str | None, impl: str) -> _Progr
     return _Program(actual, kernel=kernel)
 
 
-def _upload(program: _Program, s_ids: np.ndarray, d_ids: np.ndarray, size: int, num_dst: int,
-            leaf: jax.Array) -> jaxsync.Packed:  # fmt: skip
-    """The ids padded to `size` and uploaded in one transfer next to `leaf`'s devices."""
+def _fields(program: _Program, s_ids: np.ndarray, d_ids: np.ndarray, size: int,
+            num_dst: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """The ids padded to `size`: the fields of the call's one upload."""
     if program.direction == "d2d" or program.kernel is not None:
         # source 0 (a harmless read), distinct out-of-range destinations (dropped / skipped)
         fill_src, fill_dst = np.zeros(size), np.arange(num_dst, num_dst + size)
     else:  # the cross-memory loop has no dropping scatter: repeat the last pair
         fill_src, fill_dst = np.full(size, s_ids[-1]), np.full(size, d_ids[-1])
-    fields = {"src": padded_ids(s_ids, fill_src), "dst": padded_ids(d_ids, fill_dst)}
-    return upload_ids(fields, leaf)
+    return {"src": padded_ids(s_ids, fill_src), "dst": padded_ids(d_ids, fill_dst)}
+
+
+def plan_copy(
+    cache: Cache, src_ids: Any, dst_ids: Any, *, buckets: tuple[int, ...] | None = None,
+    source: Cache | None = None, keys: tuple[str, str] = ("src", "dst"),
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """The host plan of a server step's `copy_pairs`.
+
+    Validates what `copy_blocks(source, cache, src_ids, dst_ids)` validates (device memory on
+    both sides), on the host, and pads the ids to a bucket: padded sources read block 0,
+    padded destinations are distinct out-of-range ids (dropped). Put the fields in the step's
+    one `jaxsync.upload_packed`.
+
+    Args:
+      cache: the destination cache (host metadata only: shapes, memory kind, placement).
+      src_ids, dst_ids: host lists/ndarrays of block ids, same length, `dst_ids` unique.
+      buckets: block-count buckets (default: powers of two >= 8).
+      source: the cache copied from, when not `cache` itself.
+      keys: the two fields' names.
+
+    Returns:
+      `{keys[0]: int32 [N], keys[1]: int32 [N]}`, N = bucket(len(src_ids)).
+
+    Raises:
+      TypeError, ValueError: as `copy_blocks`, before anything is uploaded.
+    """
+    source = cache if source is None else source
+    program = _program(source, cache, "d2d", "xla")
+    num_src, num_dst = jax.tree.leaves(source)[0].shape[0], jax.tree.leaves(cache)[0].shape[0]
+    s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
+    fields = _fields(program, s_ids, d_ids, jaxsync.bucket(int(s_ids.size), buckets), num_dst)
+    return dict(zip(keys, fields.values(), strict=True))
 
 
 def _dispatch(program: _Program, src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
@@ -227,6 +281,6 @@ def copy_blocks(
         return dst
     size = jaxsync.bucket(int(s_ids.size), buckets)
     device_leaf = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
-    ids = _upload(program, s_ids, d_ids, size, num_dst, device_leaf)
+    ids = upload_ids(_fields(program, s_ids, d_ids, size, num_dst), device_leaf)
     src, dst = committed(src), committed(dst)
     return _dispatch(program, src, dst, ids)

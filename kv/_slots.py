@@ -16,6 +16,7 @@ import functools as ft
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
@@ -82,24 +83,91 @@ def row_shape(leaf_shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
     return (rows, *leaf_shape[1:-2], leaf_shape[-1])
 
 
-@jax.jit
-def _extract(caches: Cache, ids: jaxsync.Packed) -> Cache:
-    slots = ids["slots"]  # [T]
+def read_slots(cache: Cache, slots: jax.Array) -> Cache:
+    """Gathers the rows of `slots` from every layer: pure and traceable, for a server's own jit.
 
-    def one(leaf):  # -> row_shape(leaf.shape, T)
+    Args:
+      cache: `{layer: [P, K, S, X] | [P, S, L] | (k, v)}` or a `StackedCache` (`[P, L, ...]`).
+      slots: int32 `[N]` on the device (`plan_slots(...)["slots"]` after its upload); padding
+        slots (>= P*S) read as zeros.
+
+    Returns:
+      The cache's structure with leaves `[N, K, X]` / `[N, L]` (stacked: `[N, L, K, X]`); what
+      `extract_kv` returns for the same slots.
+    """
+    check_id_array(slots, "slots")
+
+    def one(leaf):  # -> row_shape(leaf.shape, N)
         return leaf.at[_index(leaf, slots)].get(mode="fill", fill_value=0)
 
-    return jax.tree.map(one, caches)
+    return jax.tree.map(one, cache)
+
+
+def write_slots(cache: Cache, rows: Cache, slots: jax.Array) -> Cache:
+    """Writes per-token rows into every layer at `slots` (vLLM's `reshape_and_cache`): pure and
+    traceable, for a server's own jit; donate the cache there (it is updated in place).
+
+    Args:
+      cache: as for `read_slots`.
+      rows: the cache's structure, leaves `[N, K, X]` / `[N, L]` (stacked: `[N, L, K, X]`) of
+        the cache's dtype, N = `slots.shape[0]`; rows at padding slots are dropped.
+      slots: int32 `[N]` unique slots on the device (`plan_slots(...)["slots"]`).
+
+    Returns:
+      The updated cache; what `inject_kv` returns for the same rows and slots.
+
+    Raises:
+      ValueError: while tracing, when the rows' structure, shapes or dtypes do not match.
+    """
+    check_id_array(slots, "slots")
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    check_rows(leaves, treedef, rows, slots.shape[0])
+
+    def one(leaf, r):
+        return leaf.at[_index(leaf, slots)].set(r, mode="drop", unique_indices=True)
+
+    return jax.tree.map(one, cache, rows)
+
+
+def check_id_array(ids: jax.Array, name: str) -> None:
+    """Slot or block ids inside a jit: a 1-D integer array (checked while tracing, from its
+    static type; the values are device data, never read)."""
+    if not isinstance(ids, jax.Array) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        what = getattr(ids, "dtype", type(ids).__name__)
+        raise TypeError(f"{name} must be an integer jax.Array (uploaded by the plan), got {what}")
+    if ids.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {ids.shape}")
+
+
+@jax.jit
+def _extract(caches: Cache, ids: jaxsync.Packed) -> Cache:
+    return read_slots(caches, ids["slots"])
 
 
 @ft.partial(jax.jit, donate_argnames="caches")
 def _inject(caches: Cache, kv: Cache, ids: jaxsync.Packed) -> Cache:
-    slots = ids["slots"]  # [T]
+    return write_slots(caches, kv, ids["slots"])
 
-    def one(leaf, rows):
-        return leaf.at[_index(leaf, slots)].set(rows, mode="drop", unique_indices=True)
 
-    return jax.tree.map(one, caches, kv)
+def check_rows(leaves: list, treedef: Any, kv: Cache, size: int, n: int | None = None) -> list:
+    """Per-token rows `kv` fit the cache (`leaves`, `treedef`) at a bucket of `size` slots, `n`
+    of them real: same structure, `row_shape` shapes, same dtypes. Returns kv's leaves."""
+    kv_leaves, kv_def = jax.tree_util.tree_flatten(kv)
+    if kv_def != treedef:
+        raise ValueError(f"kv structure {kv_def} does not match the caches' {treedef}")
+    for leaf, rows in zip(leaves, kv_leaves, strict=True):
+        if not isinstance(rows, jax.Array):
+            raise TypeError("kv rows must be jax.Arrays (load_kv uploads host data)")
+        if not isinstance(rows, jax.core.Tracer) and rows.is_deleted():
+            raise ValueError("kv holds a deleted (donated) array")
+        want = row_shape(leaf.shape, size)
+        if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
+            count = f"{size} slots" if n is None else f"{n} slots (bucket {size})"
+            raise ValueError(
+                f"kv rows must be {want} {leaf.dtype} for {count}, "
+                f"got {tuple(rows.shape)} {rows.dtype}"
+            )
+    return kv_leaves
 
 
 def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name="slot_mapping"):
@@ -129,6 +197,37 @@ def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name
         raise ValueError("cache too large for int32 slot ids")
     sentinels = np.arange(num_slots, num_slots + size)  # distinct out-of-range: no-ops
     return leaves, n, size, {"slots": padded_ids(slots, sentinels)}
+
+
+def plan_slots(
+    cache: Cache,
+    slot_mapping: Any,
+    *,
+    write: bool = True,
+    buckets: tuple[int, ...] | None = None,
+    key: str = "slots",
+) -> dict[str, np.ndarray]:
+    """The host plan of a server step's `write_slots` (or `read_slots`: `write=False`).
+
+    Validates what `inject_kv` (`extract_kv`) validates, on the host, and pads the slots to a
+    bucket with distinct out-of-range slots (no-ops), so every length in a bucket shares one
+    program. Put the field in the step's one `jaxsync.upload_packed`.
+
+    Args:
+      cache: the cache the step will write (host metadata only: shapes, memory kind).
+      slot_mapping: host list/ndarray of T slots in [0, P*S), unique when `write`.
+      write: check that the slots are unique (scatter targets).
+      buckets: length buckets (default: powers of two >= 8).
+      key: the field's name.
+
+    Returns:
+      `{key: int32 [N]}`, N = bucket(T).
+
+    Raises:
+      TypeError, ValueError: as `inject_kv` / `extract_kv`, before anything is uploaded.
+    """
+    *_, fields = check_slots(cache, slot_mapping, buckets, unique=write)
+    return {key: fields["slots"]}
 
 
 def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:
@@ -183,21 +282,7 @@ def inject_kv(
         match the caches.
     """
     leaves, n, size, fields = check_slots(caches, slot_mapping, buckets, unique=True)
-    treedef = jax.tree_util.tree_structure(caches)
-    kv_leaves, kv_def = jax.tree_util.tree_flatten(kv)
-    if kv_def != treedef:
-        raise ValueError(f"kv structure {kv_def} does not match the caches' {treedef}")
-    for leaf, rows in zip(leaves, kv_leaves, strict=True):
-        if not isinstance(rows, jax.Array):
-            raise TypeError("kv rows must be jax.Arrays (load_kv uploads host data)")
-        if not isinstance(rows, jax.core.Tracer) and rows.is_deleted():
-            raise ValueError("kv holds a deleted (donated) array")
-        want = row_shape(leaf.shape, size)
-        if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
-            raise ValueError(
-                f"kv rows must be {want} {leaf.dtype} for {n} slots (bucket {size}), "
-                f"got {tuple(rows.shape)} {rows.dtype}"
-            )
+    kv_leaves = check_rows(leaves, jax.tree_util.tree_structure(caches), kv, size, n)
     check_placement(leaves + kv_leaves, "caches and kv rows")
     if n == 0:
         return caches

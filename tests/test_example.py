@@ -57,16 +57,28 @@ def test_prefill_step_equals_the_standalone_entry_points():
     image = jnp.take(server.lm["embed"], enc.get_image_tokens(pixels).reshape(-1), axis=0)
     text = jnp.take(server.lm["embed"], jnp.asarray(prompt), axis=0)
     merged = enc.merge_image_embeddings(text, image, input_ids=prompt)
-    hidden, _ = example._layer(server.lm, merged)
+    hidden, kv = example._layer(server.lm, merged)
     logits = enc.compute_logits(hidden, server.lm["lm_head"])
     assert int(np.asarray(token)[0]) == int(np.argmax(np.asarray(logits)[-1]))
+    # the step wrote the prompt's KV rows where inject_kv puts them
+    from jaxsync.kv import StackedCache, inject_kv
+    from jaxsync.testing import assert_close
+
+    blocks = np.arange(-(-(n + 1) // example.BLOCK))  # a fresh server's first free blocks
+    slots = (blocks[:, None] * example.BLOCK + np.arange(example.BLOCK)).reshape(-1)[:n]
+    size = example.jaxsync.bucket(n)
+    rows = StackedCache(jnp.pad(kv, ((0, size - n), (0, 0), (0, 0), (0, 0))), server.cache.layers)
+    empty = jax.tree.map(jnp.zeros_like, server.cache)
+    assert_close(server.cache.kv, inject_kv(empty, rows, slots).kv, rtol=1e-5)
     # the step takes the server's own arguments only: tokenizer weights, LM weights, pixels,
-    # one packed request upload and the two cached tables
+    # one packed request upload (KV slots included), the two cached tables and the cache (one
+    # stacked array, whatever the layer count)
     leaves = jax.tree.leaves(server.vq_leaves) + jax.tree.leaves(server.lm)
     req = example.jaxsync.upload_packed(
         {
             "valid": np.ones(1, bool),
             "positions": np.zeros(128, np.int32),
+            "slots": np.zeros(128, np.int32),
             "prompt": np.zeros(128, np.int32),
             "last": np.zeros(1, np.int32),
         }
@@ -79,5 +91,32 @@ def test_prefill_step_equals_the_standalone_entry_points():
         req,
         server.table,
         server.mask,
+        server.cache,
     )
-    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 4
+    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 5
+
+
+def test_each_step_is_one_program_with_the_kv_write_inside():
+    # No kv entry point and no extra dispatch: a prefill (uploads, then one program) and a
+    # decode step each execute one XLA program, and the cache is donated to it.
+    import numpy as np
+
+    from jaxsync.bench._timing import jax_executions_per_call
+
+    example = _load()
+    server = example.Server(0)
+    pixels = np.random.default_rng(3).standard_normal((1, *server.encoder.image_shape))
+    pixels = pixels.astype(np.float32)
+
+    def prefill():
+        server.free_blocks = list(range(example.NUM_BLOCKS))  # host block table: reuse blocks
+        before = server.cache
+        token, blocks, pos = server.prefill(pixels, [5, 6, 7])
+        assert before.kv.is_deleted()  # written in place by the step
+        return token, blocks, pos
+
+    token, blocks, pos = prefill()
+    assert jax_executions_per_call(lambda: prefill()[0]) == 1
+    assert jax_executions_per_call(lambda: server.decode_step(token, blocks, pos)) == 1
+    # control: the counter sees a second program in the same call
+    assert jax_executions_per_call(lambda: server.decode_step(prefill()[0], blocks, pos)) == 2

@@ -2,8 +2,6 @@
 point with a jit argument count independent of the layer count, bit-exact with the per-layer
 layout for every entry point, sharded over kv heads too."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +28,7 @@ from jaxsync.kv import (
     swap_out,
     unstack_layers,
 )
-from jaxsync.testing import fresh_copy, kv_call
+from jaxsync.testing import fresh_copy, kv_call, main_arg_count
 
 
 DEV = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
@@ -135,17 +133,11 @@ def test_pool_swaps_parity(kind, impl):
     assert_same(got, swap_in(pool_pl, d_pl, [5, 1, 2], [4, 9, 0], impl="xla"))
 
 
-def _main_args(lowered) -> int:
-    """The number of arguments of the lowered program's entry function."""
-    signature = re.search(r"func\.func public @main\((.*?)\)\s*(->|\{)", lowered.as_text(), re.S)
-    return signature.group(1).count("%arg")
-
-
 def _copy_args(num_layers: int, stacked: bool, kind="packed") -> int:
     names = tuple(f"layer{i:02d}" for i in range(num_layers))
     cache = layout(kind, stacked, 16).random(names, jax.random.key(0))
     ids = jaxsync.upload_packed({"src": np.zeros(8, np.int32), "dst": np.arange(8, dtype=np.int32)})
-    return _main_args(_copy._copy_same_memory.trace(cache, fresh_copy(cache), ids).lower())
+    return main_arg_count(_copy._copy_same_memory.trace(cache, fresh_copy(cache), ids).lower())
 
 
 def test_jit_argument_count_does_not_grow_with_layers():
@@ -171,7 +163,7 @@ def test_every_stacked_entry_point_is_one_program_of_few_arguments():
         "swap_in": _pool._swap_in.trace(pool.blocks, jax.tree.leaves(cache), ids),
     }
     for name, traced in programs.items():
-        assert _main_args(traced.lower()) <= 6, name
+        assert main_arg_count(traced.lower()) <= 6, name
 
 
 @pytest.mark.parametrize("impl", ["auto", "kernel"])

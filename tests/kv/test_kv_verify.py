@@ -40,6 +40,38 @@ def test_tiny_bench_cases_run():
 
 
 @requires_torch  # its reference is torch
+def test_tiny_bench_layout_cases_run():
+    # d2d copies of the same blocks at each layer count, stacked next to per-layer, vLLM's
+    # per-layer copy as baseline; the released size keeps its layer counts and block count
+    from jaxsync.bench._timing import _Side, jax_executions_per_call, measure
+    from jaxsync.kv import StackedCache
+    from jaxsync.paths.kv.bench import SIZES
+
+    assert SIZES["released"]["stacked"] == {"layers": (4, 32), "count": 512}
+    assert SIZES["released"]["layout"].num_blocks == 4096
+    cases = [c for c in registry._benches["kv"]("cpu", "tiny") if " layers " in c.name]
+    spec = SIZES["tiny"]["stacked"]
+    want = {
+        f"kv.copy_blocks d2d {spec['count']} blocks {n} layers {tag} (tiny)"
+        for n in spec["layers"]
+        for tag in ("per-layer", "stacked")
+    }
+    assert {c.name for c in cases} == want
+    for case in cases:  # as `jaxsync bench` measures a row
+        assert measure(case.jax_fn, _Side("jax"), repeat=2)["device_ms"] >= 0
+        assert jax_executions_per_call(case.jax_fn) == 1  # every layer in one program
+        out = jax.block_until_ready(case.jax_fn())  # the donated destination was replaced
+        assert isinstance(out, StackedCache) == case.name.endswith("stacked (tiny)")
+        assert set(case.torch_fns) == {"vllm_post_pr", "vllm_pre_pr"}
+        for fn in case.torch_fns.values():
+            fn()
+    per_block = SIZES["tiny"]["layout"].block_nbytes
+    assert [c.bytes_moved for c in cases] == [
+        2 * spec["count"] * per_block * n for n in spec["layers"] for _ in range(2)
+    ]
+
+
+@requires_torch  # its reference is torch
 def test_bench_timing_handles_a_donating_chain():
     # Each KV copy donates the previous output; the timing harness must wait only on the live one
     # (waiting on every output would fail on the donated ones).

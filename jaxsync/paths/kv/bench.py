@@ -13,6 +13,10 @@ bytes read plus written of the copied blocks. Baselines on the same data:
   the block-major `HostPool` swaps (rows marked "[pool]"; their vLLM pattern is the per-layer
   row with the same ids).
 
+Layout cases: a d2d copy of 512 blocks at 4 and at 32 layers (same block shape), from and to
+`StackedCache`s (rows "... stacked": one `[P, L, ...]` array per cache) next to the same copy
+between per-layer caches ("... per-layer"), each with vLLM's per-layer copy as baseline.
+
 Note for the runner: JAX preallocates 75% of GPU memory by default; set
 XLA_PYTHON_CLIENT_PREALLOCATE=false so the torch baselines fit next to the JAX caches.
 """
@@ -25,16 +29,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsync.kv import KVLayout, _pallas, copy_blocks, host_pool, swap_in, swap_out
+from jaxsync.kv import KVLayout, _pallas, copy_blocks, host_pool, stack_layers, swap_in, swap_out
 from jaxsync.registry import BenchCase, register_bench
 
 
 SIZES = {
     "tiny": dict(layers=4, layout=KVLayout(kind="packed", num_blocks=64, block_size=4,
-                 num_kv_heads=2, head_dim=8, dtype=jnp.float32), counts=(8, 16), host_blocks=64),
+                 num_kv_heads=2, head_dim=8, dtype=jnp.float32), counts=(8, 16), host_blocks=64,
+                 stacked=dict(layers=(2, 4), count=8)),
     "released": dict(layers=32, layout=KVLayout(kind="packed", num_blocks=4096, block_size=16,
                      num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16), counts=(64, 512, 2048),
-                     host_blocks=2048),
+                     host_blocks=2048, stacked=dict(layers=(4, 32), count=512)),
 }  # fmt: skip
 _ROTATE = 4  # distinct id sets per count, all in one bucket
 
@@ -105,9 +110,9 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
     host_src = host_layout.random(names, jax.random.key(4), placement=pinned)
     pool = {"pool": host_pool(src, cfg["host_blocks"])}
 
-    def torch_cache(cache, where):
+    def torch_cache(cache, where):  # its layers, in order
         out = []
-        for name in names:
+        for name in cache:
             t = to_torch(cache[name]) if size == "tiny" else _torch_like(cache[name], device)
             if where == "pinned":
                 t = t.cpu().pin_memory() if device.startswith("cuda") else t.cpu()
@@ -158,6 +163,33 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                 cases.append(
                     _pool_case(name, direction, src, state, pool, id_sets, nbytes, device, "xla")
                 )
+    return cases + _layout_cases(cfg, size, device, src, src_t, state, torch_cache)
+
+
+def _layout_cases(cfg, size, device, src, src_t, state, torch_cache) -> list[BenchCase]:
+    """d2d copies at each layer count of `cfg["stacked"]`: stacked caches next to per-layer ones
+    (the first layers of the bench's source), vLLM's per-layer copy as baseline."""
+    layout: KVLayout = cfg["layout"]
+    count = cfg["stacked"]["count"]
+    cases = []
+    for num_layers in cfg["stacked"]["layers"]:
+        names = list(src)[:num_layers]
+        per_layer = {n: src[n] for n in names}
+        dst = layout.random(names, jax.random.key(5), placement=src[names[0]].sharding)
+        key = f"d2d {num_layers} layers"
+        state[f"{key} per-layer"], state[f"{key} stacked"] = dst, stack_layers(dst)
+        stacked_src = stack_layers(per_layer)
+        id_sets = _id_sets(count, layout.num_blocks, layout.num_blocks, num_layers)
+        torch_fns = _torch_cases(device, src_t[:num_layers], torch_cache(dst, "device"), id_sets,
+                                 "same")  # fmt: skip
+        nbytes = 2 * count * layout.block_nbytes * num_layers  # read + written
+        for tag, s_cache in (("per-layer", per_layer), ("stacked", stacked_src)):
+            name = f"kv.copy_blocks d2d {count} blocks {num_layers} layers {tag} ({size})"
+            case = _impl_case(name, "auto", s_cache, state, id_sets, nbytes, f"{key} {tag}")
+            cases.append(BenchCase(name, case.jax_fn, torch_fns, bytes_moved=nbytes))
+            if device.startswith("cuda") and _pallas.ALLOW_COMPILED:  # auto: the kernel there
+                cases.append(_impl_case(name, "xla", s_cache, state, id_sets, nbytes,
+                                        f"{key} {tag}"))  # fmt: skip
     return cases
 
 
