@@ -14,12 +14,17 @@ from jaxsync.paths.glm4v import reference as ref
 from jaxsync.registry import BenchCase, register_bench
 
 
-# Bench batches in patches (14 px): 336x336, 672x448, and four images of mixed sizes.
+# Bench batches in patches (14 px): 336x336, 672x448, and 4 or 16 images of mixed sizes.
+_MIXED = [[1, 24, 24], [1, 48, 32], [1, 32, 48], [1, 16, 16]]
 _BENCH_GRIDS = {
     "336x336": [[1, 24, 24]],
     "672x448": [[1, 48, 32]],
-    "4 images": [[1, 24, 24], [1, 48, 32], [1, 32, 48], [1, 16, 16]],
+    "4 images": _MIXED,
+    "16 images": _MIXED * 4,
 }
+# Rows also timed with attention_layout="segments" (work grows with the sum of per-image
+# squares instead of the square of the batch's patch count).
+_SEGMENT_ROWS = ("672x448", "4 images", "16 images")
 
 
 @register_bench("glm4v")
@@ -34,7 +39,9 @@ def _bench(device: str, size: str) -> list[BenchCase]:
     )
     # Random weights on both sides (the bench measures time; parity is `verify`'s job).
     torch_model = ref.build_reference(hf, device=device, dtype=tdtype)
-    enc = Glm4vVisionEncoder(Glm4vVisionTower(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
+    tower = Glm4vVisionTower(cfg, dtype=jdtype, rngs=nnx.Rngs(0))
+    enc = Glm4vVisionEncoder(tower)
+    segments = Glm4vVisionEncoder(tower, attention_layout="segments")
     grids = _BENCH_GRIDS
     if size == "tiny":  # the tiny table is 6x6 with patch 7: same shapes, smaller images
         grids = {k: [[t, h // 4, w // 4] for t, h, w in g] for k, g in grids.items()}
@@ -61,6 +68,12 @@ def _bench(device: str, size: str) -> list[BenchCase]:
         cases.append(
             BenchCase(f"glm4v.vision_tower {label}", jax_fn, {"transformers_eager": torch_fn})
         )
+        if label in _SEGMENT_ROWS:
+
+            def segments_fn(jpx=jpx, grid=grid):
+                return segments(next(jpx), grid).embeddings
+
+            cases.append(BenchCase(f"glm4v.vision_tower {label} [segments]", segments_fn))
 
     grid = grids["4 images"]
     cases.append(
