@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -94,7 +95,7 @@ class StagingRing:
     """Reused pinned host buffers for large uploads, per (shape, dtype, placement).
 
     >>> import numpy as np
-    >>> ring = StagingRing()
+    >>> ring = StagingRing(min_bytes=0)  # default: uploads from 1 MiB
     >>> data = np.arange(6, dtype=np.float32).reshape(2, 3)
     >>> x = ring.put(data, (4, 3))  # zero padded to 4 rows, uploaded
     >>> data[:] = -1  # the caller may reuse its buffer at once
@@ -105,10 +106,12 @@ class StagingRing:
       per_key: most pinned buffers per key (transfers of one key in flight at once).
       max_bytes: most pinned bytes over all keys; least recently used idle buffers are freed
         first to make room.
+      min_bytes: smaller uploads take the pageable path: their transfer is short either way,
+        and the ring's bookkeeping would cost more host time than the DMA saves.
     """
 
-    def __init__(self, *, per_key: int = 4, max_bytes: int = 1 << 30):
-        self.per_key, self.max_bytes = per_key, max_bytes
+    def __init__(self, *, per_key: int = 4, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20):
+        self.per_key, self.max_bytes, self.min_bytes = per_key, max_bytes, min_bytes
         self._keys: collections.OrderedDict[tuple, list[_Slot]] = collections.OrderedDict()
         self._handed: dict[int, tuple[np.ndarray, _Slot | None, Any]] = {}
         self._lock = threading.Lock()
@@ -122,7 +125,8 @@ class StagingRing:
         shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
         target = _single_device(placement)
         slot = None
-        if target is not None and not _compat.tracing():
+        big = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= self.min_bytes
+        if big and target is not None and not _compat.tracing():
             slot = self._claim((shape, dtype, target), shape, dtype)
         if slot is None:
             self.stats["fallback"] += 1
@@ -164,9 +168,16 @@ class StagingRing:
         shape = data.shape if shape is None else tuple(shape)
         if len(shape) != data.ndim or any(n > m for n, m in zip(data.shape, shape, strict=True)):
             raise ValueError(f"data of shape {data.shape} does not fit in {shape}")
-        view = self.acquire(shape, data.dtype if dtype is None else dtype, placement)
+        dtype = data.dtype if dtype is None else dtype
+        return self.stage(shape, dtype, lambda out: fill_padded(out, data), placement=placement)
+
+    def stage(self, shape: tuple[int, ...], dtype: Any, write: Callable[[np.ndarray], Any], *,
+              placement: Placement = None) -> jax.Array:  # fmt: skip
+        """`acquire`, `write(buffer)` (which must set every element), `upload`; the buffer goes
+        back unused if `write` raises."""
+        view = self.acquire(shape, dtype, placement)
         try:
-            fill_padded(view, data)
+            write(view)
         except BaseException:
             self.release(view)
             raise
@@ -178,7 +189,8 @@ class StagingRing:
         start-up call, like `jaxsync.precompile`). Returns how many the key holds."""
         shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
         target = _single_device(placement)
-        if target is None or _pinned(next(iter(target.device_set))) is None:
+        small = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes
+        if small or target is None or _pinned(next(iter(target.device_set))) is None:
             return 0
         key = (shape, dtype, target)
         for _ in range(count):

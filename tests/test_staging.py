@@ -16,7 +16,7 @@ SHAPE = (37, 13)  # odd, prime-ish sizes
 
 
 def _ring(**kw) -> jaxsync.StagingRing:
-    ring = jaxsync.StagingRing(**kw)
+    ring = jaxsync.StagingRing(min_bytes=0, **kw)
     assert ring.reserve(SHAPE, np.float32, count=kw.get("per_key", 4)) >= 1
     return ring
 
@@ -31,7 +31,7 @@ def _pointer(view: np.ndarray) -> int:
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
 def test_round_trip_is_bit_exact_and_padded(dtype):
-    ring = jaxsync.StagingRing()
+    ring = jaxsync.StagingRing(min_bytes=0)
     assert ring.reserve((41, 7, 3), dtype) == 1
     data = _data(1, (29, 5, 3), dtype)
     want = np.zeros((41, 7, 3), dtype)
@@ -46,7 +46,7 @@ def test_round_trip_is_bit_exact_and_padded(dtype):
 def test_back_to_back_uploads_never_share_a_buffer_in_flight():
     # Real transfers: large enough that the CPU copy is still running when the next call comes.
     shape = (4 << 20,)
-    ring = jaxsync.StagingRing(per_key=2)
+    ring = jaxsync.StagingRing(per_key=2, min_bytes=0)
     ring.reserve(shape, np.float32, count=2)
     outs, sources = [], []
     for i in range(6):
@@ -126,7 +126,7 @@ def test_no_recompile_under_sync_guard():
 
 
 def test_placements_without_pinned_path_fall_back():
-    ring = jaxsync.StagingRing()
+    ring = jaxsync.StagingRing(min_bytes=0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     assert ring.reserve(SHAPE, np.float32, replicated) == 0
@@ -139,12 +139,12 @@ def test_placements_without_pinned_path_fall_back():
 
 def test_byte_cap_evicts_least_recently_used_idle_keys():
     small = (16, 16)
-    ring = jaxsync.StagingRing(max_bytes=2 * 16 * 16 * 4)
+    ring = jaxsync.StagingRing(max_bytes=2 * 16 * 16 * 4, min_bytes=0)
     for k in range(3):
         ring.reserve(small, np.float32, jax.devices()[k])
         assert ring.nbytes <= ring.max_bytes
     assert ring.stats["retired"] == 1
-    too_big = jaxsync.StagingRing(max_bytes=100)
+    too_big = jaxsync.StagingRing(max_bytes=100, min_bytes=0)
     np.testing.assert_array_equal(np.asarray(too_big.put(_data(11))), _data(11))
     assert too_big.stats["fallback"] == 1 and too_big.nbytes == 0
 
@@ -167,8 +167,15 @@ def test_threads_get_their_own_data():
             np.testing.assert_array_equal(np.asarray(out), _data(seed))
 
 
+def test_small_uploads_take_the_pageable_path():
+    ring = jaxsync.StagingRing(min_bytes=1 << 20)
+    assert ring.reserve(SHAPE, np.float32) == 0
+    np.testing.assert_array_equal(np.asarray(ring.put(_data(12))), _data(12))
+    assert ring.stats["fallback"] == 1 and ring.nbytes == 0
+
+
 def test_bad_calls_raise():
-    ring = jaxsync.StagingRing()
+    ring = jaxsync.StagingRing(min_bytes=0)
     with pytest.raises(ValueError, match="does not fit"):
         ring.put(np.zeros((5, 3)), (4, 3))
     with pytest.raises(ValueError, match="does not fit"):
