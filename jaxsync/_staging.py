@@ -18,6 +18,7 @@ goes up through the pageable `async_h2d` path instead: never a wait.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -38,25 +39,32 @@ def _is_ready(out: jax.Array) -> bool:
     return out.is_ready()
 
 
+_UNUSABLE: set[jax.Device] = set()  # devices whose pinned buffers failed to set up
+
+
 @functools.cache
-def _pinned(device: jax.Device) -> jax.sharding.Sharding | None:
-    """The device's pinned host memory as a sharding, or None where it has none."""
+def _pinned_memory(device: jax.Device) -> jax.sharding.Sharding | None:
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" not in kinds:
         return None
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
+def _pinned(device: jax.Device) -> jax.sharding.Sharding | None:
+    """The device's pinned host memory as a sharding, or None where it has none (or where
+    setting up a buffer there failed once)."""
+    return None if device in _UNUSABLE else _pinned_memory(device)
+
+
 def _single_device(placement: Placement) -> jax.sharding.Sharding | None:
-    """The device-memory sharding of a one-device placement, or None (several devices, or not
-    device memory): those take the pageable path."""
+    """The sharding of a one-device placement in device memory, or None (several devices, or
+    host memory): those take the pageable path."""
     target = resolve(placement)
     if isinstance(target, jax.Device):
         return jax.sharding.SingleDeviceSharding(target)
     if len(target.device_set) != 1 or target.memory_kind not in (None, "device"):
         return None
-    (device,) = target.device_set
-    return jax.sharding.SingleDeviceSharding(device)
+    return target
 
 
 @functools.cache
@@ -65,14 +73,17 @@ def _copy_program(target: jax.sharding.Sharding) -> Any:
     return jax.jit(lambda x: x, out_shardings=target)
 
 
-def transfer(stage: jax.Array, target: jax.sharding.Sharding) -> jax.Array:
+def transfer(stage: jax.Array, target: jax.sharding.Sharding, form: str | None = None) -> jax.Array:
     """The pinned->device transfer of `stage`, in the form with the least host time per backend.
 
-    GPUs: a cached jitted identity with `out_shardings` (the host is back in tens of
-    microseconds). CPU: `jax.device_put`, whose host time there is a fraction of the jitted
-    copy's (a CPU program copies before it returns). Both are explicit for the transfer guard.
+    `form` "jit" (GPUs' default): a cached jitted identity with `out_shardings`; the host is
+    back in tens of microseconds. "put" (CPU's default): `jax.device_put`, whose host time there
+    is a fraction of the jitted copy's (a CPU program copies before it returns). The transfer
+    guard accepts both.
     """
-    if next(iter(target.device_set)).platform == "cpu":
+    if form is None:
+        form = "put" if next(iter(target.device_set)).platform == "cpu" else "jit"
+    if form == "put":
         return jax.device_put(stage, target)
     return _copy_program(target)(stage)
 
@@ -84,6 +95,27 @@ class _Slot:
     view: np.ndarray | None = None  # writable numpy view of `stage`, made once it is ready
     busy: jax.Array | None = None  # the output of the last transfer reading `stage`
     filling: bool = False  # handed out by `acquire`, not yet uploaded
+
+
+def _nbytes(key: tuple) -> int:
+    shape, dtype, _ = key
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+_GROWER: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _grower() -> concurrent.futures.ThreadPoolExecutor:
+    """The one background thread that allocates pinned buffers."""
+    with _GROWER_LOCK:
+        if not _GROWER:
+            _GROWER.append(
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsync-staging")
+            )
+        return _GROWER[0]
+
+
+_GROWER_LOCK = threading.Lock()
 
 
 def _view(stage: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -102,6 +134,10 @@ class StagingRing:
     >>> x.tolist()
     [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
 
+    A buffer keeps a reference to its last transfer's output until it is next handed out and
+    found ready, so up to `per_key` device copies per key may outlive their callers that long.
+    Thread-safe; a buffer from `acquire` belongs to the caller until `upload` or `release`.
+
     Args:
       per_key: most pinned buffers per key (transfers of one key in flight at once).
       max_bytes: most pinned bytes over all keys; least recently used idle buffers are freed
@@ -115,6 +151,7 @@ class StagingRing:
         self._keys: collections.OrderedDict[tuple, list[_Slot]] = collections.OrderedDict()
         self._handed: dict[int, tuple[np.ndarray, _Slot | None, Any]] = {}
         self._lock = threading.Lock()
+        self._growing = collections.Counter()  # buffers being allocated, per key
         self.nbytes = 0  # pinned bytes held
         self.stats = collections.Counter()  # "pinned", "allocated", "fallback", "retired"
 
@@ -127,13 +164,13 @@ class StagingRing:
         slot = None
         big = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= self.min_bytes
         if big and target is not None and not _compat.tracing():
-            slot = self._claim((shape, dtype, target), shape, dtype)
+            slot = self._claim((shape, dtype, target))
         if slot is None:
-            self.stats["fallback"] += 1
             view = np.empty(shape, dtype)
             self._handed[id(view)] = (view, None, placement)
+            with self._lock:
+                self.stats["fallback"] += 1
             return view
-        self.stats["pinned"] += 1
         self._handed[id(slot.view)] = (slot.view, slot, target)
         return slot.view
 
@@ -197,31 +234,47 @@ class StagingRing:
             with self._lock:
                 if len(self._keys.get(key, ())) >= min(count, self.per_key):
                     break
-                slot = self._allocate(key, shape, dtype)
+                if not self._admit(key):
+                    break
+            slot = self._create(key)
             if slot is None:
                 break
             jax.block_until_ready(slot.stage)
         return len(self._keys.get(key, ()))
 
-    def _claim(self, key: tuple, shape: tuple[int, ...], dtype: np.dtype) -> _Slot | None:
+    def _claim(self, key: tuple) -> _Slot | None:
         with self._lock:
-            slots = self._keys.get(key)
-            if slots is not None:
+            slots = self._keys.get(key, [])
+            if slots:
                 self._keys.move_to_end(key)
                 for slot in list(slots):
                     if not slot.filling and self._settled(key, slot):
-                        return self._hand_out(slot, shape, dtype)
-            if slots is not None and len(slots) >= self.per_key:
+                        return self._hand_out(key, slot)
+            if len(slots) + self._growing[key] >= self.per_key or not self._admit(key):
                 return None
-            slot = self._allocate(key, shape, dtype)
-            if slot is None or not self._settled(key, slot):
-                return None  # pinned memory being set up: this call goes pageable
-            return self._hand_out(slot, shape, dtype)
+            self._growing[key] += 1
+        # Allocating pinned memory is slow (cudaHostAlloc): done off the caller's thread, while
+        # this call goes pageable; the new buffer serves a later one.
+        _grower().submit(self._grow, key)
+        return None
 
-    def _hand_out(self, slot: _Slot, shape: tuple[int, ...], dtype: np.dtype) -> _Slot:
+    def _grow(self, key: tuple) -> None:
+        try:
+            self._create(key)
+        finally:
+            with self._lock:
+                self._growing[key] -= 1
+
+    def _hand_out(self, key: tuple, slot: _Slot) -> _Slot | None:
         if slot.view is None:
-            slot.view = _view(slot.stage, shape, dtype)
+            try:
+                slot.view = _view(slot.stage, key[0], key[1])
+            except Exception:  # a backend without host pointers to pinned buffers
+                self._retire(key, slot)
+                _UNUSABLE.add(next(iter(key[2].device_set)))
+                return None
         slot.filling = True
+        self.stats["pinned"] += 1
         return slot
 
     def _settled(self, key: tuple, slot: _Slot) -> bool:
@@ -237,17 +290,29 @@ class StagingRing:
         slot.busy = None
         return True
 
-    def _allocate(self, key: tuple, shape: tuple[int, ...], dtype: np.dtype) -> _Slot | None:
-        pinned = _pinned(next(iter(key[2].device_set)))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if pinned is None or not self._make_room(nbytes):
+    def _admit(self, key: tuple) -> bool:
+        """Books the bytes of one more buffer of `key` (under the lock), or says it cannot."""
+        if _pinned(next(iter(key[2].device_set))) is None or not self._make_room(_nbytes(key)):
+            return False
+        self.nbytes += _nbytes(key)
+        return True
+
+    def _create(self, key: tuple) -> _Slot | None:
+        """Allocates one booked buffer of `key` (outside the lock); None if the runtime fails."""
+        shape, dtype, target = key
+        device = next(iter(target.device_set))
+        try:
+            stage = jax.device_put(np.zeros(shape, dtype), _pinned(device))  # ready once copied
+        except Exception:  # pinned memory the runtime lists but cannot allocate: pageable
+            _UNUSABLE.add(device)
+            with self._lock:
+                self.nbytes -= _nbytes(key)
             return None
-        stage = jax.device_put(np.zeros(shape, dtype), pinned)  # ready once its copy lands
-        slot = _Slot(stage, nbytes, busy=stage)
-        self._keys.setdefault(key, []).append(slot)
-        self._keys.move_to_end(key)
-        self.nbytes += nbytes
-        self.stats["allocated"] += 1
+        slot = _Slot(stage, _nbytes(key), busy=stage)
+        with self._lock:
+            self._keys.setdefault(key, []).append(slot)
+            self._keys.move_to_end(key)
+            self.stats["allocated"] += 1
         return slot
 
     def _make_room(self, nbytes: int) -> bool:

@@ -167,6 +167,34 @@ def test_threads_get_their_own_data():
             np.testing.assert_array_equal(np.asarray(out), _data(seed))
 
 
+def test_jitted_copy_form_passes_the_guard_without_recompiles():
+    # The transfer form GPUs take, run here on the CPU's pinned memory.
+    device = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    target = jax.sharding.SingleDeviceSharding(device)
+    stages = [jax.block_until_ready(jax.device_put(_data(i), pinned)) for i in range(3)]
+    _staging._copy_program(target)(stages[0])
+    with jaxsync.check.no_recompile(), jaxsync.check.sync_guard(), jax.transfer_guard("disallow"):
+        outs = [_staging._copy_program(target)(s) for s in stages]
+    for i, out in enumerate(outs):
+        assert out.sharding.memory_kind == "device"
+        np.testing.assert_array_equal(np.asarray(out), _data(i))
+
+
+def test_backend_without_host_pointers_falls_back(monkeypatch):
+    monkeypatch.setattr(_staging, "_UNUSABLE", set())
+
+    def no_pointer(*a):
+        raise RuntimeError("no host pointer to this memory")
+
+    monkeypatch.setattr(_staging, "_view", no_pointer)
+    ring = jaxsync.StagingRing(min_bytes=0)
+    ring.reserve(SHAPE, np.float32)
+    np.testing.assert_array_equal(np.asarray(ring.put(_data(13))), _data(13))
+    assert ring.stats["fallback"] == 1 and ring.nbytes == 0
+    assert ring.reserve(SHAPE, np.float32) == 0  # the device is off the pinned path now
+
+
 def test_small_uploads_take_the_pageable_path():
     ring = jaxsync.StagingRing(min_bytes=1 << 20)
     assert ring.reserve(SHAPE, np.float32) == 0

@@ -8,7 +8,8 @@ the call returns and the end-to-end rate (call to last byte on the device) of:
 * `async_h2d`: `jaxsync.async_h2d` of the same (its private host copy included);
 * `pad + async_h2d`: a fresh zero-padded buffer, filled, uploaded with `copy=False`;
 * `ring`: `StagingRing.put` (the padding copy into a pinned buffer, then the DMA);
-* `ring DMA`: the ring's pinned->device transfer alone, from a filled buffer;
+* `ring DMA`: the ring's pinned->device transfer alone, from a filled buffer, in both forms
+  (`jaxsync._staging.transfer`: a jitted copy, GPUs' default, and `device_put`);
 * `torch pinned`: `tensor.to("cuda", non_blocking=True)` from pinned memory (torch + CUDA only).
 
 Then the voxtral entry on 8 x 30 s host waveforms (a one-layer tower with Whisper's 1500
@@ -86,7 +87,8 @@ def bench_case(shape, dtype, rows: int, repeats: int) -> dict[str, tuple[float, 
         "async_h2d": lambda: jaxsync.async_h2d(full, placement=device),
         "pad + async_h2d": padded,
         "ring": lambda: ring.put(data, shape, placement=device),
-        "ring DMA": lambda: _staging.transfer(stage, target),
+        "ring DMA (jitted copy)": lambda: _staging.transfer(stage, target, "jit"),
+        "ring DMA (device_put)": lambda: _staging.transfer(stage, target, "put"),
     }
     results = {name: _measure(fn, jax.block_until_ready, nbytes, repeats)
                for name, fn in calls.items()}  # fmt: skip
@@ -132,9 +134,9 @@ def main() -> None:
     if not args.no_voxtral:
         sections["voxtral 8 x 30 s host waveforms (15 MB f32)"] = bench_voxtral(args.repeats)
     for title, results in sections.items():
-        print(f"\n{title}\n  {'path':<26}{'host ms':>10}{'GB/s':>10}")
+        print(f"\n{title}\n  {'path':<28}{'host ms':>10}{'GB/s':>10}")
         for name, (host_ms, gbps) in results.items():
-            print(f"  {name:<26}{host_ms:>10.3f}{gbps:>10.1f}")
+            print(f"  {name:<28}{host_ms:>10.3f}{gbps:>10.1f}")
 
 
 if __name__ == "__main__":
