@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxsync import _compat
+from jaxsync._host import host_int
 from jaxsync._placement import Placement, resolve
 from jaxsync._transfer import async_h2d
 
@@ -97,12 +98,18 @@ class _Slot:
     filling: bool = False  # handed out by `acquire`, not yet uploaded
 
 
+def _shape(shape: Any) -> tuple[int, ...]:
+    """A buffer shape as ints >= 0; floats and bools are a TypeError, never truncated."""
+    return tuple(host_int(d, name="each dimension of shape", minimum=0) for d in shape)
+
+
 def _nbytes(key: tuple) -> int:
     shape, dtype, _ = key
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 _GROWER: list[concurrent.futures.ThreadPoolExecutor] = []
+_GROWER_LOCK = threading.Lock()
 
 
 def _grower() -> concurrent.futures.ThreadPoolExecutor:
@@ -113,9 +120,6 @@ def _grower() -> concurrent.futures.ThreadPoolExecutor:
                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsync-staging")
             )
         return _GROWER[0]
-
-
-_GROWER_LOCK = threading.Lock()
 
 
 def _view(stage: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -147,7 +151,9 @@ class StagingRing:
     """
 
     def __init__(self, *, per_key: int = 4, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20):
-        self.per_key, self.max_bytes, self.min_bytes = per_key, max_bytes, min_bytes
+        self.per_key = host_int(per_key, name="per_key", minimum=1)
+        self.max_bytes = host_int(max_bytes, name="max_bytes", minimum=0)
+        self.min_bytes = host_int(min_bytes, name="min_bytes", minimum=0)
         self._keys: collections.OrderedDict[tuple, list[_Slot]] = collections.OrderedDict()
         self._handed: dict[int, tuple[np.ndarray, _Slot | None, Any]] = {}
         self._lock = threading.Lock()
@@ -159,7 +165,7 @@ class StagingRing:
         """A writable `[shape]` host buffer for one upload: a pinned one no transfer reads, or
         a fresh pageable one. Its contents are undefined: write every element, then `upload` it.
         """
-        shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        shape, dtype = _shape(shape), np.dtype(dtype)
         target = _single_device(placement)
         slot = None
         big = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= self.min_bytes
@@ -224,7 +230,7 @@ class StagingRing:
                 count: int = 1) -> int:  # fmt: skip
         """Allocates up to `count` pinned buffers of a key and waits until they are usable (a
         start-up call, like `jaxsync.precompile`). Returns how many the key holds."""
-        shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        shape, dtype = _shape(shape), np.dtype(dtype)
         target = _single_device(placement)
         small = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes
         if small or target is None or _pinned(next(iter(target.device_set))) is None:

@@ -210,3 +210,11 @@ def test_bad_calls_raise():
         ring.put(np.zeros((5,)), (5, 1))
     with pytest.raises(ValueError, match="acquire"):
         ring.upload(np.zeros(3))
+    with pytest.raises(TypeError, match="dimension"):
+        ring.acquire((4.0, 3), np.float32)
+    with pytest.raises(ValueError, match="dimension"):
+        ring.acquire((-1, 3), np.float32)
+    with pytest.raises(TypeError, match="per_key"):
+        jaxsync.StagingRing(per_key=2.5)
+    with pytest.raises(ValueError, match="per_key"):
+        jaxsync.StagingRing(per_key=0)
