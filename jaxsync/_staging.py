@@ -170,7 +170,8 @@ class StagingRing:
         slot = None
         big = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= self.min_bytes
         if big and target is not None and not _compat.tracing():
-            slot = self._claim((shape, dtype, target))
+            if _pinned(next(iter(target.device_set))) is not None:
+                slot = self._claim((shape, dtype, target))
         if slot is None:
             view = np.empty(shape, dtype)
             self._handed[id(view)] = (view, None, placement)
@@ -188,7 +189,14 @@ class StagingRing:
         _, slot, where = handed
         if slot is None:
             return async_h2d(view, placement=where, copy=False)  # ours alone: no copy
-        out = transfer(slot.stage, where)
+        try:
+            out = transfer(slot.stage, where)
+        except Exception:  # a runtime that lists pinned memory but cannot move it: pageable
+            _UNUSABLE.add(next(iter(where.device_set)))
+            data = np.array(view)  # the buffer stays the ring's: upload a private copy
+            with self._lock:
+                slot.filling = False
+            return async_h2d(data, placement=where, copy=False)
         with self._lock:
             slot.busy, slot.filling = out, False
         return out

@@ -195,6 +195,21 @@ def test_backend_without_host_pointers_falls_back(monkeypatch):
     assert ring.reserve(SHAPE, np.float32) == 0  # the device is off the pinned path now
 
 
+def test_failing_pinned_transfer_falls_back(monkeypatch):
+    monkeypatch.setattr(_staging, "_UNUSABLE", set())
+
+    def broken(*a):
+        raise RuntimeError("cannot move pinned memory here")
+
+    monkeypatch.setattr(_staging, "transfer", broken)
+    ring = _ring()
+    data = _data(14)
+    np.testing.assert_array_equal(np.asarray(ring.put(data)), data)
+    assert ring.stats["pinned"] == 1
+    np.testing.assert_array_equal(np.asarray(ring.put(data * 2)), data * 2)
+    assert ring.stats["pinned"] == 1 and ring.stats["fallback"] == 1  # off the pinned path
+
+
 def test_small_uploads_take_the_pageable_path():
     ring = jaxsync.StagingRing(min_bytes=1 << 20)
     assert ring.reserve(SHAPE, np.float32) == 0
