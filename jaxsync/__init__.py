@@ -3,6 +3,8 @@
 Core API:
   DeviceCache, default_cache  - per-placement device copies of host constant tables.
   async_h2d, upload_packed    - explicit, alias-safe host->device uploads (one transfer).
+  StagingRing, default_staging - reused pinned host buffers: large padded batches written in
+                                place and moved by DMA, alias-safe, never waiting.
   Packed                      - a packed upload; index it by field name inside jit.
   bucket                      - pad sizes to buckets so many inputs share one program.
   replicated_near             - device placement for small data used next to an array.
@@ -55,6 +57,10 @@ from jaxsync._precompile import (
     Compiled as Compiled,
     Target as Target,
     precompile as precompile,
+)
+from jaxsync._staging import (
+    StagingRing as StagingRing,
+    default_staging as default_staging,
 )
 from jaxsync._tower import TowerProgram as TowerProgram, run_layers as run_layers
 from jaxsync._transfer import (

@@ -115,6 +115,12 @@ def direct_put(
         state.explicit_device_put = explicit
 
 
+def tracing() -> bool:
+    """Whether a trace may be active (True where the installed jax no longer says): an upload
+    then must give a tracer."""
+    return _trace_clean is None or not _trace_clean()
+
+
 def array_type() -> type:
     """The concrete class of `jax.Array` values (jaxlib's ArrayImpl), from a public value: the
     runtime guard patches its conversion methods."""

@@ -243,7 +243,8 @@ def kv_call(fn: Any, *args: Any, impl: str, **kwargs: Any) -> Any:
 
 
 class DispatchCount:
-    """What `count_dispatch` saw: `uploads` (calls of jaxsync.upload_packed / async_h2d) and
+    """What `count_dispatch` saw: `uploads` (calls of jaxsync.upload_packed / async_h2d and
+    staged uploads through a `jaxsync.StagingRing`) and
     `compiles` (traces, lowerings and backend compiles, from `jaxsync.check.count_compiles`)."""
 
     uploads: int = 0
@@ -272,12 +273,15 @@ def count_dispatch():
 
         for name, fn in originals.items():
             setattr(jaxsync, name, counted(fn))
+        acquire = jaxsync.StagingRing.acquire  # every staged upload, pinned or pageable
+        jaxsync.StagingRing.acquire = counted(acquire)
         try:
             with count_compiles() as log:
                 yield seen
         finally:
             for name, fn in originals.items():
                 setattr(jaxsync, name, fn)
+            jaxsync.StagingRing.acquire = acquire
             seen.compiles = log.count
 
     return region()
@@ -290,3 +294,26 @@ def main_arg_count(lowered: Any) -> int:
 
     signature = re.search(r"func\.func public @main\((.*?)\)\s*(->|\{)", lowered.as_text(), re.S)
     return signature.group(1).count("%arg")
+
+
+def watch_uploads(monkeypatch: Any, on_upload: Any = None) -> list:
+    """Records every host->device transfer of host data while `monkeypatch` is active: the
+    pageable uploads (`jaxsync._transfer._put`) and the staging ring's pinned transfers
+    (`jaxsync._staging.transfer`). `on_upload(*args)` runs first: raise there to refuse one.
+    Returns the list of recorded argument tuples."""
+    from jaxsync import _staging, _transfer
+
+    calls: list = []
+
+    def watch(real: Any) -> Any:
+        def watched(*args: Any) -> Any:
+            if on_upload is not None:
+                on_upload(*args)
+            calls.append(args)
+            return real(*args)
+
+        return watched
+
+    for module, name in ((_transfer, "_put"), (_staging, "transfer")):
+        monkeypatch.setattr(module, name, watch(getattr(module, name)))
+    return calls

@@ -224,10 +224,9 @@ class ChameleonImageEncoder:
         if on_device:
             pixels = pixel_values if n == rows else pad_rows(where)(pixel_values, rows)
         else:
-            staging = np.zeros((rows, *self.image_shape), dtype=pixel_values.dtype)
-            staging[:n] = pixel_values
-            # `staging` is this call's own buffer: no second host copy of the pixels.
-            pixels = jaxsync.async_h2d(staging, placement=where, copy=False)
+            pixels = jaxsync.default_staging.put(
+                pixel_values, (rows, *self.image_shape), placement=where
+            )
         ids, finite = self._program(pixels, meta, self.mapping.img2bpe_on(near))
         self._warm_bucket(rows, shards, ids, finite, pixel_values, where)
         return ids, finite, n, rows

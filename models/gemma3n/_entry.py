@@ -22,7 +22,7 @@ from jaxsync.models.gemma3n._plan import (
     AudioTruncationWarning,
     frame_mask,
     host_features,
-    pad_features,
+    padded_shape,
     plan_audio,
 )
 
@@ -170,8 +170,8 @@ class Gemma3nAudioEncoder:
             placement = self._meta_placement()
             buckets = dict(frame_buckets=self.frame_buckets, batch_buckets=self.batch_buckets)
             plan, meta = self._plan(valid, placement, **buckets)
-            feats = jaxsync.async_h2d(
-                pad_features(host, plan), placement=self.placement, copy=False
+            feats = jaxsync.default_staging.put(
+                host, padded_shape(host, plan), dtype=np.float32, placement=self.placement
             )
         if plan.truncation:
             warnings.warn(plan.truncation, AudioTruncationWarning, stacklevel=3)

@@ -22,7 +22,7 @@ __all__ = [
     "Gemma3nAudioPlan",
     "frame_mask",
     "host_features",
-    "pad_features",
+    "padded_shape",
     "plan_audio",
 ]
 
@@ -214,9 +214,6 @@ def plan_audio(
     )
 
 
-def pad_features(feats: np.ndarray, plan: Gemma3nAudioPlan) -> np.ndarray:
-    """`[B, S, F]` host features zero padded to `[batch, frame_bucket, F]` float32 (new buffer)."""
-    b, s, f = feats.shape
-    out = np.zeros((plan.batch, plan.frame_bucket, f), np.float32)
-    out[:b, :s] = feats
-    return out
+def padded_shape(feats: np.ndarray, plan: Gemma3nAudioPlan) -> tuple[int, int, int]:
+    """The bucket `[batch, frame_bucket, F]` that `[B, S, F]` host features are zero padded to."""
+    return (plan.batch, plan.frame_bucket, feats.shape[2])

@@ -150,9 +150,10 @@ class Glm4vVisionEncoder:
         return next(iter(have)) if len(have) == 1 else self.placement
 
     def _host_pixels(self, pixel_values, plan: VisionPlan) -> jax.Array:
-        host = np.zeros((plan.padded_patches, self.cfg.patch_dim), self.dtype)
-        host[: plan.num_patches] = pixel_values  # padding patches are zero pixels
-        return jaxsync.async_h2d(host, placement=self.placement, copy=False)  # private buffer
+        shape = (plan.padded_patches, self.cfg.patch_dim)  # padding patches are zero pixels
+        return jaxsync.default_staging.put(
+            pixel_values, shape, dtype=self.dtype, placement=self.placement
+        )
 
     def _check_pixels(self, pixel_values) -> tuple[Any, bool]:
         is_device = isinstance(pixel_values, jax.Array)

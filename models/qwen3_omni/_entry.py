@@ -222,8 +222,8 @@ class Qwen3OmniAudioEncoder:
         planned = self._planned(features, feature_lens)
         if on_host:
             jaxsync.check_finite(features, name="features")
-            features = jaxsync.async_h2d(
-                np.asarray(features, np.float32), placement=planned.placement
+            features = jaxsync.default_staging.put(
+                features, dtype=np.float32, placement=planned.placement
             )
         rows, finite = self.program(features, planned.meta)
         return jaxsync.Embeddings(rows, planned.lengths, planned.offsets, {"finite": finite})

@@ -26,12 +26,12 @@ from jaxsync.models.voxtral._plan import (
     VoxtralPlan,
     check_live,
     check_waveforms,
-    host_batch,
     host_buckets,
     plan_chunks,
     plan_log_mel,
     plan_waveform_chunks,
     resolve_floor,
+    upload_batch,
 )
 
 
@@ -134,9 +134,6 @@ class VoxtralAudioEncoder:
             return jaxsync.replicated_near(x)
         return _replicated(self.placement)
 
-    def _upload(self, host: np.ndarray) -> jax.Array:
-        return jaxsync.async_h2d(host, placement=self.placement, copy=False)  # ours alone
-
     @jaxsync.check.entry_point
     def __call__(
         self,
@@ -214,7 +211,7 @@ class VoxtralAudioEncoder:
         key = ("audio", lens.tobytes(), b_pad, width, where)
         plan, meta = self._plans.get(key, build)  # refuses bad plans before any upload
         if not on_device:
-            x = self._upload(host_batch(x, lens, hop))
+            x = upload_batch(x, lens, hop, self.placement)
         return self._run(x, plan, meta)
 
     def _run(self, x: jax.Array, plan: VoxtralPlan, meta: jaxsync.Packed) -> jaxsync.Embeddings:
@@ -268,7 +265,7 @@ class VoxtralAudioEncoder:
 
         plan, meta = self._plans.get(("features", counts.tobytes(), c_pad, where), build)
         if not on_device:
-            host = np.zeros((c_pad, *want), np.float32)
-            host[:rows] = features
-            features = self._upload(host)
+            features = jaxsync.default_staging.put(
+                features, (c_pad, *want), dtype=np.float32, placement=self.placement
+            )
         return self._run(features, plan, meta)

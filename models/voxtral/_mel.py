@@ -44,10 +44,10 @@ from jaxsync.models.voxtral._filters import periodic_hann, slaney_mel_filters
 from jaxsync.models.voxtral._plan import (
     FloorMode,
     check_waveforms,
-    host_batch,
     host_buckets,
     plan_log_mel,
     resolve_floor,
+    upload_batch,
 )
 from jaxsync.models.voxtral._spectrum import power_spectrum
 
@@ -234,9 +234,7 @@ def log_mel_spectrogram(
     if on_device:
         check_placement(x, placement, name="waveforms")
     else:
-        x = jaxsync.async_h2d(
-            host_batch(x, lens, config.hop_length), placement=placement, copy=False
-        )  # fmt: skip  (the padded batch is ours alone)
+        x = upload_batch(x, lens, config.hop_length, placement)
     meta = jaxsync.upload_packed(plan.fields, placement=jaxsync.replicated_near(x))
     spec = MelSpec(config, plan.frames, plan.floor_value)
     feats, finite = _log_mel_jit(x, meta, spec=spec)

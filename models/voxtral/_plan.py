@@ -102,13 +102,26 @@ def host_buckets(lens: np.ndarray, hop: int) -> tuple[int, int]:
     ) * hop
 
 
-def host_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int) -> np.ndarray:
-    """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length)."""
+def host_batch(
+    waveforms: np.ndarray, lens: np.ndarray, hop: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length),
+    in `out` (every element written) or a new buffer."""
+    out = np.empty(host_buckets(lens, hop), np.float32) if out is None else out
     b = len(lens)
-    host = np.zeros(host_buckets(lens, hop), np.float32)
     for i in range(b):
-        host[i, : lens[i]] = waveforms[i, : lens[i]]
-    return host
+        out[i, : lens[i]] = waveforms[i, : lens[i]]
+        out[i, lens[i] :] = 0
+    out[b:] = 0
+    return out
+
+
+def upload_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int, placement: Any) -> jax.Array:
+    """`host_batch` written straight into a pinned staging buffer and uploaded from there."""
+    return jaxsync.default_staging.stage(
+        host_buckets(lens, hop), np.float32,
+        lambda out: host_batch(waveforms, lens, hop, out=out), placement=placement,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,6 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-import jaxsync._transfer
 import jaxsync.check
 import jaxsync.testing
 from jaxsync.models.chameleon import (
@@ -39,9 +38,7 @@ def enc():
 
 @contextlib.contextmanager
 def _nothing_uploaded_or_compiled(monkeypatch):
-    puts = []
-    real = jaxsync._transfer._put
-    monkeypatch.setattr(jaxsync._transfer, "_put", lambda *a, **k: puts.append(1) or real(*a, **k))
+    puts = jaxsync.testing.watch_uploads(monkeypatch)
     with jaxsync.check.count_compiles() as log:
         yield
     assert not puts, f"{len(puts)} upload(s) before the error"

@@ -15,7 +15,7 @@ from flax import nnx
 from hypothesis import given, settings
 
 import jaxsync
-import jaxsync._transfer
+import jaxsync.testing
 from jaxsync.check import no_recompile
 from jaxsync.models.gemma3n import (
     Gemma3nAudioEncoder,
@@ -48,16 +48,14 @@ def encoder(cfg):
 
 def _refused(monkeypatch, exc, match, fn, *args, **kwargs):
     """`fn(*args)` raises `exc` matching `match` with no upload, no compile, inputs unchanged."""
-    uploads = []
-    real_put = jaxsync._transfer._put
-    monkeypatch.setattr(jaxsync._transfer, "_put", lambda *a: uploads.append(a) or real_put(*a))
     before = copy.deepcopy([a for a in args if isinstance(a, np.ndarray | list)])
-    with no_recompile(), pytest.raises(exc, match=match):
-        fn(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        uploads = jaxsync.testing.watch_uploads(patch)
+        with no_recompile(), pytest.raises(exc, match=match):
+            fn(*args, **kwargs)
     assert not uploads
     after = [a for a in args if isinstance(a, np.ndarray | list)]
     assert _same(before, after)
-    monkeypatch.setattr(jaxsync._transfer, "_put", real_put)
 
 
 def _same(a, b) -> bool:

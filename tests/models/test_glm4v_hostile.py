@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jaxsync
+import jaxsync.testing
 from jaxsync.check import count_compiles
 from jaxsync.models import glm4v
 from jaxsync.paths.glm4v import reference as ref
@@ -151,12 +152,7 @@ def test_non_finite_host_pixels_refused(enc, bad, monkeypatch):
 
 
 def _count_puts(monkeypatch) -> list:
-    from jaxsync import _transfer
-
-    calls: list = []
-    real = _transfer._put
-    monkeypatch.setattr(_transfer, "_put", lambda *a, **k: calls.append(a) or real(*a, **k))
-    return calls
+    return jaxsync.testing.watch_uploads(monkeypatch)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxsync
+import jaxsync.testing
 from jaxsync.check import no_recompile
 from jaxsync.models import qwen3_omni as q3
 from jaxsync.paths.qwen3_omni import reference as ref
@@ -232,6 +233,7 @@ def test_bad_input_raises_before_any_upload(random_encoder, case, monkeypatch):
 
     monkeypatch.setattr(jaxsync, "upload_packed", no_upload)
     monkeypatch.setattr(jaxsync, "async_h2d", no_upload)
+    jaxsync.testing.watch_uploads(monkeypatch, no_upload)  # staged uploads too
     with pytest.raises(exc, match=match):
         random_encoder(features, lens)
 

@@ -1,8 +1,8 @@
 """Hostile inputs to every public entry point of jaxsync.models.qwen3_omni.
 
 Each bad input must raise a clear typed error naming the problem before any upload or compile
-(uploads are counted at `jaxsync._transfer._put`, compiles by `no_recompile`), leaving the inputs
-bit-identical; non-finite data must stay inside its own audio.
+(uploads are watched by `jaxsync.testing.watch_uploads`, compiles by `no_recompile`), leaving
+the inputs bit-identical; non-finite data must stay inside its own audio.
 """
 
 import copy
@@ -16,7 +16,7 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jaxsync
-from jaxsync import _transfer
+import jaxsync.testing
 from jaxsync.check import no_recompile
 from jaxsync.models import qwen3_omni as q3
 from jaxsync.paths.qwen3_omni import reference as ref
@@ -40,7 +40,7 @@ def no_upload(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("uploaded before validating")
 
-    monkeypatch.setattr(_transfer, "_put", refuse)
+    jaxsync.testing.watch_uploads(monkeypatch, refuse)
 
 
 def _refused(fn, exc, match, *inputs):

@@ -1,0 +1,143 @@
+"""Large host uploads: pageable transfers against the pinned staging ring (one device).
+
+For each batch (15 MB float32 waveforms, 9 MB bfloat16 patches, 61 MB float32 features; the
+data a few rows short of its bucket, as an entry pads it) prints the median host time until
+the call returns and the end-to-end rate (call to last byte on the device) of:
+
+* `device_put`: `jax.device_put` of a ready, full-size pageable array;
+* `async_h2d`: `jaxsync.async_h2d` of the same (its private host copy included);
+* `pad + async_h2d`: a fresh zero-padded buffer, filled, uploaded with `copy=False`;
+* `ring`: `StagingRing.put` (the padding copy into a pinned buffer, then the DMA);
+* `ring DMA`: the ring's pinned->device transfer alone, from a filled buffer, in both forms
+  (`jaxsync._staging.transfer`: a jitted copy, GPUs' default, and `device_put`);
+* `torch pinned`: `tensor.to("cuda", non_blocking=True)` from pinned memory (torch + CUDA only).
+
+Then the voxtral entry on 8 x 30 s host waveforms (a one-layer tower with Whisper's 1500
+positions), through the ring and with the ring bypassed (its rate counts the whole forward).
+Each call runs alone (the previous one
+finished), so the ring reuses one buffer. Usage: python tools/bench_upload.py [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jaxsync
+from jaxsync import _staging
+
+
+CASES = {  # name: (bucket shape, dtype, real rows)
+    "15 MB f32 [8, 480000]": ((8, 480_000), np.float32, 7),
+    "9 MB bf16 [4096, 1176]": ((4096, 1176), jax.numpy.bfloat16, 4001),
+    "61 MB f32 [32, 128, 3750]": ((32, 128, 3750), np.float32, 29),
+}
+
+
+def _measure(fn, wait, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(median host ms to return, end-to-end GB/s) over `repeats` calls, each run alone."""
+    wait(fn())  # warm up (compiles, first allocations)
+    host, total = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        wait(out)
+        host.append(t1 - t0)
+        total.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(host), nbytes / statistics.median(total) / 1e9
+
+
+def _torch_pinned(data: np.ndarray):
+    """(call, wait) for a pinned torch DMA of `data`, or None without torch + CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.from_numpy(data.view(np.uint8).copy()).pin_memory()  # bytes: bf16 included
+    return (lambda: src.to("cuda", non_blocking=True)), (lambda _: torch.cuda.synchronize())
+
+
+def bench_case(shape, dtype, rows: int, repeats: int) -> dict[str, tuple[float, float]]:
+    device = jax.devices()[0]
+    target = jax.sharding.SingleDeviceSharding(device)
+    dtype = np.dtype(dtype)
+    full = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    data = full[:rows]
+    nbytes = full.nbytes
+    ring = jaxsync.StagingRing()
+    ring.reserve(shape, dtype, device, count=2)
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    stage = jax.block_until_ready(jax.device_put(full, pinned))  # a filled pinned buffer
+
+    def padded():
+        host = np.zeros(shape, dtype)
+        host[:rows] = data
+        return jaxsync.async_h2d(host, placement=device, copy=False)
+
+    calls = {
+        "device_put": lambda: jax.device_put(full, device),
+        "async_h2d": lambda: jaxsync.async_h2d(full, placement=device),
+        "pad + async_h2d": padded,
+        "ring": lambda: ring.put(data, shape, placement=device),
+        "ring DMA (jitted copy)": lambda: _staging.transfer(stage, target, "jit"),
+        "ring DMA (device_put)": lambda: _staging.transfer(stage, target, "put"),
+    }
+    results = {name: _measure(fn, jax.block_until_ready, nbytes, repeats)
+               for name, fn in calls.items()}  # fmt: skip
+    torch_call = _torch_pinned(full)
+    if torch_call is not None:
+        results["torch pinned"] = _measure(*torch_call, nbytes, repeats)
+    return results
+
+
+def bench_voxtral(repeats: int) -> dict[str, tuple[float, float]]:
+    """The voxtral entry on 8 x 30 s host waveforms, through the default ring and bypassing it."""
+    from jaxsync.models.voxtral import VoxtralAudioConfig, VoxtralAudioEncoder, VoxtralAudioTower
+
+    cfg = VoxtralAudioConfig(
+        num_mel_bins=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, max_source_positions=1500, text_hidden_size=64,
+    )  # fmt: skip
+    enc = VoxtralAudioEncoder(VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    audio = [(0.1 * rng.standard_normal(480_000)).astype(np.float32) for _ in range(8)]
+    nbytes = 8 * 480_000 * 4
+
+    def call():
+        return enc(audio).embeddings
+
+    results = {"voxtral entry, ring": _measure(call, jax.block_until_ready, nbytes, repeats)}
+    floor = jaxsync.default_staging.min_bytes
+    jaxsync.default_staging.min_bytes = 1 << 62  # every upload takes the pageable path
+    try:
+        results["voxtral entry, pageable"] = _measure(call, jax.block_until_ready, nbytes, repeats)
+    finally:
+        jaxsync.default_staging.min_bytes = floor
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-voxtral", action="store_true")
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    sections = {name: bench_case(*case, args.repeats) for name, case in CASES.items()}
+    if not args.no_voxtral:
+        sections["voxtral 8 x 30 s host waveforms (15 MB f32)"] = bench_voxtral(args.repeats)
+    for title, results in sections.items():
+        print(f"\n{title}\n  {'path':<28}{'host ms':>10}{'GB/s':>10}")
+        for name, (host_ms, gbps) in results.items():
+            print(f"  {name:<28}{host_ms:>10.3f}{gbps:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
