@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxsync._fill import all_finite
+
 
 def is_torch_tensor(x: Any) -> bool:
     """A torch tensor, detected without importing torch."""
@@ -95,6 +97,6 @@ def host_int(x: Any, *, name: str, minimum: int | None = None) -> int:
 
 def check_finite(arr: np.ndarray, *, name: str) -> None:
     """Refuses host floats holding NaN or inf (one item's NaN must never reach the batch)."""
-    if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+    if not all_finite(arr):
         bad = np.argwhere(~np.isfinite(arr))[0].tolist()
         raise ValueError(f"{name} holds a non-finite value (first at index {bad})")

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxsync import _compat
+from jaxsync._fill import fill_padded
 from jaxsync._host import host_int
 from jaxsync._placement import Placement, resolve
 from jaxsync._transfer import async_h2d
@@ -348,15 +349,6 @@ class StagingRing:
             del self._keys[key]
         self.nbytes -= slot.nbytes
         self.stats["retired"] += 1
-
-
-def fill_padded(out: np.ndarray, data: np.ndarray) -> None:
-    """Writes `data` at the leading corner of `out` and zeros the rest, each element once."""
-    corner: tuple[slice, ...] = ()
-    for n in data.shape:
-        out[(*corner, slice(n, None))] = 0
-        corner = (*corner, slice(0, n))
-    out[corner] = data
 
 
 default_staging = StagingRing()

@@ -1,0 +1,79 @@
+"""Large host copies and finiteness checks split over threads (jaxsync._fill)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxsync import _fill
+
+
+BIG = (9, 262_147)  # 9.4 MB of float32: above the split threshold, a prime row width
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def test_large_work_is_split_small_work_is_not():
+    assert len(_fill._spans(BIG[0] * BIG[1], 4 * BIG[0] * BIG[1])) == min(_fill._WORKERS, 9)
+    assert _fill._spans(1000, 4000) == [(0, 1000)]
+
+
+@pytest.mark.parametrize("dst_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_copy_into_equals_assignment(rng, dst_dtype):
+    src = rng.standard_normal(BIG)  # float64: cast while copying, as `dst[...] = src` does
+    want = np.empty(BIG, dst_dtype)
+    want[...] = src
+    got = np.full(BIG, 5, dst_dtype)
+    _fill.copy_into(got, src)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_copy_into_from_a_strided_source(rng):
+    src = rng.standard_normal((BIG[1], BIG[0])).astype(np.float32).T  # not contiguous
+    got = np.zeros(BIG, np.float32)
+    _fill.copy_into(got, src)
+    np.testing.assert_array_equal(got, src)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [0, BIG[0] * BIG[1] // 2, BIG[0] * BIG[1] - 1])
+def test_all_finite_finds_a_bad_value_in_any_slice(rng, bad, where):
+    x = rng.standard_normal(BIG).astype(np.float32)
+    assert _fill.all_finite(x)  # control: the clean array passes
+    x.reshape(-1)[where] = bad
+    assert not _fill.all_finite(x)
+    row = where // BIG[1]
+    assert _fill.all_finite(x[::2]) == (row % 2 == 1)  # a strided view sees only even rows
+
+
+def test_all_finite_ignores_integers_and_empty():
+    assert _fill.all_finite(np.arange(10))
+    assert _fill.all_finite(np.zeros((0, 3), np.float32))
+
+
+def test_fill_padded_zero_pads_every_axis(rng):
+    data = rng.standard_normal((5, 7, 3)).astype(np.float32)
+    out = np.full((8, 11, 3), np.nan, np.float32)
+    _fill.fill_padded(out, data)
+    want = np.zeros((8, 11, 3), np.float32)
+    want[:5, :7] = data
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("shape", [(3, 11), BIG])
+def test_fill_rows_pads_and_flags_each_row(rng, shape):
+    src = rng.standard_normal(shape).astype(np.float32)
+    lengths = [shape[1] - 3 * i for i in range(shape[0])]
+    src[1, lengths[1] - 1] = np.nan  # inside row 1: flagged
+    src[2, lengths[2] + 1] = np.inf  # past row 2's length: never read
+    out = np.full((shape[0] + 2, shape[1] + 5), 9.0, np.float32)
+    flags = _fill.fill_rows(out, src, lengths)
+    assert flags == [i != 1 for i in range(shape[0])]
+    want = np.zeros_like(out)
+    for i, n in enumerate(lengths):
+        want[i, :n] = src[i, :n]
+    np.testing.assert_array_equal(out, want)
