@@ -73,6 +73,7 @@ def _qwen3_omni(size: str) -> Any:
     from jaxsync.paths.qwen3_omni import reference as ref
 
     _released_only("qwen3_omni", size)
+    # The released thinker's text config (the transformers defaults are smaller).
     text = dict(hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
                 moe_intermediate_size=768, vocab_size=152064, num_attention_heads=32,
                 num_key_value_heads=4)  # fmt: skip
@@ -89,7 +90,8 @@ def _voxtral(size: str) -> Any:
     if size == "released":
         return transformers.VoxtralConfig()  # the defaults are Voxtral-Mini-3B-2507
     cfg = ref.tiny_hf_config()
-    cfg.text_config.vocab_size = 4099  # as released, the language model outweighs the tower
+    # As released, the language model outweighs the tower and has more layers than are written.
+    cfg.text_config.vocab_size, cfg.text_config.num_hidden_layers = 4099, 3
     return cfg
 
 
@@ -236,7 +238,9 @@ def build_checkpoint(
     hf_cfg, layout, notes = released_layout(family, size)
     pattern = re.compile(FAMILIES[family].lm_layers)
     layers = {int(m.group(1)) for k in layout if (m := pattern.match(k))}
-    written = {k: t for k, t in layout.items() if not (m := pattern.match(k)) or int(m[1]) < lm_layers}
+    written = {
+        k: t for k, t in layout.items() if not (m := pattern.match(k)) or int(m[1]) < lm_layers
+    }
     # Split as the released checkpoint is split, then leave the truncated layers out: each kept
     # tensor sits in the shard (and file name) it has in the released layout, and shards holding
     # only truncated layers are not written.
@@ -252,6 +256,7 @@ def build_checkpoint(
     }
     shards = {name: tensors for name, tensors in shards.items() if tensors}
     directory.mkdir(parents=True, exist_ok=True)
+    facts_file.unlink(missing_ok=True)  # written last: a partial build is never reused
     for stale in directory.glob("*.safetensors*"):
         stale.unlink()
     (directory / "config.json").write_text(hf_cfg.to_json_string())

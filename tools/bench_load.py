@@ -13,7 +13,8 @@ on every shard so the files are read from the disk, not the page cache (the outp
 that took effect, from a timed read of one shard before and after):
   load s     `load_model(dir, dtype=bfloat16)` until every parameter is ready;
   peak MiB   VmHWM during the load over the VmRSS of the process that imported jax and jaxsync
-             (on the CPU backend the placed tower itself is host memory);
+             (on the CPU backend the placed tower itself is host memory), and of it the peak of
+             RssAnon (sampled every 5 ms): the rest is shard pages mapped while they are read;
   MiB read   tensor bytes the loader read (its `read_tensor` calls), and disk MiB the kernel read
              for the process (`/proc/self/io` read_bytes: includes readahead and headers);
   shards     distinct shard files opened (`safe_open`, headers included).
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,24 @@ def _instrument() -> dict[str, Any]:
     return seen
 
 
+class _AnonPeak(threading.Thread):
+    """Samples RssAnon (the process's own memory: mapped file pages excluded) every 5 ms."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = _proc("/proc/self/status", "RssAnon")
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, _proc("/proc/self/status", "RssAnon"))
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return max(self.peak, _proc("/proc/self/status", "RssAnon"))
+
+
 def _child(family: str, checkpoint: str, baseline: bool) -> dict[str, Any]:
     import importlib
 
@@ -96,7 +116,10 @@ def _child(family: str, checkpoint: str, baseline: bool) -> dict[str, Any]:
     jax.devices()
     seen = _instrument()
     bare = _proc("/proc/self/status", "VmRSS")
+    bare_anon = _proc("/proc/self/status", "RssAnon")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    anon = _AnonPeak()
+    anon.start()
     disk0 = _proc("/proc/self/io", "read_bytes")
     t0 = time.perf_counter()
     if baseline:
@@ -117,6 +140,7 @@ def _child(family: str, checkpoint: str, baseline: bool) -> dict[str, Any]:
     return dict(
         seconds=seconds,
         peak_mib=(_proc("/proc/self/status", "VmHWM") - bare) / 1024,
+        peak_anon_mib=(anon.stop() - bare_anon) / 1024,
         read_mib=seen["bytes"] / _MIB,
         disk_mib=(_proc("/proc/self/io", "read_bytes") - disk0) / _MIB,
         shards_opened=len(seen["files"]),
@@ -189,7 +213,7 @@ def table(rows: list[dict]) -> str:
     head = (
         "| family | tower params | tower MiB | checkpoint GiB / shards written (released) "
         "| LM layers written / released | shards opened | load s | peak host MiB over bare "
-        "| MiB read (loader) | disk MiB read |"
+        "| of it anon MiB | MiB read (loader) | disk MiB read |"
     )
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for r in rows:
@@ -200,7 +224,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['label']} | {params} | {tower} | {c['bytes'] / 2**30:.2f} / {c['shards']} "
             f"({c['released_bytes'] / 2**30:.1f} / {c['shards_released']}) "
             f"| {c['lm_layers_written']} / {c['lm_layers_released']} | {m['shards_opened']:.0f} "
-            f"| {m['seconds']:.2f} | {m['peak_mib']:.0f} | {m['read_mib']:.0f} "
+            f"| {m['seconds']:.2f} | {m['peak_mib']:.0f} | {m['peak_anon_mib']:.0f} "
+            f"| {m['read_mib']:.0f} "
             f"| {m['disk_mib']:.0f} |"
         )
     return "\n".join(lines)
@@ -236,11 +261,13 @@ def main(argv: list[str] | None = None) -> None:
         for note in facts["notes"]:
             print(f"#   {note}")
         print(f"# {family}: page cache eviction check {json.dumps(cache_check(directory))}")
-        rows.append(dict(label=family, checkpoint=facts,
-                         measured=measure(family, directory, args.repeats)))  # fmt: skip
+        measured = measure(family, directory, args.repeats)
+        rows.append(dict(label=family, checkpoint=facts, measured=measured))
         if family in args.baseline:
-            rows.append(dict(label=f"{family}: read every shard", checkpoint=facts,
-                             measured=measure(family, directory, args.repeats, baseline=True)))  # fmt: skip
+            measured = measure(family, directory, args.repeats, baseline=True)
+            rows.append(
+                dict(label=f"{family}: read every shard", checkpoint=facts, measured=measured)
+            )
         if args.clean:
             import shutil
 
