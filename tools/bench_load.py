@@ -1,6 +1,7 @@
 """Load times of each family's tower from a synthetic checkpoint at the released key layout.
 
-Per family, a checkpoint is written once into `--dir/<family>`: every tensor of the released
+Per family, a checkpoint is written once into `--dir/<family>-<size>-<N>L` (a temporary folder,
+removed at the end, without `--dir`): every tensor of the released
 multimodal model (names and shapes from the transformers class built on the `meta` device with the
 released config, under the names `save_pretrained` writes), at the released checkpoint dtype,
 sharded as `save_pretrained(max_shard_size="5GB")` shards, with `model.safetensors.index.json`. The
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,6 +233,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _family_rows(family: str, root: Path, args: argparse.Namespace) -> list[dict]:
+    """Builds (or reuses) one family's checkpoint and measures it (and its baseline)."""
+    rows = []
+    directory = root / f"{family}-{args.size}-{args.lm_layers}L"
+    t0 = time.perf_counter()
+    facts = build_checkpoint(
+        family, directory, size=args.size, lm_layers=args.lm_layers,
+        max_shard_size=args.max_shard_size,
+    )  # fmt: skip
+    print(f"# {family}: checkpoint ready in {time.perf_counter() - t0:.0f} s ({directory})")
+    for note in facts["notes"]:
+        print(f"#   {note}")
+    print(f"# {family}: page cache eviction check {json.dumps(cache_check(directory))}")
+    measured = measure(family, directory, args.repeats)
+    rows.append(dict(label=family, checkpoint=facts, measured=measured))
+    if family in args.baseline:
+        measured = measure(family, directory, args.repeats, baseline=True)
+        rows.append(dict(label=f"{family}: read every shard", checkpoint=facts, measured=measured))
+    if args.clean:
+        shutil.rmtree(directory)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", type=Path, default=None, help="checkpoint cache (default: a temp dir)")
@@ -249,29 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(_child(*args.child, args.baseline_child)))
         return
     root = args.dir or Path(tempfile.mkdtemp(prefix="jaxsync-bench-load-"))
-    rows = []
-    for family in args.families:
-        directory = root / f"{family}-{args.size}-{args.lm_layers}L"
-        t0 = time.perf_counter()
-        facts = build_checkpoint(
-            family, directory, size=args.size, lm_layers=args.lm_layers,
-            max_shard_size=args.max_shard_size,
-        )  # fmt: skip
-        print(f"# {family}: checkpoint ready in {time.perf_counter() - t0:.0f} s ({directory})")
-        for note in facts["notes"]:
-            print(f"#   {note}")
-        print(f"# {family}: page cache eviction check {json.dumps(cache_check(directory))}")
-        measured = measure(family, directory, args.repeats)
-        rows.append(dict(label=family, checkpoint=facts, measured=measured))
-        if family in args.baseline:
-            measured = measure(family, directory, args.repeats, baseline=True)
-            rows.append(
-                dict(label=f"{family}: read every shard", checkpoint=facts, measured=measured)
-            )
-        if args.clean:
-            import shutil
-
-            shutil.rmtree(directory)
+    try:
+        rows = [row for family in args.families for row in _family_rows(family, root, args)]
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
