@@ -4,6 +4,7 @@ from jaxsync.weights._checkpoint import (
     WeightError as WeightError,
     checkpoint_dtype as checkpoint_dtype,
     checkpoint_files as checkpoint_files,
+    checkpoint_keys as checkpoint_keys,
     read_checkpoint as read_checkpoint,
 )
 from jaxsync.weights._loader import (

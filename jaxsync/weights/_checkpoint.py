@@ -66,6 +66,19 @@ def checkpoint_files(checkpoint: str | Path) -> list[Path]:
     return files if index is None else sorted(set(index.values()))
 
 
+def checkpoint_keys(checkpoint: str | Path) -> list[str]:
+    """Every tensor name of a checkpoint: from the index alone when there is one (no shard
+    opened), else from each file's header."""
+    index, files = _resolve(checkpoint)
+    if index is not None:
+        return sorted(index)
+    keys: list[str] = []
+    for file in files:
+        with open_shard(file) as handle:
+            keys.extend(handle.keys())
+    return keys
+
+
 def _resolve(checkpoint: str | Path) -> tuple[dict[str, Path] | None, list[Path]]:
     """(key -> shard file from the index, or None; the files when there is no index)."""
     path = Path(checkpoint)

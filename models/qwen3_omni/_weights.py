@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from safetensors import safe_open
 
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower
@@ -25,7 +24,7 @@ from jaxsync.weights import (
     Rule,
     WeightError,
     checkpoint_dtype,
-    checkpoint_files,
+    checkpoint_keys,
     compose,
     linear,
     load_weights,
@@ -71,22 +70,18 @@ def audio_rules(cfg: Qwen3OmniAudioConfig) -> tuple[Rule, ...]:
 
 
 def find_prefix(checkpoint: str | Path) -> str:
-    """The key prefix of the audio encoder in `checkpoint` (reads key names only).
+    """The key prefix of the audio encoder in `checkpoint` (key names only: from a sharded
+    checkpoint's index, else from the file headers).
 
     Raises:
-      WeightError: no `conv2d1.weight` under a known prefix, or more than one.
+      WeightError: no `conv2d1.weight` under a known prefix, or more than one; an unreadable
+        index or file.
     """
     found = set()
-    for file in checkpoint_files(checkpoint):
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                keys = list(f.keys())
-        except Exception as e:  # safetensors raises its own errors for a corrupt header
-            raise WeightError(f"cannot read the tensor names of {file}: {e}") from e
-        for key in keys:
-            m = _PREFIX_RE.fullmatch(key)
-            if m:
-                found.add(m.group(1) or "")
+    for key in checkpoint_keys(checkpoint):
+        m = _PREFIX_RE.fullmatch(key)
+        if m:
+            found.add(m.group(1) or "")
     if len(found) != 1:
         raise WeightError(
             f"expected one audio encoder in {checkpoint} under one of {PREFIXES}; "

@@ -166,6 +166,25 @@ def test_prefix_detection(tiny, tmp_path, prefix):
     assert q3.find_prefix(path) == prefix
 
 
+def test_prefix_from_the_index_opens_no_other_shard(tiny, tmp_path):
+    """A sharded checkpoint's prefix comes from its index: the language model's shard (garbage
+    here) is never opened, while reading the whole checkpoint trips over it (the control)."""
+    from jaxsync.weights import read_checkpoint
+
+    save_file(_state(tiny["model"], "thinker.audio_tower."), str(tmp_path / "audio.safetensors"))
+    (tmp_path / "lm.safetensors").write_bytes(b"not a safetensors file")
+    weight_map = {k: "audio.safetensors" for k in _state(tiny["model"], "thinker.audio_tower.")}
+    weight_map["thinker.model.embed_tokens.weight"] = "lm.safetensors"
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    assert q3.find_prefix(tmp_path) == "thinker.audio_tower."
+    got = to_numpy_state(q3.load_model(tmp_path, CFG))
+    assert all(np.array_equal(v, got[k]) for k, v in to_numpy_state(tiny["tower"]).items())
+    with pytest.raises(WeightError, match="lm.safetensors"):
+        list(read_checkpoint(index))
+
+
 def test_loader_keys(tiny, tmp_path):
     model = tiny["model"]
     want = to_numpy_state(q3.load_model(tiny["ckpt"], CFG))
