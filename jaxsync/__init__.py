@@ -22,6 +22,7 @@ Core API:
   PlanCache                   - host plans and their packed uploads cached per shape mix.
   host_array, host_ints,      - host inputs (numpy, lists, torch CPU tensors) validated
   host_int, check_finite        before any upload: no silent truncation, no NaN leaks.
+  all_finite, fill_rows         large host checks and padded copies on a small thread pool.
 Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
 jaxsync.testing, jaxsync.models, jaxsync.kv.
 """
@@ -31,6 +32,7 @@ from jaxsync._device_cache import (
     DeviceCache as DeviceCache,
     default_cache as default_cache,
 )
+from jaxsync._fill import all_finite as all_finite, fill_rows as fill_rows
 from jaxsync._host import (
     check_finite as check_finite,
     host_array as host_array,

@@ -82,7 +82,9 @@ def check_waveforms(
         )
     if (lens > w).any():
         raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
-    if not on_device:
+    # The whole buffer first (threaded); per row only when that fails: NaN past a row's
+    # length is padding, never read.
+    if not on_device and not jaxsync.all_finite(waveforms):
         bad = [i for i in range(b) if not np.isfinite(waveforms[i, : lens[i]]).all()]
         if bad:
             raise ValueError(f"waveforms {bad} contain NaN or inf samples")
@@ -108,11 +110,7 @@ def host_batch(
     """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length),
     in `out` (every element written) or a new buffer."""
     out = np.empty(host_buckets(lens, hop), np.float32) if out is None else out
-    b = len(lens)
-    for i in range(b):
-        out[i, : lens[i]] = waveforms[i, : lens[i]]
-        out[i, lens[i] :] = 0
-    out[b:] = 0
+    jaxsync.fill_rows(out, waveforms, lens.tolist())  # rows on a thread pool when large
     return out
 
 
