@@ -52,6 +52,20 @@ def _mel_cases(device: str, size: str) -> list[BenchCase]:
 
         fns = {"transformers_torch_extractor": hf_torch, "vllm_post_pr": vllm}
         cases.append(BenchCase(f"log_mel[{size},B={b}x{n // _SR}s]", jax_fn, fns, b * n * 4))
+    # Host waveforms in (the upload included), against the same torch extractor.
+    b = 8 if size == "released" else 3
+    hosts = [_batch([n] * b, n, seed) for seed in range(3)]
+    hx = _rotate(hosts)
+
+    def jax_host(hx=hx, b=b):
+        return log_mel_spectrogram(hx(), [n] * b, config=cfg, floor="per_example",
+                                   max_length=n).features  # fmt: skip
+
+    def hf_host(hx=hx):
+        return fe._torch_extract_fbank_features(hx(), device)
+
+    fns = {"transformers_torch_extractor": hf_host}
+    cases.append(BenchCase(f"log_mel[{size},B={b}x{n // _SR}s host]", jax_host, fns, b * n * 4))
     return cases
 
 
