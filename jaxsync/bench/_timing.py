@@ -245,3 +245,37 @@ def count_executions(events: list[dict]) -> int | None:
         e["name"] for e in events if e.get("ph") == "X" and _EXECUTE_EVENT.search(e.get("name", ""))
     )
     return min(names.values(), default=None)
+
+
+def _size(jaxpr: Any) -> int:
+    """Equations of a jaxpr, nested ones (scan bodies, inner jits) included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    total += _size(sub)
+    return total
+
+
+def main_program_args(fn: Callable[[], Any]) -> int | None:
+    """Jit arguments of the main program one call of a JAX closure dispatches.
+
+    The closure is traced once (`jax.make_jaxpr`: nothing runs); every program it dispatches is
+    one jit equation whose inputs are that program's flattened arguments. The main program is
+    the one with the most work (equations, nested ones included). None when the call
+    dispatches no program.
+    """
+    import jax
+
+    jits = [
+        eqn
+        for eqn in jax.make_jaxpr(fn)().jaxpr.eqns
+        if eqn.primitive.name in ("pjit", "jit") and "jaxpr" in eqn.params
+    ]
+    if not jits:
+        return None
+    main = max(jits, key=lambda eqn: _size(eqn.params["jaxpr"]))
+    return len(main.invars)
