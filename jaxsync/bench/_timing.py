@@ -152,6 +152,24 @@ def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repe
     return floors
 
 
+def same_args_floor(case: Any, side: _Side, floors: dict[int, float]) -> dict[str, Any]:
+    """`{"jit_args": n, "floor_same_args_ms": ms}` of a `BenchCase`: its main program's jit
+    argument count and the host time of a do-nothing jit with that many arguments.
+
+    `floors` (argument count -> ms, from `dispatch_floor_ms`) is reused and extended, so each
+    count is measured once per run. Both are None when the count cannot be taken.
+    """
+    try:
+        n = case.jit_args() if case.jit_args is not None else main_program_args(case.jax_fn)
+    except Exception:  # a closure that cannot be traced: no count rather than a failed row
+        n = None
+    if n is None:
+        return {"jit_args": None, "floor_same_args_ms": None}
+    if n not in floors:
+        floors.update(dispatch_floor_ms(side, (n,)))
+    return {"jit_args": n, "floor_same_args_ms": floors[n]}
+
+
 def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30, mesh: Any = None) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), measured now.
 
