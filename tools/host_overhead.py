@@ -43,8 +43,12 @@ def _glm4v():
 
 
 def _voxtral():
-    from jaxsync.models.voxtral import MelConfig, VoxtralAudioConfig, VoxtralAudioEncoder
-    from jaxsync.models.voxtral import VoxtralAudioTower
+    from jaxsync.models.voxtral import (
+        MelConfig,
+        VoxtralAudioConfig,
+        VoxtralAudioEncoder,
+        VoxtralAudioTower,
+    )
     from jaxsync.paths.voxtral import reference as ref
 
     cfg = VoxtralAudioConfig(num_mel_bins=128, text_hidden_size=ref.TINY_TEXT["hidden_size"],
