@@ -164,8 +164,10 @@ ENTRIES: dict[str, Callable[[], Callable[[], object]]] = {
 }
 
 
-def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over `repeats` of the mean host time of one call, in us.
+def per_call_us(
+    fn: Callable[[], object], calls: int, repeats: int, stat=statistics.median
+) -> float:
+    """`stat` (median) over `repeats` of the mean host time of one call, in us.
 
     Each call is timed alone and its outputs are waited for before the next one: the device
     is idle when a call starts, so the time is the host's (dispatch, checks, plans), not the
@@ -184,7 +186,7 @@ def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
             total += time.perf_counter() - t0
             jax.block_until_ready(out)
         means.append(total / calls * 1e6)
-    return statistics.median(means)
+    return stat(means)
 
 
 def noop_call(num_args: int) -> Callable[[], object]:
@@ -221,6 +223,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", help="cProfile this entry's hot path instead")
+    ap.add_argument(
+        "--stat", choices=("median", "min"), default="median",
+        help="over the repeats (min: steadier on a loaded machine)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.profile:
         call = ENTRIES[args.profile]()
@@ -233,15 +239,16 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; jaxsync {jaxsync.__name__}")
     print(f"{'entry':22} {'entry us':>9} {'floor us (same args)':>21} {'overhead us':>12} "
           f"{'jit args':>9} {'program us':>11} {'python us':>10}")  # fmt: skip
+    stat = min if args.stat == "min" else statistics.median
     for name, build in ENTRIES.items():
         if args.only and not any(name.startswith(p) for p in args.only):
             continue
         n = main_program_args(build())  # traced on its own copy: a chain keeps no tracer
         call = build()
-        entry = per_call_us(call, args.calls, args.repeats)
-        floor = per_call_us(noop_call(n), args.calls, args.repeats)
+        entry = per_call_us(call, args.calls, args.repeats, stat)
+        floor = per_call_us(noop_call(n), args.calls, args.repeats, stat)
         raw = program_call(call)
-        prog = "" if raw is None else f"{per_call_us(raw, args.calls, args.repeats):11.1f}"
+        prog = "" if raw is None else f"{per_call_us(raw, args.calls, args.repeats, stat):11.1f}"
         python = "" if raw is None else f"{entry - float(prog):10.1f}"
         print(f"{name:22} {entry:9.1f} {floor:21.1f} {entry - floor:12.1f} {n:9d} {prog:>11} "
               f"{python:>10}", flush=True)  # fmt: skip
