@@ -6,7 +6,8 @@ host time per call (median of repeats), the host time of a do-nothing `jax.jit` 
 number of array arguments as the entry's main program, and the difference. Where the entry runs
 a `jaxsync.TowerProgram`, it also prints that program's jit call alone on the same arguments
 ("program us": on CPU a real program costs more to dispatch than a do-nothing one) and the
-entry's time over it ("python us": the checks, plans and output the entry adds).
+entry's time with that dispatch replaced by returning earlier outputs ("python us": the
+checks, plans and output the entry adds, free of the runtime's noise).
 
     python tools/host_overhead.py                    # every entry
     python tools/host_overhead.py --only glm4v kv    # entries whose name starts so
@@ -196,9 +197,8 @@ def noop_call(num_args: int) -> Callable[[], object]:
     return lambda: noop(*args)
 
 
-def program_call(call: Callable[[], object]) -> Callable[[], object] | None:
-    """The entry's main `TowerProgram` dispatch alone, on the arguments one call passes it
-    (None for an entry without one): the runtime's own cost of that program, no checks."""
+def _main_program(call: Callable[[], object]):
+    """(TowerProgram, inputs) of the entry's program dispatch in one call, or None."""
     seen = []
     original = jaxsync.TowerProgram.__call__
 
@@ -211,10 +211,33 @@ def program_call(call: Callable[[], object]) -> Callable[[], object] | None:
         jax.block_until_ready(call())
     finally:
         jaxsync.TowerProgram.__call__ = original
-    if not seen:
+    return seen[0] if seen else None
+
+
+def program_call(call: Callable[[], object]) -> Callable[[], object] | None:
+    """The entry's main `TowerProgram` dispatch alone, on the arguments one call passes it
+    (None for an entry without one): the runtime's own cost of that program, no checks."""
+    found = _main_program(call)
+    if found is None:
         return None
-    program, inputs = seen[0]
+    program, inputs = found
     return lambda: program._jitted(program._args, *inputs)
+
+
+def python_us(call: Callable[[], object], calls: int, repeats: int, stat) -> float | None:
+    """Host time of the entry with its program's dispatch replaced by returning the outputs
+    of an earlier dispatch: its own Python alone (None without a `TowerProgram`)."""
+    found = _main_program(call)
+    if found is None:
+        return None
+    program, inputs = found
+    jitted = program._jitted
+    outputs = jitted(program._args, *inputs)
+    program._jitted = lambda *args: outputs  # this instance only, restored below
+    try:
+        return per_call_us(call, calls, repeats, stat)
+    finally:
+        program._jitted = jitted
 
 
 def main() -> None:
@@ -249,9 +272,10 @@ def main() -> None:
         floor = per_call_us(noop_call(n), args.calls, args.repeats, stat)
         raw = program_call(call)
         prog = "" if raw is None else f"{per_call_us(raw, args.calls, args.repeats, stat):11.1f}"
-        python = "" if raw is None else f"{entry - float(prog):10.1f}"
+        own = python_us(call, args.calls, args.repeats, stat)
+        own = "" if own is None else f"{own:10.1f}"
         print(f"{name:22} {entry:9.1f} {floor:21.1f} {entry - floor:12.1f} {n:9d} {prog:>11} "
-              f"{python:>10}", flush=True)  # fmt: skip
+              f"{own:>10}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
