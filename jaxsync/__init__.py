@@ -19,7 +19,8 @@ Core API:
   TowerProgram, run_layers    - a family's pure forward compiled with packed state and one
                                 layer scan (the calling convention of every model path).
   Embeddings                  - the output of every model path: padded rows + host lengths.
-  PlanCache                   - host plans and their packed uploads cached per shape mix.
+  PlanCache, metadata_key     - host plans and their packed uploads cached per shape mix,
+                                keyed by the exact content of the caller's host metadata.
   host_array, host_ints,      - host inputs (numpy, lists, torch CPU tensors) validated
   host_int, check_finite        before any upload: no silent truncation, no NaN leaks.
   all_finite, fill_rows         large host checks and padded copies on a small thread pool.
@@ -54,7 +55,7 @@ from jaxsync._layers import (
 from jaxsync._outputs import Embeddings as Embeddings
 from jaxsync._packing import PackedLeaves as PackedLeaves, PackedTower as PackedTower
 from jaxsync._placement import replicated_near as replicated_near
-from jaxsync._plans import PlanCache as PlanCache
+from jaxsync._plans import PlanCache as PlanCache, metadata_key as metadata_key
 from jaxsync._precompile import (
     Compiled as Compiled,
     Target as Target,

@@ -19,6 +19,24 @@ def _rows(offset: int, length: int):
     return jax.jit(lambda x: x[offset : offset + length])
 
 
+def row_layout(
+    lengths: Sequence[int], offsets: Sequence[int] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(lengths, offsets) as tuples of Python ints; offsets default to contiguous from row 0.
+
+    Python ints: a numpy integer offset would make `Embeddings.split()` upload a dynamic
+    slice index.
+    """
+    lengths = tuple(int(n) for n in lengths)
+    if offsets is None:
+        starts, total = [], 0
+        for n in lengths:
+            starts.append(total)
+            total += n
+        offsets = starts
+    return lengths, tuple(int(o) for o in offsets)
+
+
 @jax.tree_util.register_pytree_node_class
 class Embeddings:
     """Per-item embeddings packed in one padded device array, with host-side lengths.
@@ -42,16 +60,26 @@ class Embeddings:
         extras: dict[str, Any] | None = None,
     ):
         self.embeddings = embeddings
-        # Python ints: a numpy integer offset would make `split()` upload a dynamic slice index.
-        self.lengths = tuple(int(n) for n in lengths)
-        if offsets is None:  # contiguous from row 0
-            starts, total = [], 0
-            for n in self.lengths:
-                starts.append(total)
-                total += n
-            offsets = starts
-        self.offsets = tuple(int(o) for o in offsets)
+        self.lengths, self.offsets = row_layout(lengths, offsets)
         self.extras = {} if extras is None else dict(extras)
+
+    @classmethod
+    def from_layout(
+        cls,
+        embeddings: jax.Array,
+        layout: tuple[tuple[int, ...], tuple[int, ...]],
+        extras: dict[str, Any] | None = None,
+    ) -> Embeddings:
+        """An `Embeddings` of a row layout an entry computed once per plan with
+        `Embeddings.layout(lengths, offsets)`: the per-call output then costs no per-item
+        conversion. `extras` is kept as given (a dict of the caller's own)."""
+        out = object.__new__(cls)
+        out.embeddings = embeddings
+        out.lengths, out.offsets = layout
+        out.extras = {} if extras is None else extras
+        return out
+
+    layout = staticmethod(row_layout)
 
     def tree_flatten(self):
         names = tuple(sorted(self.extras))
@@ -63,8 +91,9 @@ class Embeddings:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        lengths, offsets, names = aux
-        return cls(children[0], lengths, offsets, dict(zip(names, children[1:], strict=True)))
+        lengths, offsets, names = aux  # already a row layout
+        extras = dict(zip(names, children[1:], strict=True))
+        return cls.from_layout(children[0], (lengths, offsets), extras)
 
     @property
     def num_tokens(self) -> int:

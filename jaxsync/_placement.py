@@ -39,6 +39,18 @@ def replicated_near(x: jax.Array) -> jax.sharding.Sharding | None:
     if isinstance(x, jax.core.Tracer):
         return None
     sharding = x.sharding
+    near = _NEAR.get(sharding)
+    if near is None:
+        near = _NEAR[sharding] = _replicated(sharding)
+    return near
+
+
+# x.sharding -> replicated_near's answer: a call costs a lookup, not a new sharding object
+# (shardings are hashable, and a process sees a handful of them).
+_NEAR: dict[jax.sharding.Sharding, jax.sharding.Sharding] = {}
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(
             sharding.mesh, jax.sharding.PartitionSpec(), memory_kind="device"

@@ -8,9 +8,43 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 import jax
+import numpy as np
 
 
 T = TypeVar("T")
+
+
+def metadata_key(x: object) -> Hashable | None:
+    """A hashable key of host metadata's exact content, cheap enough for every call; or None.
+
+    Equal keys mean equal type, dtype, shape and values, so a plan built (and validated) from
+    one input serves every input with the same key, and a list or array mutated in place gets
+    a new key. Lists and tuples qualify only when every value is a Python `int` (a bool or a
+    float equals an int and hashes like one, so it must go through the checks, never hit a
+    cached key); numpy arrays of numbers or bools qualify by dtype, shape and bytes. Anything
+    else (torch tensors, numpy scalars in lists, objects) gives None: validate it and key the
+    validated array instead.
+
+    >>> metadata_key([[1, 4, 6]]) == metadata_key([[1, 4, 6]]), metadata_key([True, 5])
+    (True, None)
+    """
+    kind = type(x)
+    if kind is np.ndarray:
+        if x.dtype.kind not in "biuf":
+            return None
+        return (x.dtype.str, x.shape, x.tobytes())
+    if kind is not list and kind is not tuple:
+        return None
+    if all(type(v) is int for v in x):
+        return (kind, tuple(x))
+    rows = []
+    for row in x:
+        if (type(row) is not list and type(row) is not tuple) or not all(
+            type(v) is int for v in row
+        ):
+            return None
+        rows.append((type(row), tuple(row)))
+    return (kind, tuple(rows))
 
 
 class PlanCache(Generic[T]):

@@ -101,12 +101,18 @@ class BenchCase:
       jax_fn: zero-argument closure that dispatches one forward (rotating inputs), returns outputs.
       torch_fns: label -> zero-argument closure doing the same in torch on the same device.
       bytes_moved: bytes read + written per forward, for bandwidth-bound paths (None otherwise).
+      jit_args: zero-argument callable giving the jit argument count of the main program
+        `jax_fn` dispatches (the bench times a do-nothing jit of as many arguments beside it).
+        None: `jax_fn` is traced once to count them, which suits a closure that keeps no state
+        between calls; one that stores its outputs (a donated chain) passes a stateless
+        closure here, e.g. `lambda: bench.main_program_args(lambda: copy_blocks(...))`.
     """
 
     name: str
     jax_fn: Callable[[], Any]
     torch_fns: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     bytes_moved: int | None = None
+    jit_args: Callable[[], int | None] | None = None
 
     def __post_init__(self):
         unknown = set(self.torch_fns) - set(BASELINES)

@@ -219,6 +219,11 @@ def plan_copy(
     return dict(zip(keys, fields.values(), strict=True))
 
 
+# Checked, uploaded block ids per id content and destination: a server repeating a copy (the
+# same blocks every step, a retried request) skips the checks and the upload.
+_ID_UPLOADS: jaxsync.PlanCache[jaxsync.Packed] = jaxsync.PlanCache(maxsize=256)
+
+
 def _dispatch(program: _Program, src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
     if program.within:
         return _copy_within(dst, ids)
@@ -275,12 +280,25 @@ def copy_blocks(
     """
     program = _program(src, dst, direction, impl)
     s_leaves, d_leaves = jax.tree.leaves(src), jax.tree.leaves(dst)
-    num_dst = d_leaves[0].shape[0]
-    s_ids, d_ids = checked_ids(src_ids, dst_ids, s_leaves[0].shape[0], num_dst)
-    if s_ids.size == 0:
-        return dst
-    size = jaxsync.bucket(int(s_ids.size), buckets)
+    num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
     device_leaf = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
-    ids = upload_ids(_fields(program, s_ids, d_ids, size, num_dst), device_leaf)
+
+    def checked_upload() -> jaxsync.Packed | None:  # None: no ids, nothing to copy
+        s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
+        if s_ids.size == 0:
+            return None
+        size = jaxsync.bucket(int(s_ids.size), buckets)
+        return upload_ids(_fields(program, s_ids, d_ids, size, num_dst), device_leaf)
+
+    # Ids of the same content (`jaxsync.metadata_key`) reuse their checked upload; ids of
+    # other host types, custom buckets and traced caches are checked and uploaded every call.
+    s_key, d_key = jaxsync.metadata_key(src_ids), jaxsync.metadata_key(dst_ids)
+    if None in (s_key, d_key) or buckets is not None or isinstance(device_leaf, jax.core.Tracer):
+        ids = checked_upload()
+    else:
+        where = (program.direction, program.kernel is not None, device_leaf.sharding)
+        ids = _ID_UPLOADS.get((s_key, d_key, num_src, num_dst, where), checked_upload)
+    if ids is None:
+        return dst
     src, dst = committed(src), committed(dst)
     return _dispatch(program, src, dst, ids)

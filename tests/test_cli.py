@@ -190,7 +190,7 @@ def test_bench_markdown_and_chart(tmp_path):
                 "size": "tiny",
                 "name": "copy 64",
                 "bytes_moved": 10,
-                "jaxsync": dict(m, gbps=3500.0),
+                "jaxsync": dict(m, gbps=3500.0, jit_args=2, floor_same_args_ms=0.04),
                 "vllm_post_pr": dict(m, device_ms=4.0, kernels=3),
             },
             {
@@ -203,12 +203,48 @@ def test_bench_markdown_and_chart(tmp_path):
             },
         ],
     }
+    result["dispatch_floor_ms"] = {"1": 0.031, "2": 0.04}  # as read back from bench.json
     text = markdown(result)
-    assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) |" in text
+    assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) | 2 | 0.040 |" in text
+    assert "| copy 64 | vllm_post_pr | 4.000 | 0.010 | 100 | 3 |  |  |  |" in text
     # a host<->device row is measured against its own pinned transfer, not the device copy
-    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 | 100 |  | 40 (80%) |" in text
+    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 | 100 |  | 40 (80%) |  |  |" in text
+    assert "do-nothing jit host time: 1 args 0.031, 2 args 0.040 ms" in text
     render(result, tmp_path)
     assert (tmp_path / "bench.md").exists()
+
+
+def test_bench_floor_with_the_main_programs_argument_count():
+    # Each bench case reports its main program's jit argument count and a do-nothing jit of as
+    # many arguments timed in the same run: counted by tracing the closure, or by `jit_args`.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsync.bench._timing import _Side, main_program_args, same_args_floor
+
+    xs = [jnp.ones(8) + i for i in range(5)]
+    small = jax.jit(lambda a: a + 1)
+    main = jax.jit(lambda *a: sum(jnp.sin(x) @ jnp.cos(x) for x in a))
+    assert main_program_args(lambda: small(main(*xs))) == 5  # the bigger program, not the last
+    assert main_program_args(lambda: small(xs[0])) == 1
+    assert main_program_args(lambda: None) is None  # dispatches nothing
+
+    side, floors = _Side("jax"), {1: 0.5}
+    case = registry.BenchCase("five", lambda: main(*xs))
+    got = same_args_floor(case, side, floors)
+    assert got["jit_args"] == 5 and got["floor_same_args_ms"] == floors[5] > 0
+    assert sorted(floors) == [1, 5]  # measured once, kept for the next case
+    chain = {"x": xs[0]}
+
+    def stateful():  # stores its output: must not be traced, its count comes from jit_args
+        chain["x"] = small(chain["x"])
+        return chain["x"]
+
+    case = registry.BenchCase("chain", stateful, jit_args=lambda: 1)
+    assert same_args_floor(case, side, floors) == {"jit_args": 1, "floor_same_args_ms": 0.5}
+    assert isinstance(chain["x"], jax.Array)
+    broken = registry.BenchCase("broken", lambda: 1 / 0)
+    assert same_args_floor(broken, side, floors) == {"jit_args": None, "floor_same_args_ms": None}
 
 
 def test_every_path_builds_without_torch(monkeypatch):

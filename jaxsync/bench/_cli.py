@@ -102,6 +102,7 @@ def bench(argv: Sequence[str]) -> int:
         dispatch_floor_ms,
         jax_executions_per_call,
         measure,
+        same_args_floor,
         torch_kernels_per_call,
     )
 
@@ -112,6 +113,7 @@ def bench(argv: Sequence[str]) -> int:
     env["dispatch_floor_ms"] = dispatch_floor_ms(jax_side)
     floors = ", ".join(f"{n} args {ms:.3f}" for n, ms in env["dispatch_floor_ms"].items())
     print(f"  do-nothing jit host time ({env['client']} client): {floors} ms", flush=True)
+    floor_by_args = dict(env["dispatch_floor_ms"])  # grows by each case's jit argument count
     rows: list[dict[str, Any]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,6 +129,7 @@ def bench(argv: Sequence[str]) -> int:
                 try:
                     row["jaxsync"] = measure(case.jax_fn, jax_side, repeat=args.repeat)
                     row["jaxsync"]["kernels"] = jax_executions_per_call(case.jax_fn)
+                    row["jaxsync"].update(same_args_floor(case, jax_side, floor_by_args))
                     for label, fn in case.torch_fns.items():
                         fn = _no_grad(fn)  # inference: no autograd bookkeeping in the baselines
                         row[label] = measure(fn, torch_side, repeat=args.repeat)

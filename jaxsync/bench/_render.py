@@ -34,13 +34,17 @@ def markdown(result: dict[str, Any]) -> str:
         f"torch {ceil['torch']:.0f} GB/s",
         "",
         "| case | impl | device ms/fwd | host-blocked ms | first call ms | dispatches "
-        "| GB/s (% ceiling) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| GB/s (% ceiling) | jit args | floor same args ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    floors = result.get("dispatch_floor_ms") or env.get("dispatch_floor_ms")
+    if floors:
+        listed = ", ".join(f"{n} args {ms:.3f}" for n, ms in floors.items())
+        lines.insert(2, f"do-nothing jit host time: {listed} ms")
     for row in result["rows"]:
         if "error" in row:
             lines.append(
-                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} | | | | |"
+                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} | | | | | | |"
             )
             continue
         for label in _labels(row):
@@ -53,9 +57,12 @@ def markdown(result: dict[str, Any]) -> str:
                     c = pinned
                 gbps = f"{m['gbps']:.0f} ({100 * m['gbps'] / c:.0f}%)"
             kernels = "" if m.get("kernels") is None else str(m["kernels"])
+            args = "" if m.get("jit_args") is None else str(m["jit_args"])
+            floor = m.get("floor_same_args_ms")
+            floor = "" if floor is None else f"{floor:.3f}"
             lines.append(
                 f"| {row['name']} | {label} | {m['device_ms']:.3f} | {m['blocked_ms']:.3f} | "
-                f"{m['first_call_ms']:.0f} | {kernels} | {gbps} |"
+                f"{m['first_call_ms']:.0f} | {kernels} | {gbps} | {args} | {floor} |"
             )
     return "\n".join(lines)
 

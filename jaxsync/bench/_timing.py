@@ -152,6 +152,24 @@ def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repe
     return floors
 
 
+def same_args_floor(case: Any, side: _Side, floors: dict[int, float]) -> dict[str, Any]:
+    """`{"jit_args": n, "floor_same_args_ms": ms}` of a `BenchCase`: its main program's jit
+    argument count and the host time of a do-nothing jit with that many arguments.
+
+    `floors` (argument count -> ms, from `dispatch_floor_ms`) is reused and extended, so each
+    count is measured once per run. Both are None when the count cannot be taken.
+    """
+    try:
+        n = case.jit_args() if case.jit_args is not None else main_program_args(case.jax_fn)
+    except Exception:  # a closure that cannot be traced: no count rather than a failed row
+        n = None
+    if n is None:
+        return {"jit_args": None, "floor_same_args_ms": None}
+    if n not in floors:
+        floors.update(dispatch_floor_ms(side, (n,)))
+    return {"jit_args": n, "floor_same_args_ms": floors[n]}
+
+
 def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30, mesh: Any = None) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), measured now.
 
@@ -245,3 +263,37 @@ def count_executions(events: list[dict]) -> int | None:
         e["name"] for e in events if e.get("ph") == "X" and _EXECUTE_EVENT.search(e.get("name", ""))
     )
     return min(names.values(), default=None)
+
+
+def _size(jaxpr: Any) -> int:
+    """Equations of a jaxpr, nested ones (scan bodies, inner jits) included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    total += _size(sub)
+    return total
+
+
+def main_program_args(fn: Callable[[], Any]) -> int | None:
+    """Jit arguments of the main program one call of a JAX closure dispatches.
+
+    The closure is traced once (`jax.make_jaxpr`: nothing runs); every program it dispatches is
+    one jit equation whose inputs are that program's flattened arguments. The main program is
+    the one with the most work (equations, nested ones included). None when the call
+    dispatches no program.
+    """
+    import jax
+
+    jits = [
+        eqn
+        for eqn in jax.make_jaxpr(fn)().jaxpr.eqns
+        if eqn.primitive.name in ("pjit", "jit") and "jaxpr" in eqn.params
+    ]
+    if not jits:
+        return None
+    main = max(jits, key=lambda eqn: _size(eqn.params["jaxpr"]))
+    return len(main.invars)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools as ft
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,7 @@ class ChameleonImageEncoder:
         self.tokens_per_image = cfg.vq.tokens_per_image
         self._plans = jaxsync.PlanCache()
         self._warm: set[tuple] = set()
+        self._placings: dict[Any, tuple[int, Any]] = {}
         self._program = None
         if vq_model is not None:
             if not isinstance(vq_model, ChameleonVQVAE) or vq_model.cfg != cfg.vq:
@@ -158,15 +160,14 @@ class ChameleonImageEncoder:
           ValueError: wrong rank or image size, no image, non-finite host pixels, a deleted
             (donated) array, or pixels placed apart from the weights or split off the batch axis.
         """
-        ids, finite, n, rows = self._run(pixel_values)
-        t = self.tokens_per_image
+        ids, finite, n, rows, layout = self._run(pixel_values)
         flag = finite if n == rows else _take_rows(finite, n)
-        return jaxsync.Embeddings(ids, (t,) * n, tuple(range(0, n * t, t)), {"finite": flag})
+        return jaxsync.Embeddings.from_layout(ids, layout, {"finite": flag})
 
     @jaxsync.check.entry_point
     def get_image_tokens(self, pixel_values) -> Int[Array, "B T"]:
         """BPE ids `[B, T]` of each image's tokens in raster order (HF `get_image_tokens`)."""
-        ids, _, n, _ = self._run(pixel_values)
+        ids, _, n, _, _ = self._run(pixel_values)
         return _token_rows(ids, n, self.tokens_per_image)
 
     def encode(self, pixel_values: jax.Array) -> tuple[Float[Array, "B h w L"], Int[Array, "B T"]]:
@@ -208,17 +209,15 @@ class ChameleonImageEncoder:
             where = None if traced or not pixel_values.committed else pixel_values.sharding
             if where is not None:
                 check_same_devices(where, self._devices, "pixel_values")
-            shards = batch_shards(where, "pixel_values")
+            shards, near = self._placing(where, "pixel_values")
         else:
             pixel_values = self._host_pixels(pixel_values)
             n = self._check_pixels(pixel_values)
             jaxsync.check_finite(pixel_values, name="pixel_values")
             where = self.placement
-            shards = batch_shards(where, "placement")
-        near = replicated_on(where)
-        plan, meta = self._plans.get(
-            (n, shards, near),
-            lambda: _planned(plan_images(n, self.buckets, batch_shards=shards), near),
+            shards, near = self._placing(where, "placement")
+        plan, meta, table, layout = self._plans.get(
+            (n, shards, near), lambda: self._plan(n, shards, near)
         )
         rows = plan.rows
         if on_device:
@@ -227,9 +226,25 @@ class ChameleonImageEncoder:
             pixels = jaxsync.default_staging.put(
                 pixel_values, (rows, *self.image_shape), placement=where
             )
-        ids, finite = self._program(pixels, meta, self.mapping.img2bpe_on(near))
+        ids, finite = self._program(pixels, meta, table)
         self._warm_bucket(rows, shards, ids, finite, pixel_values, where)
-        return ids, finite, n, rows
+        return ids, finite, n, rows, layout
+
+    def _placing(self, where, name: str) -> tuple[int, Any]:
+        """(batch shards, replicated placement) of pixels at `where`, memoised per sharding."""
+        hit = self._placings.get(where)
+        if hit is None:
+            hit = (batch_shards(where, name), replicated_on(where))
+            self._placings[where] = hit  # only valid placements are kept
+        return hit
+
+    def _plan(self, n: int, shards: int, near):
+        """(plan, uploaded meta, img2bpe table, output row layout) of n images."""
+        plan = plan_images(n, self.buckets, batch_shards=shards)
+        t = self.tokens_per_image
+        layout = jaxsync.Embeddings.layout((t,) * n, range(0, n * t, t))
+        meta = jaxsync.upload_packed(plan.fields, placement=near)
+        return plan, meta, self.mapping.img2bpe_on(near), layout
 
     def _warm_bucket(self, rows, shards, ids, finite, pixel_values, where) -> None:
         # Compile the per-batch-size slice / pad programs of this bucket once, on its first use,
@@ -237,7 +252,7 @@ class ChameleonImageEncoder:
         if isinstance(ids, jax.core.Tracer):  # traced by a static scan: nothing runs
             return
         on_device = isinstance(pixel_values, jax.Array)
-        key = (rows, on_device, str(pixel_values.dtype), where)
+        key = (rows, on_device, pixel_values.dtype, where)
         if key in self._warm:
             return
         self._warm.add(key)
@@ -329,7 +344,3 @@ class ChameleonImageEncoder:
         pos = jaxsync.async_h2d(plan.fields["positions"], placement=replicated_near(text_embeds))
         merge = _merge.merge_jit_donated if donate else _merge.merge_jit
         return merge(text_embeds, image_embeds, pos)
-
-
-def _planned(plan, near):
-    return plan, jaxsync.upload_packed(plan.fields, placement=near)

@@ -126,14 +126,16 @@ class Gemma3nAudioEncoder:
             self._pads[key] = pad
         return pad
 
-    def _plan(self, valid: np.ndarray, placement: Any, **buckets: Any):
-        key = (valid.shape, valid.tobytes(), placement, tuple(sorted(buckets.items())))
+    def _plan(self, key: Any, valid: Any, placement: Any, **buckets: Any):
+        """(plan, uploaded meta, row layout) cached per mask content, placement and buckets;
+        `valid()` gives the checked mask on a miss."""
 
         def build():
-            plan = plan_audio(valid, self.cfg, **buckets)
-            return plan, jaxsync.upload_packed(plan.fields, placement=placement)
+            plan = plan_audio(valid(), self.cfg, **buckets)
+            meta = jaxsync.upload_packed(plan.fields, placement=placement)
+            return plan, meta, jaxsync.Embeddings.layout(plan.lengths, plan.offsets)
 
-        return self.plans.get(key, build)
+        return self.plans.get((key, placement, tuple(sorted(buckets.items()))), build)
 
     @entry_point
     def __call__(self, input_features: Any, input_features_mask: Any = None) -> jaxsync.Embeddings:
@@ -161,15 +163,25 @@ class Gemma3nAudioEncoder:
         if isinstance(input_features, jax.core.Tracer):
             raise TypeError(f"{FEATURES} is traced: inside a jit call `forward` directly")
         if isinstance(input_features, jax.Array):
-            feats, valid = input_features, self._check_device(input_features, input_features_mask)
-            b, s = valid.shape
+            feats, mask = input_features, input_features_mask
+            self._check_device(feats)
+            shape = feats.shape[:2]
+            # Keyed by the mask's content (checked on a miss); other host types checked first.
+            key = jaxsync.metadata_key(mask)
+            if key is None:
+                mask = frame_mask(mask, shape)
+                key = jaxsync.metadata_key(mask)
             placement = jaxsync.replicated_near(feats)
-            plan, meta = self._plan(valid, placement, frame_buckets=s, batch_buckets=(b,))
+            plan, meta, layout = self._plan(
+                (key, shape), lambda: frame_mask(mask, shape), placement,
+                frame_buckets=shape[1], batch_buckets=(shape[0],),
+            )  # fmt: skip
         else:
             host, valid = host_features(input_features, input_features_mask, cfg.input_feat_size)
             placement = self._meta_placement()
             buckets = dict(frame_buckets=self.frame_buckets, batch_buckets=self.batch_buckets)
-            plan, meta = self._plan(valid, placement, **buckets)
+            key = (valid.shape, valid.tobytes())
+            plan, meta, layout = self._plan(key, lambda: valid, placement, **buckets)
             feats = jaxsync.default_staging.put(
                 host, padded_shape(host, plan), dtype=np.float32, placement=self.placement
             )
@@ -178,7 +190,7 @@ class Gemma3nAudioEncoder:
         rows, finite = self.program(feats, meta, self.pad_embedding(placement))
         if plan.num_clips != plan.batch:
             finite = _head(finite, plan.num_clips)
-        return jaxsync.Embeddings(rows, plan.lengths, plan.offsets, extras={"finite": finite})
+        return jaxsync.Embeddings.from_layout(rows, layout, extras={"finite": finite})
 
     def _meta_placement(self) -> Any:
         p = self.placement
@@ -186,7 +198,7 @@ class Gemma3nAudioEncoder:
             return jax.sharding.NamedSharding(p.mesh, jax.P(), memory_kind="device")
         return p
 
-    def _check_device(self, feats: jax.Array, mask: Any) -> np.ndarray:
+    def _check_device(self, feats: jax.Array) -> None:
         if feats.is_deleted():
             raise ValueError(f"{FEATURES} is a deleted (donated) device array")
         if feats.ndim != 3 or feats.shape[2] != self.cfg.input_feat_size:
@@ -200,7 +212,6 @@ class Gemma3nAudioEncoder:
                 f"{FEATURES} live on {sorted(map(str, feats.sharding.device_set))} but the "
                 f"weights on {sorted(map(str, self._devices))}: put them on the same devices"
             )
-        return frame_mask(mask, feats.shape[:2])
 
 
 # The first n entries; jitted with n static (an eager slice would upload its start index).

@@ -121,15 +121,22 @@ class Glm4vVisionEncoder:
         )
 
     def _planned(self, grid_thw, num_patches: int | None, placement):
-        """(plan, uploaded meta), cached per grid mix and placement."""
-        grid = check_grid(grid_thw, self.cfg.spatial_merge_size)
-        key = (grid.shape, grid.tobytes(), num_patches, placement)
+        """(plan, uploaded meta, output row layout), cached per grid content and placement.
+
+        A grid of Python ints or a numpy array is keyed as given (a repeated call costs the
+        key, not the checks); other host types are validated first and keyed as int64.
+        """
+        key = jaxsync.metadata_key(grid_thw)
+        if key is None:
+            grid_thw = check_grid(grid_thw, self.cfg.spatial_merge_size)
+            key = jaxsync.metadata_key(grid_thw)
 
         def build():
-            plan = self.plan(grid, num_patches)
-            return plan, jaxsync.upload_packed(plan.fields, placement=placement)
+            plan = self.plan(grid_thw, num_patches)  # validates the grid
+            meta = jaxsync.upload_packed(plan.fields, placement=placement)
+            return plan, meta, jaxsync.Embeddings.layout(plan.tokens_per_item)
 
-        return self._plans.get(key, build)
+        return self._plans.get((key, num_patches, placement), build)
 
     def _device_placement(self, pixels: jax.Array):
         """Uploads beside device pixels; refuses pixels away from the weights."""
@@ -193,18 +200,18 @@ class Glm4vVisionEncoder:
         pixels, is_device = self._check_pixels(pixel_values)
         if is_device:
             placement = self._device_placement(pixels)
-            plan, meta = self._planned(image_grid_thw, None, placement)
+            plan, meta, layout = self._planned(image_grid_thw, None, placement)
             if pixels.shape[0] != plan.padded_patches:
                 raise ValueError(
                     f"a device pixel array must already be padded to the bucket: "
                     f"{plan.padded_patches} rows, got {pixels.shape[0]}"
                 )
         else:
-            plan, meta = self._planned(image_grid_thw, pixels.shape[0], self.placement)
+            plan, meta, layout = self._planned(image_grid_thw, pixels.shape[0], self.placement)
             pixels = self._host_pixels(pixels, plan)
         merged, hidden, finite = self._program(pixels, meta)
-        return jaxsync.Embeddings(
-            merged, plan.tokens_per_item, extras={"hidden": hidden, "finite": finite}
+        return jaxsync.Embeddings.from_layout(
+            merged, layout, extras={"hidden": hidden, "finite": finite}
         )
 
     def lower(self, pixels: jax.Array, meta: jaxsync.Packed):
@@ -215,5 +222,5 @@ class Glm4vVisionEncoder:
     def pos_embeds(self, image_grid_thw) -> jax.Array:
         """Interpolated position embeddings of a batch alone: [P_bucket, D] in the model dtype
         (upstream's `pos_embeds_interpolate`); rows >= sum(t*h*w) are padding."""
-        _, meta = self._planned(image_grid_thw, None, self.placement)
+        _, meta, _ = self._planned(image_grid_thw, None, self.placement)
         return _pos_program(self._table, meta)

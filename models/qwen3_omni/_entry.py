@@ -29,8 +29,7 @@ class _Planned(NamedTuple):
     plan: ChunkPlan
     placement: Any  # where this mix's uploads live
     meta: jaxsync.Packed  # the plan's fields, uploaded
-    lengths: tuple[int, ...]  # output tokens per audio
-    offsets: tuple[int, ...]  # each audio's first row in the embeddings
+    layout: tuple[tuple[int, ...], tuple[int, ...]]  # output tokens and first row per audio
 
 
 def _devices(sharding: jax.sharding.Sharding) -> list[str]:
@@ -167,9 +166,8 @@ class Qwen3OmniAudioEncoder:
         plan = self.plan(features.shape, lens)
         placement = self._placement_for(features)
         meta = jaxsync.upload_packed(plan.fields, placement=placement)
-        lengths = tuple(int(n) for n in plan.audio_tokens)
-        offsets = tuple(int(o) for o in plan.audio_offsets)
-        return _Planned(plan, placement, meta, lengths, offsets)
+        layout = jaxsync.Embeddings.layout(plan.audio_tokens, plan.audio_offsets)
+        return _Planned(plan, placement, meta, layout)
 
     @entry_point
     def __call__(
@@ -226,4 +224,4 @@ class Qwen3OmniAudioEncoder:
                 features, dtype=np.float32, placement=planned.placement
             )
         rows, finite = self.program(features, planned.meta)
-        return jaxsync.Embeddings(rows, planned.lengths, planned.offsets, {"finite": finite})
+        return jaxsync.Embeddings.from_layout(rows, planned.layout, {"finite": finite})

@@ -96,7 +96,7 @@ class VoxtralAudioEncoder:
             leaf = jax.tree.leaves(nnx.state(model))[0]
             placement = _replicated(leaf.sharding)
         self.placement = placement
-        self._plans: jaxsync.PlanCache[tuple[VoxtralPlan, jaxsync.Packed]] = jaxsync.PlanCache()
+        self._plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache()
 
     @staticmethod
     def _weight_devices(model: nnx.Module) -> frozenset:
@@ -199,25 +199,24 @@ class VoxtralAudioEncoder:
         b_pad, width = x.shape if on_device else host_buckets(lens, hop)
         where = self._meta_placement(x)
 
-        def build() -> tuple[VoxtralPlan, jaxsync.Packed]:
+        def build() -> _Planned:
             mel = plan_log_mel(
                 lens, width, b_pad, self.mel_config, floor=self._floor,
                 pad_to_multiple_of=self.chunk_samples,
             )  # fmt: skip
             plan = plan_waveform_chunks(mel, b_pad, self.mel_config, self.config,
                                         self.chunk_buckets)  # fmt: skip
-            return plan, jaxsync.upload_packed(plan.fields, placement=where)
+            return _planned(plan, where)
 
         key = ("audio", lens.tobytes(), b_pad, width, where)
-        plan, meta = self._plans.get(key, build)  # refuses bad plans before any upload
+        plan, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
         if not on_device:
             x = upload_batch(x, lens, hop, self.placement)
-        return self._run(x, plan, meta)
+        return self._run(x, meta, layout)
 
-    def _run(self, x: jax.Array, plan: VoxtralPlan, meta: jaxsync.Packed) -> jaxsync.Embeddings:
+    def _run(self, x: jax.Array, meta: jaxsync.Packed, layout) -> jaxsync.Embeddings:
         emb, finite = self._program(x, meta)
-        return jaxsync.Embeddings(emb, plan.num_tokens.tolist(), plan.offsets.tolist(),
-                                  {"finite": finite})  # fmt: skip
+        return jaxsync.Embeddings.from_layout(emb, layout, {"finite": finite})
 
     def _from_features(self, features: Any, num_chunks: Any) -> jaxsync.Embeddings:
         cfg = self.config
@@ -237,35 +236,54 @@ class VoxtralAudioEncoder:
         rows = features.shape[0]
         if rows == 0:
             raise ValueError("input_features has no windows")
-        if num_chunks is None:
-            counts = np.ones(rows, np.int64)
-        else:
-            counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
-            if counts.size == 0:
-                raise ValueError("num_chunks is empty")
-        total = int(counts.sum())
+        where = self._meta_placement(features)
+        # The plan, checks of num_chunks included, is cached per content of num_chunks: a
+        # repeated call costs the key. Other host types are validated first, then keyed.
+        key = ("ones",) if num_chunks is None else jaxsync.metadata_key(num_chunks)
+        if key is None:
+            num_chunks = self._counts(num_chunks)
+            key = jaxsync.metadata_key(num_chunks)
+
+        def build() -> _Planned:
+            counts = np.ones(rows, np.int64) if num_chunks is None else self._counts(num_chunks)
+            c_pad = self._features_bucket(int(counts.sum()), rows, on_device)
+            b_pad = jaxsync.bucket(len(counts), minimum=1)
+            return _planned(plan_chunks(counts, b_pad, c_pad, cfg), where)
+
+        if not on_device:  # this call's own data: checked every call, before any upload
+            jaxsync.check_finite(features, name="input_features")
+        plan, meta, layout = self._plans.get(("features", key, rows, on_device, where), build)
+        if not on_device:
+            features = jaxsync.default_staging.put(
+                features, (plan.chunks, *want), dtype=np.float32, placement=self.placement
+            )
+        return self._run(features, meta, layout)
+
+    @staticmethod
+    def _counts(num_chunks: Any) -> np.ndarray:
+        counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
+        if counts.size == 0:
+            raise ValueError("num_chunks is empty")
+        return counts
+
+    def _features_bucket(self, total: int, rows: int, on_device: bool) -> int:
+        """Padded window count: a device array's own rows, or the bucket of host windows."""
         if on_device:
             if total > rows:
                 raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
-            c_pad = rows
-        else:
-            if total != rows:
-                raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
-            jaxsync.check_finite(features, name="input_features")
-            largest = None if self.chunk_buckets is None else max(self.chunk_buckets)
-            if largest is not None and total > largest:
-                raise ValueError(f"{total} windows exceed the largest chunk bucket {largest}")
-            c_pad = jaxsync.bucket(total, self.chunk_buckets, minimum=1)
-        b_pad = jaxsync.bucket(len(counts), minimum=1)
-        where = self._meta_placement(features)
+            return rows
+        if total != rows:
+            raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
+        largest = None if self.chunk_buckets is None else max(self.chunk_buckets)
+        if largest is not None and total > largest:
+            raise ValueError(f"{total} windows exceed the largest chunk bucket {largest}")
+        return jaxsync.bucket(total, self.chunk_buckets, minimum=1)
 
-        def build() -> tuple[VoxtralPlan, jaxsync.Packed]:
-            plan = plan_chunks(counts, b_pad, c_pad, cfg)
-            return plan, jaxsync.upload_packed(plan.fields, placement=where)
 
-        plan, meta = self._plans.get(("features", counts.tobytes(), c_pad, where), build)
-        if not on_device:
-            features = jaxsync.default_staging.put(
-                features, (c_pad, *want), dtype=np.float32, placement=self.placement
-            )
-        return self._run(features, plan, meta)
+_Planned = tuple[VoxtralPlan, jaxsync.Packed, tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _planned(plan: VoxtralPlan, where: Any) -> _Planned:
+    """A plan, its one packed upload and its output row layout (what the plan cache keeps)."""
+    layout = jaxsync.Embeddings.layout(plan.num_tokens.tolist(), plan.offsets.tolist())
+    return plan, jaxsync.upload_packed(plan.fields, placement=where), layout

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsync.bench._timing import main_program_args
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,
@@ -55,7 +56,9 @@ def _mask_cases(device: str, size: str) -> list[BenchCase]:
             return t3
 
         torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "transformers_eager": hf_eager}
-        cases.append(BenchCase(f"mask_logits[{size},T={tokens}]", jax_fn, torch_fns, 2 * tx.nbytes))
+        name = f"mask_logits[{size},T={tokens}]"
+        args = lambda jx=jx: main_program_args(lambda: paths.mask_image_logits(jx["x"]))  # noqa: E731
+        cases.append(BenchCase(name, jax_fn, torch_fns, 2 * tx.nbytes, jit_args=args))
     return cases
 
 

@@ -149,7 +149,12 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
                 b = torch.empty_like(a)
                 torch_fns["torch_copy_ceiling"] = lambda a=a, b=b: b.copy_(a)
             name = f"kv.copy_blocks {direction} {count} blocks ({size})"
-            cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes))
+            args = _count(
+                lambda s_cache=s_cache, d=direction, ids=id_sets[0]: copy_blocks(
+                    s_cache, state[d], *ids
+                )
+            )
+            cases.append(BenchCase(name, jax_fn, torch_fns, bytes_moved=nbytes, jit_args=args))
             if direction == "d2d" and device.startswith("cuda") and _pallas.ALLOW_COMPILED:
                 # On a GPU the default ("auto") is the Pallas kernel: XLA's copy on the same ids
                 cases.append(_impl_case(name, "xla", s_cache, state, id_sets, nbytes))
@@ -202,7 +207,8 @@ def _impl_case(name, impl, s_cache, state, id_sets, nbytes, direction="d2d") -> 
         state[direction] = copy_blocks(s_cache, state[direction], s, d, impl=impl)
         return state[direction]
 
-    return BenchCase(f"{name} [{impl}]", jax_fn, {}, bytes_moved=nbytes)
+    args = _count(lambda: copy_blocks(s_cache, state[direction], *id_sets[0], impl=impl))
+    return BenchCase(f"{name} [{impl}]", jax_fn, {}, bytes_moved=nbytes, jit_args=args)
 
 
 def _pool_case(
@@ -229,7 +235,20 @@ def _pool_case(
         a, b = (dev, host) if direction == "d2h" else (host, dev)
         torch_fns["torch_pinned_ceiling"] = lambda a=a, b=b: b.copy_(a, non_blocking=True)
     tag = "pool" if impl == "auto" else f"pool {impl}"
-    return BenchCase(f"{name} [{tag}]", jax_fn, torch_fns, bytes_moved=nbytes)
+    s0, d0 = id_sets[0]
+    if direction == "d2h":
+        args = _count(lambda: swap_out(src, pool["pool"], s0, d0))
+    else:
+        args = _count(lambda: swap_in(pool["pool"], state["h2d"], s0, d0, impl=impl))
+    return BenchCase(f"{name} [{tag}]", jax_fn, torch_fns, bytes_moved=nbytes, jit_args=args)
+
+
+def _count(call):
+    """`BenchCase.jit_args` of a donated chain: its main program traced on the current state
+    by a call that stores nothing."""
+    from jaxsync.bench._timing import main_program_args
+
+    return lambda: main_program_args(call)
 
 
 def _torch_like(x: jax.Array, device: str):
