@@ -63,10 +63,12 @@ def _single_device(placement: Placement) -> jax.sharding.Sharding | None:
     host memory): those take the pageable path."""
     target = resolve(placement)
     if isinstance(target, jax.Device):
-        return jax.sharding.SingleDeviceSharding(target)
+        target = jax.sharding.SingleDeviceSharding(target)
     if len(target.device_set) != 1 or target.memory_kind not in (None, "device"):
         return None
-    return target
+    # Named explicitly: a transfer out of pinned memory to an unnamed memory kind may stay in
+    # host memory on some runtimes.
+    return target.with_memory_kind("device")
 
 
 @functools.cache
@@ -78,13 +80,13 @@ def _copy_program(target: jax.sharding.Sharding) -> Any:
 def transfer(stage: jax.Array, target: jax.sharding.Sharding, form: str | None = None) -> jax.Array:
     """The pinned->device transfer of `stage`, in the form with the least host time per backend.
 
-    `form` "jit" (GPUs' default): a cached jitted identity with `out_shardings`; the host is
-    back in tens of microseconds. "put" (CPU's default): `jax.device_put`, whose host time there
-    is a fraction of the jitted copy's (a CPU program copies before it returns). The transfer
-    guard accepts both.
+    `form` "put" (the default): `jax.device_put` to device memory, the runtime's own
+    memory-kind transfer. "jit": a cached jitted identity with `out_shardings` (less host time
+    on a GPU, but it runs on the compute stream, behind the forwards). The transfer guard
+    accepts both; `upload` refuses any result that is not in device memory.
     """
     if form is None:
-        form = "put" if next(iter(target.device_set)).platform == "cpu" else "jit"
+        form = "put"
     if form == "put":
         return jax.device_put(stage, target)
     return _copy_program(target)(stage)
@@ -192,6 +194,8 @@ class StagingRing:
             return async_h2d(view, placement=where, copy=False)  # ours alone: no copy
         try:
             out = transfer(slot.stage, where)
+            if out.sharding.memory_kind != "device":  # host metadata: never a wait
+                raise RuntimeError(f"the transfer landed in {out.sharding.memory_kind} memory")
         except Exception:  # a runtime that lists pinned memory but cannot move it: pageable
             _UNUSABLE.add(next(iter(where.device_set)))
             data = np.array(view)  # the buffer stays the ring's: upload a private copy

@@ -233,3 +233,24 @@ def test_bad_calls_raise():
         jaxsync.StagingRing(per_key=2.5)
     with pytest.raises(ValueError, match="per_key"):
         jaxsync.StagingRing(per_key=0)
+
+
+def test_a_transfer_that_stays_in_host_memory_is_refused(monkeypatch):
+    # A runtime may return the pinned array itself (or a host-memory copy) for a transfer to an
+    # unnamed memory kind; a device program then fails on the mixed memory spaces. The ring
+    # checks where the result landed (host metadata) and takes the pageable path instead.
+    monkeypatch.setattr(_staging, "_UNUSABLE", set())
+    ring = _ring()
+    data = _data(15)
+    assert ring.put(data).sharding.memory_kind == "device"  # control: a real transfer
+    monkeypatch.setattr(_staging, "transfer", lambda stage, target, form=None: stage)
+    out = ring.put(data * 3)
+    assert out.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(out), data * 3)
+    assert ring.stats["fallback"] == 0 and ring.stats["pinned"] == 2  # the pinned try, refused
+
+
+def test_the_target_names_device_memory():
+    device = jax.devices()[0]
+    for placement in (None, device, jax.sharding.SingleDeviceSharding(device)):
+        assert _staging._single_device(placement).memory_kind == "device"

@@ -47,12 +47,13 @@ def test_tiny_bench_layout_cases_run():
     from jaxsync.kv import StackedCache
     from jaxsync.paths.kv.bench import SIZES
 
-    assert SIZES["released"]["stacked"] == {"layers": (4, 32), "count": 512}
+    assert SIZES["released"]["stacked"] == {"layers": (4, 32), "count": 512, "blocks": 1024}
     assert SIZES["released"]["layout"].num_blocks == 4096
     cases = [c for c in registry._benches["kv"]("cpu", "tiny") if " layers " in c.name]
     spec = SIZES["tiny"]["stacked"]
+    blocks = spec.get("blocks", SIZES["tiny"]["layout"].num_blocks)
     want = {
-        f"kv.copy_blocks d2d {spec['count']} blocks {n} layers {tag} (tiny)"
+        f"kv.copy_blocks d2d {spec['count']} of {blocks} blocks {n} layers {tag} (tiny)"
         for n in spec["layers"]
         for tag in ("per-layer", "stacked")
     }

@@ -39,7 +39,7 @@ SIZES = {
                  stacked=dict(layers=(2, 4), count=8)),
     "released": dict(layers=32, layout=KVLayout(kind="packed", num_blocks=4096, block_size=16,
                      num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16), counts=(64, 512, 2048),
-                     host_blocks=2048, stacked=dict(layers=(4, 32), count=512)),
+                     host_blocks=2048, stacked=dict(layers=(4, 32), count=512, blocks=1024)),
 }  # fmt: skip
 _ROTATE = 4  # distinct id sets per count, all in one bucket
 
@@ -174,13 +174,19 @@ def kv_bench(device: str, size: str) -> list[BenchCase]:
 def _layout_cases(cfg, size, device, src, src_t, state, torch_cache) -> list[BenchCase]:
     """d2d copies at each layer count of `cfg["stacked"]`: stacked caches next to per-layer ones
     (the first layers of the bench's source), vLLM's per-layer copy as baseline."""
-    layout: KVLayout = cfg["layout"]
+    # Caches of their own, `blocks` per layer: four 32-layer caches of the bench's full size
+    # beside its other caches would not fit in one GPU's memory.
+    big: KVLayout = cfg["layout"]
+    layout = KVLayout(
+        **{**big.__dict__, "num_blocks": cfg["stacked"].get("blocks", big.num_blocks)}
+    )
     count = cfg["stacked"]["count"]
     cases = []
     for num_layers in cfg["stacked"]["layers"]:
         names = list(src)[:num_layers]
-        per_layer = {n: src[n] for n in names}
-        dst = layout.random(names, jax.random.key(5), placement=src[names[0]].sharding)
+        where = src[names[0]].sharding
+        per_layer = layout.random(names, jax.random.key(4), placement=where)
+        dst = layout.random(names, jax.random.key(5), placement=where)
         key = f"d2d {num_layers} layers"
         state[f"{key} per-layer"], state[f"{key} stacked"] = dst, stack_layers(dst)
         stacked_src = stack_layers(per_layer)
@@ -189,7 +195,8 @@ def _layout_cases(cfg, size, device, src, src_t, state, torch_cache) -> list[Ben
                                  "same")  # fmt: skip
         nbytes = 2 * count * layout.block_nbytes * num_layers  # read + written
         for tag, s_cache in (("per-layer", per_layer), ("stacked", stacked_src)):
-            name = f"kv.copy_blocks d2d {count} blocks {num_layers} layers {tag} ({size})"
+            name = (f"kv.copy_blocks d2d {count} of {layout.num_blocks} blocks {num_layers} layers "
+                    f"{tag} ({size})")  # fmt: skip
             case = _impl_case(name, "auto", s_cache, state, id_sets, nbytes, f"{key} {tag}")
             cases.append(BenchCase(name, case.jax_fn, torch_fns, bytes_moved=nbytes))
             if device.startswith("cuda") and _pallas.ALLOW_COMPILED:  # auto: the kernel there
