@@ -101,6 +101,8 @@ class BenchCase:
       jax_fn: zero-argument closure that dispatches one forward (rotating inputs), returns outputs.
       torch_fns: label -> zero-argument closure doing the same in torch on the same device.
       bytes_moved: bytes read + written per forward, for bandwidth-bound paths (None otherwise).
+      flops: floating-point operations per forward, for matmul-bound paths (None otherwise):
+        the row reports TFLOP/s against a bf16 matmul measured in the same run.
       jit_args: zero-argument callable giving the jit argument count of the main program
         `jax_fn` dispatches (the bench times a do-nothing jit of as many arguments beside it).
         None: `jax_fn` is traced once to count them, which suits a closure that keeps no state
@@ -112,6 +114,7 @@ class BenchCase:
     jax_fn: Callable[[], Any]
     torch_fns: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     bytes_moved: int | None = None
+    flops: float | None = None
     jit_args: Callable[[], int | None] | None = None
 
     def __post_init__(self):

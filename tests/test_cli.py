@@ -201,14 +201,25 @@ def test_bench_markdown_and_chart(tmp_path):
                 "jaxsync": dict(m, gbps=40.0),
                 "torch_pinned_ceiling": dict(m, gbps=50.0),
             },
+            {
+                "family": "voxtral",
+                "size": "tiny",
+                "name": "encoder",
+                "flops": 4e11,
+                "jaxsync": dict(m, tflops=400.0),
+            },
         ],
     }
+    result["environment"]["matmul_tflops"] = 800.0
     result["dispatch_floor_ms"] = {"1": 0.031, "2": 0.04}  # as read back from bench.json
     text = markdown(result)
-    assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) | 2 | 0.040 |" in text
-    assert "| copy 64 | vllm_post_pr | 4.000 | 0.010 | 100 | 3 |  |  |  |" in text
+    assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) | 2 | 0.040 |  |" in text
+    assert "| copy 64 | vllm_post_pr | 4.000 | 0.010 | 100 | 3 |  |  |  |  |" in text
     # a host<->device row is measured against its own pinned transfer, not the device copy
-    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 | 100 |  | 40 (80%) |  |  |" in text
+    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 | 100 |  | 40 (80%) |  |  |  |" in text
+    # a matmul-bound row: TFLOP/s against the matmul measured in the same run
+    assert "| encoder | jaxsync | 1.000 | 0.010 | 100 |  |  |  |  | 400 (50%) |" in text
+    assert "bf16 matmul ceiling (8192³): 800 TFLOP/s" in text
     assert "do-nothing jit host time: 1 args 0.031, 2 args 0.040 ms" in text
     render(result, tmp_path)
     assert (tmp_path / "bench.md").exists()

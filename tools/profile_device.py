@@ -17,10 +17,10 @@ import gzip
 import json
 import re
 import tempfile
-import time
 
 import jax
-import jax.numpy as jnp
+
+from jaxsync.bench._timing import matmul_tflops
 
 
 CLASSES = (  # first match wins; kernel names of XLA:GPU, cuDNN, cuBLAS and Triton
@@ -55,19 +55,6 @@ def device_events(trace_dir: str) -> list[dict]:
     if not device:  # CPU backend: XLA ops run on host threads
         device = set(names)
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
-
-
-def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
-    key = jax.random.key(0)
-    a = jax.random.normal(key, (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = f(a, b)
-    out.block_until_ready()
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
 def profile(case, calls: int) -> tuple[dict[str, float], list[tuple[str, float]]]:

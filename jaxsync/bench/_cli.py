@@ -101,6 +101,7 @@ def bench(argv: Sequence[str]) -> int:
         copy_ceiling_gbps,
         dispatch_floor_ms,
         jax_executions_per_call,
+        matmul_tflops,
         measure,
         same_args_floor,
         torch_kernels_per_call,
@@ -111,6 +112,7 @@ def bench(argv: Sequence[str]) -> int:
     jax_side, torch_side = _Side("jax"), _Side("torch")
     ceilings = {"jax": copy_ceiling_gbps("jax"), "torch": copy_ceiling_gbps("torch")}
     env["dispatch_floor_ms"] = dispatch_floor_ms(jax_side)
+    env["matmul_tflops"] = matmul_tflops()
     floors = ", ".join(f"{n} args {ms:.3f}" for n, ms in env["dispatch_floor_ms"].items())
     print(f"  do-nothing jit host time ({env['client']} client): {floors} ms", flush=True)
     floor_by_args = dict(env["dispatch_floor_ms"])  # grows by each case's jit argument count
@@ -141,6 +143,11 @@ def bench(argv: Sequence[str]) -> int:
                             row[label]["gbps"] = (
                                 case.bytes_moved / (ms * 1e-3) / 1e9 if ms else None
                             )
+                    if case.flops:
+                        row["flops"] = case.flops
+                        for label in ["jaxsync", *case.torch_fns]:
+                            ms = row[label]["device_ms"]
+                            row[label]["tflops"] = case.flops / (ms * 1e-3) / 1e12 if ms else None
                 except Exception as e:
                     row["error"] = repr(e)[:300]
                 rows.append(row)

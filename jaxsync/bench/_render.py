@@ -20,7 +20,7 @@ def _baseline(row: dict[str, Any]) -> str | None:
 
 
 def _labels(row: dict[str, Any]) -> list[str]:
-    skip = {"family", "size", "name", "bytes_moved", "error"}
+    skip = {"family", "size", "name", "bytes_moved", "flops", "error"}
     return [k for k in row if k not in skip]
 
 
@@ -34,9 +34,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"torch {ceil['torch']:.0f} GB/s",
         "",
         "| case | impl | device ms/fwd | host-blocked ms | first call ms | dispatches "
-        "| GB/s (% ceiling) | jit args | floor same args ms |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| GB/s (% ceiling) | jit args | floor same args ms | TFLOP/s (% matmul) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    matmul = env.get("matmul_tflops")
+    if matmul:
+        lines.insert(2, f"bf16 matmul ceiling (8192³): {matmul:.0f} TFLOP/s")
     floors = result.get("dispatch_floor_ms") or env.get("dispatch_floor_ms")
     if floors:
         listed = ", ".join(f"{n} args {ms:.3f}" for n, ms in floors.items())
@@ -44,7 +47,7 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         if "error" in row:
             lines.append(
-                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} | | | | | | |"
+                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} | | | | | | | |"
             )
             continue
         for label in _labels(row):
@@ -60,9 +63,13 @@ def markdown(result: dict[str, Any]) -> str:
             args = "" if m.get("jit_args") is None else str(m["jit_args"])
             floor = m.get("floor_same_args_ms")
             floor = "" if floor is None else f"{floor:.3f}"
+            rate = ""
+            if m.get("tflops"):
+                share = f" ({100 * m['tflops'] / matmul:.0f}%)" if matmul else ""
+                rate = f"{m['tflops']:.0f}{share}"
             lines.append(
                 f"| {row['name']} | {label} | {m['device_ms']:.3f} | {m['blocked_ms']:.3f} | "
-                f"{m['first_call_ms']:.0f} | {kernels} | {gbps} | {args} | {floor} |"
+                f"{m['first_call_ms']:.0f} | {kernels} | {gbps} | {args} | {floor} | {rate} |"
             )
     return "\n".join(lines)
 

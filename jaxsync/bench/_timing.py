@@ -170,6 +170,25 @@ def same_args_floor(case: Any, side: _Side, floors: dict[int, float]) -> dict[st
     return {"jit_args": n, "floor_same_args_ms": floors[n]}
 
 
+def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
+    """Dense bf16 matmul rate of an `n`-cube product on the default device, measured now: the
+    ceiling a matmul-bound forward's TFLOP/s is compared with."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+    product = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(product(a, b))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready([product(a, b) for _ in range(reps)])
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2 * n**3 / best / 1e12
+
+
 def copy_ceiling_gbps(framework: str, nbytes: int = 1 << 30, mesh: Any = None) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), measured now.
 

@@ -297,3 +297,41 @@ def test_tower_weights_sharded_over_a_model_axis(checkpoint):
     feats = _mel(3, tower.config, 4).astype(np.float32)
     got, want = enc(input_features=feats), single(input_features=feats)
     np.testing.assert_allclose(got.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
+
+
+def _matmul_flops(jaxpr) -> float:
+    """2 x multiply-adds of every dot_general and convolution in a jaxpr, nested ones included."""
+    from jaxsync.check._static import iter_eqns
+
+    total = 0.0
+    for _, eqn in iter_eqns(jaxpr):
+        out = eqn.outvars[0].aval.shape
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * np.prod(out) * np.prod([lhs[i] for i in contract])
+        elif eqn.primitive.name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval.shape  # kernel: its input-channel and spatial dims
+            out_ch = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2 * np.prod(out) * np.prod(rhs) / out_ch
+    return float(total)
+
+
+@pytest.mark.parametrize("windows", [1, 3])
+def test_bench_flops_count_every_matmul_of_the_forward(windows):
+    # The bench's TFLOP/s divides an analytic count: it must equal the dot and conv work that
+    # the forward actually traces (layers, attention, conv stem, projector).
+    from jaxsync.models.voxtral import forward, plan_chunks
+    from jaxsync.paths.voxtral.bench import encoder_flops
+
+    tower = _tower()
+    cfg = tower.config
+    plan = plan_chunks(np.ones(windows, np.int64), windows, windows, cfg)
+    features = jnp.zeros((windows, cfg.num_mel_bins, cfg.chunk_frames), jnp.float32)
+
+    def run(features, meta):
+        return forward(tower, features, meta)
+
+    jaxpr = jax.make_jaxpr(run)(features, jaxsync.upload_packed(plan.fields))
+    assert encoder_flops(cfg, windows) == _matmul_flops(jaxpr.jaxpr)
+    assert encoder_flops(cfg, windows + 1) != _matmul_flops(jaxpr.jaxpr)  # control

@@ -69,6 +69,18 @@ def _mel_cases(device: str, size: str) -> list[BenchCase]:
     return cases
 
 
+def encoder_flops(cfg: VoxtralAudioConfig, windows: int) -> float:
+    """Matmul and attention FLOPs of one forward over `windows` 30 s windows (conv stem, layers,
+    projector): what the encoder's TFLOP/s is computed from."""
+    t, d, f = cfg.chunk_frames // 2, cfg.hidden_size, cfg.intermediate_size
+    rows = windows * t
+    layer = 2 * rows * (4 * d * d + 2 * d * f) + 4 * windows * t * t * d  # q,k,v,o, MLP, QK^T/PV
+    stem = 2 * windows * cfg.chunk_frames * 3 * cfg.num_mel_bins * d + 2 * rows * 3 * d * d
+    groups, v = rows // cfg.frames_per_token, cfg.text_hidden_size
+    projector = 2 * groups * (cfg.frames_per_token * d * v + v * v)
+    return float(cfg.num_hidden_layers * layer + stem + projector)
+
+
 def _encoder_cases(device: str, size: str) -> list[BenchCase]:
     import torch
 
@@ -110,7 +122,7 @@ def _encoder_cases(device: str, size: str) -> list[BenchCase]:
 
         name = f"audio_encoder[{size},C={c}x{cfg.chunk_frames}]"
         baselines = {"transformers_sdpa": hf_run("sdpa"), "transformers_eager": hf_run("eager")}
-        cases.append(BenchCase(name, jax_fn, baselines))
+        cases.append(BenchCase(name, jax_fn, baselines, flops=encoder_flops(cfg, c)))
     return cases
 
 
