@@ -68,9 +68,10 @@ class Glm4vVisionEncoder:
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
       placement: device or sharding for host uploads (None: beside the weights).
       plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
-      attention_layout: "dense" (a [P, P] segment mask; one program per patch bucket) or
+      attention_layout: "dense" (a [P, P] segment mask; one program per patch bucket),
         "segments" (each image / frame attends alone, images of similar size batched: work
-        grows with the sum of per-image squares; one program per patch bucket and size mix).
+        grows with the sum of per-image squares; one program per patch bucket and size mix),
+        or "auto" (dense for a single image, segments for several images or video frames).
     """
 
     def __init__(
@@ -82,9 +83,9 @@ class Glm4vVisionEncoder:
         plan_cache_size: int = 64,
         attention_layout: AttentionLayout = "dense",
     ):
-        if attention_layout not in ("dense", "segments"):
+        if attention_layout not in ("dense", "segments", "auto"):
             raise ValueError(
-                f"attention_layout must be 'dense' or 'segments', got {attention_layout!r}"
+                f"attention_layout must be 'dense', 'segments' or 'auto', got {attention_layout!r}"
             )
         self.attention_layout = attention_layout
         if not isinstance(model, Glm4vVisionTower):

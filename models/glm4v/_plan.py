@@ -31,7 +31,7 @@ DEFAULT_SEGMENT_BUCKETS: tuple[int, ...] = (4, 8, 16, *(4 * b for b in DEFAULT_G
 _SLOT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(16))
 # Field-name prefix of a segment group's row index in the plan (`segment_L` -> [G, L]).
 SEGMENT_GROUP = "segment_"
-AttentionLayout = Literal["dense", "segments"]
+AttentionLayout = Literal["dense", "segments", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +120,19 @@ def plan_batch(
       cfg: the tower config.
       num_patches: rows of the pixel array, checked against sum(t*h*w) when given.
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
-      attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket) or
+      attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket),
         "segments" (segments grouped by length bucket, attention work sum(G * L^2): one
-        program per patch bucket and group mix).
+        program per patch bucket and group mix), or "auto" (dense for a batch of one segment,
+        segments for several).
       segment_buckets: patch-count buckets of one segment (default `DEFAULT_SEGMENT_BUCKETS`).
 
     Raises:
       ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`.
     """
+    if attention_layout not in ("dense", "segments", "auto"):
+        raise ValueError(
+            f"attention_layout must be 'dense', 'segments' or 'auto', got {attention_layout!r}"
+        )
     merge = cfg.spatial_merge_size
     grid = check_grid(grid_thw, merge)
     real = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
@@ -159,12 +164,9 @@ def plan_batch(
     seg[real:] = frame  # padding attends only to padding, so its rows stay finite
     tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
     fields = {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
-    if attention_layout == "segments":
+    # One segment gains nothing from grouping (and pays its bucket's padding); several do.
+    if attention_layout == "segments" or (attention_layout == "auto" and frame > 1):
         fields.update(segment_groups(grid, padded, segment_buckets or DEFAULT_SEGMENT_BUCKETS))
-    elif attention_layout != "dense":
-        raise ValueError(
-            f"attention_layout must be 'dense' or 'segments', got {attention_layout!r}"
-        )
     return VisionPlan(grid, real, padded, tokens, fields)
 
 

@@ -394,3 +394,26 @@ def test_segments_layout_never_recompiles_a_repeated_mix(model):
     with no_recompile():
         out = enc(ref.pixels(same_mix, CFG, seed=2), same_mix)
     assert out.lengths == tuple(t * h * w // 4 for t, h, w in same_mix)
+
+
+def test_auto_layout_is_dense_for_one_segment_and_segments_for_several(model):
+    # "auto" picks per batch: the plan (and so the program) of the dense layout for a single
+    # image, of the segments layout for several images or video frames; results identical.
+    auto = glm4v.Glm4vVisionEncoder(model, attention_layout="auto")
+    for grid, twin in (
+        ([[1, 8, 8]], "dense"),
+        (MIXED_SIZES, "segments"),
+        ([[3, 4, 4]], "segments"),
+    ):
+        other = glm4v.Glm4vVisionEncoder(model, attention_layout=twin)
+        assert set(auto.plan(grid).fields) == set(other.plan(grid).fields)
+        px = ref.pixels(grid, CFG, seed=3)
+        np.testing.assert_array_equal(
+            np.asarray(auto(px, grid).embeddings), np.asarray(other(px, grid).embeddings)
+        )
+    # control: the two layouts do plan differently for several segments
+    assert set(glm4v.Glm4vVisionEncoder(model).plan(MIXED_SIZES).fields) != set(
+        auto.plan(MIXED_SIZES).fields
+    )
+    with pytest.raises(ValueError, match="'auto'"):
+        glm4v.Glm4vVisionEncoder(model, attention_layout="sparse")
