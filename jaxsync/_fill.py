@@ -83,18 +83,19 @@ def fill_padded(out: np.ndarray, data: np.ndarray) -> None:
     copy_into(out[corner], data)
 
 
-def fill_rows(out: np.ndarray, src: np.ndarray, lengths: Sequence[int]) -> list[bool]:
+def fill_rows(out: np.ndarray, src: np.ndarray, lengths: Sequence[int]) -> None:
     """`out[i, :n_i] = src[i, :n_i]`, zeros after each length and in rows past `src`; rows in
-    parallel when large. Returns, per source row, whether its first n_i values are finite."""
+    parallel when large. Values are not checked here: check them before (`all_finite`)."""
     rows = len(lengths)
     out[rows:] = 0
 
-    def row(i: int) -> bool:
+    def row(i: int) -> None:
         n = int(lengths[i])
         out[i, :n] = src[i, :n]
         out[i, n:] = 0
-        return _finite(out[i, :n]) if np.issubdtype(out.dtype, np.floating) else True
 
     if out.nbytes < _MIN_BYTES or rows == 1:
-        return [row(i) for i in range(rows)]
-    return list(_pool().map(row, range(rows)))
+        for i in range(rows):
+            row(i)
+    else:
+        list(_pool().map(row, range(rows)))
