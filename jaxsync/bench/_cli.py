@@ -82,6 +82,7 @@ def bench(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--sizes", nargs="*", default=["released"], help="size presets (tiny, released)"
     )
+    ap.add_argument("--match", help="only the cases whose name contains this text")
     ap.add_argument("--repeat", type=int, default=5, help="timed repeats per row (median)")
     ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
@@ -127,6 +128,8 @@ def bench(argv: Sequence[str]) -> int:
                 rows.append({"family": family, "size": size, "error": f"build failed: {e!r}"})
                 continue
             for case in cases:
+                if args.match and args.match not in case.name:
+                    continue
                 row: dict[str, Any] = {"family": family, "size": size, "name": case.name}
                 try:
                     row["jaxsync"] = measure(case.jax_fn, jax_side, repeat=args.repeat)

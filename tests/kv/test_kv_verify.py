@@ -43,7 +43,7 @@ def test_tiny_bench_cases_run():
 def test_tiny_bench_layout_cases_run():
     # d2d copies of the same blocks at each layer count, stacked next to per-layer, vLLM's
     # per-layer copy as baseline; the released size keeps its layer counts and block count
-    from jaxsync.bench._timing import _Side, jax_executions_per_call, measure
+    from jaxsync.bench._timing import _Side, jax_executions_per_call, measure, same_args_floor
     from jaxsync.kv import StackedCache
     from jaxsync.paths.kv.bench import SIZES
 
@@ -58,8 +58,12 @@ def test_tiny_bench_layout_cases_run():
         for tag in ("per-layer", "stacked")
     }
     assert {c.name for c in cases} == want
-    for case in cases:  # as `jaxsync bench` measures a row
-        assert measure(case.jax_fn, _Side("jax"), repeat=2)["device_ms"] >= 0
+    side = _Side("jax")
+    for case in cases:  # as `jaxsync bench` measures a row, its jit-argument count included
+        assert measure(case.jax_fn, side, repeat=2)["device_ms"] >= 0
+        layers = int(case.name.split()[6])  # packed caches: source, destination and the ids
+        want = 3 if "stacked" in case.name else 2 * layers + 1
+        assert same_args_floor(case, side, {})["jit_args"] == want
         assert jax_executions_per_call(case.jax_fn) == 1  # every layer in one program
         out = jax.block_until_ready(case.jax_fn())  # the donated destination was replaced
         assert isinstance(out, StackedCache) == case.name.endswith("stacked (tiny)")
@@ -92,3 +96,20 @@ def test_the_product_imports_neither_torch_nor_the_harness():
     for path in pathlib.Path(jaxsync.kv.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(import|from)\s+(torch|jaxsync\.paths)\b", text, re.M), path
+
+
+@requires_torch  # its reference is torch
+def test_bench_counts_a_donating_chain_without_tracing_it():
+    # A case that stores its output must count its arguments through `jit_args`: tracing the
+    # closure itself would store a tracer as the next call's cache (control: without it).
+    from jaxsync.bench._timing import _Side, same_args_floor
+
+    case = next(c for c in registry._benches["kv"]("cpu", "tiny") if " layers " in c.name)
+    assert case.jit_args is not None
+    side = _Side("jax")
+    same_args_floor(case, side, {})
+    jax.block_until_ready(case.jax_fn())
+    bare = registry.BenchCase(case.name, case.jax_fn)
+    same_args_floor(bare, side, {})
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        case.jax_fn()

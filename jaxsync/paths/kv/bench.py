@@ -198,7 +198,9 @@ def _layout_cases(cfg, size, device, src, src_t, state, torch_cache) -> list[Ben
             name = (f"kv.copy_blocks d2d {count} of {layout.num_blocks} blocks {num_layers} layers "
                     f"{tag} ({size})")  # fmt: skip
             case = _impl_case(name, "auto", s_cache, state, id_sets, nbytes, f"{key} {tag}")
-            cases.append(BenchCase(name, case.jax_fn, torch_fns, bytes_moved=nbytes))
+            cases.append(
+                BenchCase(name, case.jax_fn, torch_fns, bytes_moved=nbytes, jit_args=case.jit_args)
+            )
             if device.startswith("cuda") and _pallas.ALLOW_COMPILED:  # auto: the kernel there
                 cases.append(_impl_case(name, "xla", s_cache, state, id_sets, nbytes,
                                         f"{key} {tag}"))  # fmt: skip
