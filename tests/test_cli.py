@@ -190,7 +190,14 @@ def test_bench_markdown_and_chart(tmp_path):
                 "size": "tiny",
                 "name": "copy 64",
                 "bytes_moved": 10,
-                "jaxsync": dict(m, gbps=3500.0, jit_args=2, floor_same_args_ms=0.04),
+                "jaxsync": dict(
+                    m,
+                    gbps=3500.0,
+                    jit_args=2,
+                    floor_same_args_ms=0.04,
+                    stream_ms=0.02,
+                    floor_stream_ms=0.015,
+                ),
                 "vllm_post_pr": dict(m, device_ms=4.0, kernels=3),
             },
             {
@@ -213,12 +220,15 @@ def test_bench_markdown_and_chart(tmp_path):
     result["environment"]["matmul_tflops"] = 800.0
     result["dispatch_floor_ms"] = {"1": 0.031, "2": 0.04}  # as read back from bench.json
     text = markdown(result)
-    assert "| copy 64 | jaxsync | 1.000 | 0.010 | 100 |  | 3500 (88%) | 2 | 0.040 |  |" in text
-    assert "| copy 64 | vllm_post_pr | 4.000 | 0.010 | 100 | 3 |  |  |  |  |" in text
+    want = (
+        "| copy 64 | jaxsync | 1.000 | 0.010 | 0.020 | 100 |  | 3500 (88%) | 2 | 0.040 / 0.015 |  |"
+    )
+    assert want in text
+    assert "| copy 64 | vllm_post_pr | 4.000 | 0.010 |  | 100 | 3 |  |  |  |  |" in text
     # a host<->device row is measured against its own pinned transfer, not the device copy
-    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 | 100 |  | 40 (80%) |  |  |  |" in text
+    assert "| swap 64 [pool] | jaxsync | 1.000 | 0.010 |  | 100 |  | 40 (80%) |  |  |  |" in text
     # a matmul-bound row: TFLOP/s against the matmul measured in the same run
-    assert "| encoder | jaxsync | 1.000 | 0.010 | 100 |  |  |  |  | 400 (50%) |" in text
+    assert "| encoder | jaxsync | 1.000 | 0.010 |  | 100 |  |  |  |  | 400 (50%) |" in text
     assert "bf16 matmul ceiling (8192³): 800 TFLOP/s" in text
     assert "do-nothing jit host time: 1 args 0.031, 2 args 0.040 ms" in text
     render(result, tmp_path)
@@ -256,6 +266,11 @@ def test_bench_floor_with_the_main_programs_argument_count():
     assert isinstance(chain["x"], jax.Array)
     broken = registry.BenchCase("broken", lambda: 1 / 0)
     assert same_args_floor(broken, side, floors) == {"jit_args": None, "floor_same_args_ms": None}
+    # the stream floor: per call of a burst of do-nothing calls, measured once per count
+    stream = {}
+    got = same_args_floor(case, side, floors, stream)
+    assert got["floor_stream_ms"] == stream[1] > 0 and sorted(stream) == [1]
+    assert same_args_floor(broken, side, floors, stream)["floor_stream_ms"] is None
 
 
 def test_every_path_builds_without_torch(monkeypatch):

@@ -62,11 +62,15 @@ def _no_grad(fn):
 
 
 def _summary(row: dict[str, Any]) -> str:
-    """`label device/blocked ms` per measured side, for the log of a run that may be cut short."""
+    """`label device/blocked/stream ms` per measured side, for the log of a run that may be cut
+    short."""
     if "error" in row:
         return f"error {row['error'][:120]}"
     sides = [(k, v) for k, v in row.items() if isinstance(v, dict) and "device_ms" in v]
-    return ", ".join(f"{k} {v['device_ms']:.3f}/{v['blocked_ms']:.3f} ms" for k, v in sides)
+    return ", ".join(
+        f"{k} {v['device_ms']:.3f}/{v['blocked_ms']:.3f}/{v.get('stream_ms', 0):.3f} ms"
+        for k, v in sides
+    )
 
 
 def _save(out: Path, env: dict, ceilings: dict, rows: list) -> dict[str, Any]:
@@ -117,6 +121,7 @@ def bench(argv: Sequence[str]) -> int:
     floors = ", ".join(f"{n} args {ms:.3f}" for n, ms in env["dispatch_floor_ms"].items())
     print(f"  do-nothing jit host time ({env['client']} client): {floors} ms", flush=True)
     floor_by_args = dict(env["dispatch_floor_ms"])  # grows by each case's jit argument count
+    stream_floors: dict[int, float] = {}  # the same, per call in a stream of calls
     rows: list[dict[str, Any]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +139,9 @@ def bench(argv: Sequence[str]) -> int:
                 try:
                     row["jaxsync"] = measure(case.jax_fn, jax_side, repeat=args.repeat)
                     row["jaxsync"]["kernels"] = jax_executions_per_call(case.jax_fn)
-                    row["jaxsync"].update(same_args_floor(case, jax_side, floor_by_args))
+                    row["jaxsync"].update(
+                        same_args_floor(case, jax_side, floor_by_args, stream_floors)
+                    )
                     for label, fn in case.torch_fns.items():
                         fn = _no_grad(fn)  # inference: no autograd bookkeeping in the baselines
                         row[label] = measure(fn, torch_side, repeat=args.repeat)

@@ -24,6 +24,10 @@ def _labels(row: dict[str, Any]) -> list[str]:
     return [k for k in row if k not in skip]
 
 
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     ceil = result["copy_ceiling_gbps"]
@@ -33,9 +37,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"device-to-device copy ceiling: JAX {ceil['jax']:.0f} GB/s, "
         f"torch {ceil['torch']:.0f} GB/s",
         "",
-        "| case | impl | device ms/fwd | host-blocked ms | first call ms | dispatches "
-        "| GB/s (% ceiling) | jit args | floor same args ms | TFLOP/s (% matmul) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| case | impl | device ms/fwd | host-blocked ms | stream host ms | first call ms "
+        "| dispatches | GB/s (% ceiling) | jit args | floor same args ms (blocked / stream) "
+        "| TFLOP/s (% matmul) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     matmul = env.get("matmul_tflops")
     if matmul:
@@ -47,7 +52,8 @@ def markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         if "error" in row:
             lines.append(
-                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} | | | | | | | |"
+                f"| {row.get('name', row['family'])} | error | {row['error'][:80]} "
+                "| | | | | | | | |"
             )
             continue
         for label in _labels(row):
@@ -61,15 +67,17 @@ def markdown(result: dict[str, Any]) -> str:
                 gbps = f"{m['gbps']:.0f} ({100 * m['gbps'] / c:.0f}%)"
             kernels = "" if m.get("kernels") is None else str(m["kernels"])
             args = "" if m.get("jit_args") is None else str(m["jit_args"])
-            floor = m.get("floor_same_args_ms")
-            floor = "" if floor is None else f"{floor:.3f}"
+            floor = _ms(m.get("floor_same_args_ms"))
+            if m.get("floor_stream_ms") is not None:
+                floor += f" / {m['floor_stream_ms']:.3f}"
             rate = ""
             if m.get("tflops"):
                 share = f" ({100 * m['tflops'] / matmul:.0f}%)" if matmul else ""
                 rate = f"{m['tflops']:.0f}{share}"
             lines.append(
                 f"| {row['name']} | {label} | {m['device_ms']:.3f} | {m['blocked_ms']:.3f} | "
-                f"{m['first_call_ms']:.0f} | {kernels} | {gbps} | {args} | {floor} | {rate} |"
+                f"{_ms(m.get('stream_ms'))} | {m['first_call_ms']:.0f} | {kernels} | {gbps} | "
+                f"{args} | {floor} | {rate} |"
             )
     return "\n".join(lines)
 

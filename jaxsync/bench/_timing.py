@@ -3,7 +3,10 @@
 - device time per forward: queue a known amount of busy work first, then dispatch `k` forwards,
   wait, and subtract the busy time. The device never idles waiting for the host, so this is device
   time even when dispatch is slow (the forwards queue up behind the busy work and run after it).
-- host-blocked time: queue ~30 ms of busy work, then time how long one forward takes to return.
+- host-blocked time: queue ~30 ms of busy work, then time how long one forward takes to return
+  (a cold call: the thread has just waited for the device, as a server does after a sync).
+- stream host time: the same, per call, for the 2nd..k-th of k back-to-back forwards (what each
+  call costs a thread that keeps dispatching while the device is busy).
 - first call: wall time of the first call, compile included.
 """
 
@@ -113,23 +116,59 @@ def measure(fn: Callable[[], Any], side: _Side, *, repeat: int = 5) -> dict[str,
     side.sync(fn())
     k = _forwards_per_sample(fn, side)
 
-    device, blocked = [], []
+    device, blocked, stream = [], [], []
     for _ in range(repeat):
         busy = side.busy_ms()
         side.sync()
         t0 = time.perf_counter()
         side.spin()
-        outs = [fn() for _ in range(k)]
+        outs, calls = _calls(fn, k)
         side.sync(_last(outs))
         device.append(max((time.perf_counter() - t0) * 1e3 - busy, 0.0) / k)
+        stream += calls[1:]  # the first call of the burst is a cold one (blocked_ms's)
 
         blocked.append(blocked_ms(fn, side))
     return {
         "first_call_ms": first_ms,
         "device_ms": statistics.median(device),
         "blocked_ms": statistics.median(blocked),
+        "stream_ms": statistics.median(stream),
         "forwards_per_sample": k,
     }
+
+
+def _calls(fn: Callable[[], Any], k: int) -> tuple[list[Any], list[float]]:
+    """k back-to-back calls: their outputs and the host ms each took to return."""
+    outs, ms = [], []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        outs.append(fn())
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return outs, ms
+
+
+def _noop(n: int) -> Callable[[], Any]:
+    """A do-nothing jit call with `n` small array arguments, compiled."""
+    import jax
+    import jax.numpy as jnp
+
+    args = [jnp.zeros((8,), jnp.float32) + i for i in range(n)]
+    noop = jax.jit(lambda *a: a[0][:1])
+    jax.block_until_ready(noop(*args))
+    return functools.partial(noop, *args)
+
+
+def stream_floor_ms(side: _Side, n: int, repeat: int = 5, k: int = 12) -> float:
+    """Stream host time per call of a do-nothing jit with `n` arguments: calls 2..k of k
+    back-to-back calls behind queued work, median."""
+    call, samples = _noop(n), []
+    for _ in range(repeat):
+        side.sync()
+        side.spin()
+        outs, ms = _calls(call, k)
+        side.sync(_last(outs))
+        samples += ms[1:]
+    return statistics.median(samples)
 
 
 def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repeat: int = 11):
@@ -138,36 +177,40 @@ def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repe
     The floor a path's host time per call is compared with: what the runtime client charges
     for one dispatch with that many arguments, measured in the same process.
     """
-    import jax
-    import jax.numpy as jnp
-
     floors = {}
     for n in counts:
-        args = [jnp.zeros((8,), jnp.float32) + i for i in range(n)]
-        noop = jax.jit(lambda *a: a[0][:1])
-        side.sync(noop(*args))
-        call = functools.partial(noop, *args)
+        call = _noop(n)
         samples = [blocked_ms(call, side) for _ in range(repeat)]
         floors[n] = statistics.median(samples)
     return floors
 
 
-def same_args_floor(case: Any, side: _Side, floors: dict[int, float]) -> dict[str, Any]:
+def same_args_floor(
+    case: Any, side: _Side, floors: dict[int, float], stream: dict[int, float] | None = None
+) -> dict[str, Any]:
     """`{"jit_args": n, "floor_same_args_ms": ms}` of a `BenchCase`: its main program's jit
     argument count and the host time of a do-nothing jit with that many arguments.
 
     `floors` (argument count -> ms, from `dispatch_floor_ms`) is reused and extended, so each
-    count is measured once per run. Both are None when the count cannot be taken.
+    count is measured once per run. Both are None when the count cannot be taken. With a
+    `stream` dict (argument count -> ms, reused the same way) the do-nothing jit's stream host
+    time is added as "floor_stream_ms".
     """
     try:
         n = case.jit_args() if case.jit_args is not None else main_program_args(case.jax_fn)
     except Exception:  # a closure that cannot be traced: no count rather than a failed row
         n = None
     if n is None:
-        return {"jit_args": None, "floor_same_args_ms": None}
+        out = {"jit_args": None, "floor_same_args_ms": None}
+        return out if stream is None else {**out, "floor_stream_ms": None}
     if n not in floors:
         floors.update(dispatch_floor_ms(side, (n,)))
-    return {"jit_args": n, "floor_same_args_ms": floors[n]}
+    out = {"jit_args": n, "floor_same_args_ms": floors[n]}
+    if stream is not None:
+        if n not in stream:
+            stream[n] = stream_floor_ms(side, n)
+        out["floor_stream_ms"] = stream[n]
+    return out
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> float:

@@ -85,6 +85,7 @@ def test_bench_timing_handles_a_donating_chain():
     case = registry._benches["kv"]("cpu", "tiny")[0]
     row = measure(case.jax_fn, _Side("jax"), repeat=2)
     assert row["device_ms"] >= 0 and row["blocked_ms"] > 0
+    assert row["stream_ms"] > 0  # per call of the back-to-back calls, the first (cold) dropped
 
 
 def test_the_product_imports_neither_torch_nor_the_harness():

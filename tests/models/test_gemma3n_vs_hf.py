@@ -215,3 +215,18 @@ def test_config_rejects_unsupported(ref):
         dataclasses.replace(ref.cfg, conf_num_attention_heads=4)
     with pytest.raises(ValueError, match="overflow"):
         dataclasses.replace(ref.cfg, overflow="drop")
+
+
+def test_bench_rows_time_device_and_host_features_alike():
+    # Each workload is timed on device features (next to transformers, whose inputs are on the
+    # device too) and on host features (the upload included): same clips, same embeddings.
+    from jaxsync import registry
+
+    cases = registry.benches(["gemma3n"])["gemma3n"]("cpu", "tiny")
+    assert [c.name.rsplit(", ", 1)[1] for c in cases] == ["device features]", "host features]"] * 2
+    for on_device, on_host in zip(cases[::2], cases[1::2], strict=True):
+        assert set(on_device.torch_fns) == {"transformers_eager"} and not on_host.torch_fns
+        a, b = on_device.jax_fn(), on_host.jax_fn()  # both rotate to the same batch
+        assert a.lengths == b.lengths
+        for x, y in zip(a.split(), b.split(), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
