@@ -4,10 +4,11 @@ A jitted forward pays host dispatch per argument (a few microseconds each on a G
 either runtime client). `PackedLeaves` concatenates state arrays into one
 flat device buffer per dtype, once, and `unpack` slices them back by static offsets inside the
 jitted function. Whether XLA then reads the slices in place or copies them is up to the backend:
-on a GPU it copies big weights out of a flat buffer (a few percent of device time), while
-stacked layers packed in rows (`rows=True`, one [L, S] buffer per dtype) are sliced once per
-layer by the scan, as stacked leaves are, at no extra device time. Measure device time before
-making a packing a default.
+on a GPU it copies big weights out of a flat buffer (a few percent of device time). Stacked
+layers packed in rows (`rows=True`, one [L, S] buffer per dtype) are sliced once per layer by
+the scan; a GPU copies each layer's slice, and does the same for stacked leaves passed one
+array per weight (same device time), so the rows cost nothing over stacking. Measure device
+time before making a packing a default.
 """
 
 from __future__ import annotations
