@@ -1,0 +1,67 @@
+"""`tools/host_time.py` and `tools/layer_slices.py` at tiny sizes: what the benchmark page cites
+runs, and each comparison compares like with like."""
+
+import importlib.util
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+
+_TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, _TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_time_entry_and_programs(capsys):
+    tool = _tool("host_time")
+    tool.main(["entry", "--smoke", "--depths", "1"])
+    tool.main(["programs", "--smoke"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "cold" in line]
+    names = {line.split("cold")[0].strip() for line in lines}
+    assert {"depth  1  entry", "depth  1  its program", "depth  1  do-nothing, same args"} <= names
+    assert {"do-nothing", "chain of 200 matmul + tanh", "200-step fori_loop", "sort"} <= names
+    for line in lines:  # cold and stream host times, both positive
+        cold, stream = (float(part.split()[0]) for part in line.split("cold")[1].split("stream"))
+        assert cold > 0 and stream > 0
+
+
+def test_host_time_entry_program_gets_the_entrys_own_arguments():
+    tool = _tool("host_time")
+    enc, mel = tool._voxtral(1, smoke=True)
+    program, inputs = tool._program_inputs(enc, mel)
+    assert inputs[0] is mel  # the device features as given, and the plan's packed metadata
+    entry_out = enc(input_features=mel).embeddings
+    direct = program._jitted(program._args, *inputs)[0]
+    assert jnp.array_equal(entry_out, direct)  # same program, same arguments, same result
+
+
+def test_layer_slices_forms_compute_the_same_layers():
+    tool = _tool("layer_slices")
+    times = tool.main(["--smoke"])
+    assert set(times) == {"stacked", "rows, slice", "rows, dynamic", "size groups", "kind-major"}
+    assert all(t > 0 for t in times.values())
+
+
+def test_layer_slices_refuses_a_form_that_reads_other_weights(monkeypatch):
+    # control: a form that swaps two weights computes something else and is caught
+    tool = _tool("layer_slices")
+    real = tool.forms
+
+    def swapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        weights_of, buffers = out["kind-major"]
+        out["kind-major"] = (
+            lambda b, i: {**weights_of(b, i), "q": weights_of(b, i)["k"]},
+            buffers,
+        )
+        return out
+
+    monkeypatch.setattr(tool, "forms", swapped)
+    with pytest.raises(AssertionError, match="kind-major"):
+        tool.main(["--smoke"])

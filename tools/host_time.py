@@ -1,0 +1,191 @@
+"""Host time of a tower entry at released width, cold and in a stream, next to what bounds it.
+
+`entry` builds the voxtral encoder at its released width (random bf16 weights) at each depth of
+`--depths` and times, behind ~30 ms of queued device work (the bench's harness):
+
+- the entry call, its `TowerProgram` called directly on the same packed arguments, and a
+  do-nothing jit taking those same arguments;
+- "cold": one call right after the thread waited for the device; "stream": calls 2..k of k
+  back-to-back calls, median.
+
+With `--command-buffers` the program is also compiled with XLA command buffers for its layer
+loop (per-jit compiler options), and its device time is printed next to the plain program's.
+
+`programs` times synthetic jits (big outputs, long kernel chains, loops, attention,
+convolution, sort) the same way: which program features cost the calling thread.
+
+    python tools/host_time.py entry --depths 2 8 32 [--command-buffers]
+    python tools/host_time.py programs
+    python tools/host_time.py entry --smoke          # tiny width: a CPU check of the tool
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsync.bench._timing import _calls, _last, _Side, blocked_ms, measure
+
+
+# XLA's default command-buffer kinds plus the loop kinds, so a layer scan is one CUDA graph.
+COMMAND_BUFFERS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
+
+def host_us(fn: Callable[[], Any], side: _Side, *, samples: int = 15, k: int = 8) -> tuple:
+    """(cold µs, stream µs) of `fn` behind queued work: medians of `samples` cold calls and of
+    calls 2..k of `samples // 3` bursts."""
+    side.sync(fn())
+    cold = statistics.median(blocked_ms(fn, side) for _ in range(samples)) * 1e3
+    stream = []
+    for _ in range(max(1, samples // 3)):
+        side.sync()
+        side.spin()
+        outs, ms = _calls(fn, k)
+        side.sync(_last(outs))
+        stream += ms[1:]
+    return cold, statistics.median(stream) * 1e3
+
+
+def _voxtral(depth: int, smoke: bool):
+    from jaxsync.models.voxtral import MelConfig, VoxtralAudioEncoder, VoxtralAudioTower
+    from jaxsync.models.voxtral._config import VoxtralAudioConfig
+
+    cfg = VoxtralAudioConfig()
+    if smoke:
+        cfg = dataclasses.replace(cfg, hidden_size=64, intermediate_size=128, num_attention_heads=2)
+    cfg = dataclasses.replace(cfg, num_hidden_layers=depth)
+    tower = VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    enc = VoxtralAudioEncoder(tower, MelConfig(num_mel_bins=cfg.num_mel_bins))
+    windows = 1 if smoke else 4
+    mel = np.random.default_rng(0).uniform(-1, 2, (windows, cfg.num_mel_bins, cfg.chunk_frames))
+    return enc, jax.device_put(mel.astype(np.float32))
+
+
+def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
+    """The arguments the entry hands its program (recorded from one call)."""
+    program = enc._program
+    seen = {}
+    call = type(program).__call__
+
+    def record(self, *inputs):
+        seen["inputs"] = inputs
+        return call(self, *inputs)
+
+    type(program).__call__ = record
+    try:
+        jax.block_until_ready(enc(input_features=mel).embeddings)
+    finally:
+        type(program).__call__ = call
+    return program, seen["inputs"]
+
+
+def entry(args: argparse.Namespace) -> None:
+    side = _Side("jax")
+    for depth in args.depths:
+        enc, mel = _voxtral(depth, args.smoke)
+        program, inputs = _program_inputs(enc, mel)
+        nothing = jax.jit(lambda state, *rest: rest[0][0, 0, 0])
+        fns = {
+            "entry": lambda enc=enc, mel=mel: enc(input_features=mel).embeddings,
+            "its program": lambda p=program, i=inputs: p._jitted(p._args, *i),
+            "do-nothing, same args": lambda p=program, i=inputs, f=nothing: f(p._args, *i),
+        }
+        for name, fn in fns.items():
+            cold, stream = host_us(fn, side)
+            print(f"depth {depth:2d}  {name:22s} cold {cold:7.1f} us   stream {stream:7.1f} us")
+        if args.command_buffers:
+            plain = measure(fns["entry"], side, repeat=3)["device_ms"]
+            # The entry's program recompiled with command buffers (a tool's private access).
+            enc._program._jitted = jax.jit(enc._program._run, compiler_options=COMMAND_BUFFERS)
+            cold, stream = host_us(fns["entry"], side)
+            graphs = measure(fns["entry"], side, repeat=3)["device_ms"]
+            print(f"depth {depth:2d}  entry, command buffers  cold {cold:7.1f} us   stream "
+                  f"{stream:7.1f} us   device {graphs:.2f} ms (plain {plain:.2f} ms)")  # fmt: skip
+
+
+def _chain(k: int) -> Callable:
+    def f(a):
+        for _ in range(k):
+            a = jnp.tanh(a @ a * 0.01)
+        return a
+
+    return jax.jit(f)
+
+
+def programs(args: argparse.Namespace) -> None:
+    side = _Side("jax")
+    n = 64 if args.smoke else 1024
+    x = jnp.ones((n, n), jnp.bfloat16)
+    big = jnp.ones((1024,) if args.smoke else (64 << 20,), jnp.float32)
+    q = jnp.ones((4, 16 if args.smoke else 1536, 20, 64), jnp.bfloat16)
+    conv_in = jnp.ones((4, 300 if args.smoke else 3000, 128), jnp.bfloat16)
+    conv_w = jnp.ones((3, 128, 1280), jnp.bfloat16)
+    impls = ["xla"] if jax.default_backend() != "gpu" else ["cudnn", "xla"]
+
+    def attention(impl):
+        return lambda q: jax.nn.dot_product_attention(q, q, q, implementation=impl)
+
+    def attention_loop(impl):
+        once = attention(impl)
+        return lambda q: jax.lax.fori_loop(0, 32, lambda i, q: once(q), q)
+
+    cases: dict[str, tuple[Callable, tuple]] = {
+        "do-nothing": (jax.jit(lambda a: a[:1]), (big,)),
+        f"elementwise over {big.nbytes >> 20} MiB": (jax.jit(lambda a: a + 1), (big,)),
+        **{f"chain of {k} matmul + tanh": (_chain(k), (x,)) for k in (1, 10, 50, 200)},
+        "200-step fori_loop": (
+            jax.jit(lambda a: jax.lax.fori_loop(0, 200, lambda i, a: jnp.tanh(a @ a * 0.01), a)),
+            (x,),
+        ),
+        **{f"attention ({impl})": (jax.jit(attention(impl)), (q,)) for impl in impls},
+        **{
+            f"32 attentions ({impl}) in a loop": (
+                jax.jit(attention_loop(impl)),
+                (q,),
+            )
+            for impl in impls
+        },
+        "conv1d 128 -> 1280": (
+            jax.jit(
+                lambda c, w: jax.lax.conv_general_dilated(
+                    c, w, (1,), ((1, 1),), dimension_numbers=("NWC", "WIO", "NWC")
+                )
+            ),
+            (conv_in, conv_w),
+        ),  # fmt: skip
+        "sort": (jax.jit(lambda a: jnp.sort(a.reshape(-1))[:4]), (x,)),
+    }
+    for name, (fn, fn_args) in cases.items():
+        cold, stream = host_us(lambda fn=fn, a=fn_args: fn(*a), side)
+        print(f"{name:34s} cold {cold:7.1f} us   stream {stream:7.1f} us")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    e = sub.add_parser("entry", help="the voxtral entry at each depth")
+    e.add_argument("--depths", type=int, nargs="+", default=[2, 32])
+    e.add_argument("--command-buffers", action="store_true")
+    e.add_argument("--smoke", action="store_true", help="tiny width (a CPU check of the tool)")
+    p = sub.add_parser("programs", help="synthetic programs")
+    p.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    (entry if args.mode == "entry" else programs)(args)
+    print(f"({time.perf_counter() - t0:.0f} s, {jax.devices()[0].device_kind})")
+
+
+if __name__ == "__main__":
+    main()
