@@ -61,17 +61,27 @@ def all_finite(arr: np.ndarray) -> bool:
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """`dst[...] = src` (same shape, numpy's casting), in slices on the pool when large."""
-    d, s = _flat(dst), _flat(np.asarray(src))
-    if d is None or s is None or d.size != s.size:
+    """`dst[...] = src` (same shape, numpy's casting), in slices on the pool when large.
+
+    Contiguous arrays are split flat; a strided destination (the data corner of a padded
+    buffer) is split along its first axis long enough to give every worker a part."""
+    src = np.asarray(src)
+    d, s = _flat(dst), _flat(src)
+    if d is not None and s is not None and d.size == s.size:
+        parts = [(d, s, lo, hi) for lo, hi in _spans(d.size, dst.nbytes)]
+    elif dst.shape == src.shape and dst.ndim:
+        axis = next((a for a, n in enumerate(dst.shape) if n >= _WORKERS), 0)
+        d, s = np.moveaxis(dst, axis, 0), np.moveaxis(src, axis, 0)  # views: no copy
+        parts = [(d, s, lo, hi) for lo, hi in _spans(d.shape[0], dst.nbytes)]
+    else:
         dst[...] = src
         return
 
-    def part(lo: int, hi: int) -> bool:
+    def part(d: np.ndarray, s: np.ndarray, lo: int, hi: int) -> bool:
         d[lo:hi] = s[lo:hi]
         return True
 
-    _run([lambda lo=lo, hi=hi: part(lo, hi) for lo, hi in _spans(d.size, dst.nbytes)])
+    _run([lambda p=p: part(*p) for p in parts])
 
 
 def fill_padded(out: np.ndarray, data: np.ndarray) -> None:

@@ -55,6 +55,26 @@ def test_all_finite_ignores_integers_and_empty():
     assert _fill.all_finite(np.zeros((0, 3), np.float32))
 
 
+@pytest.mark.parametrize("shape", [(9, 4001, 128), (1, 30_011, 96), (3, 4, 200_003)])
+def test_copy_into_a_padded_corner_is_split_and_exact(rng, shape, monkeypatch):
+    # The data corner of a padded staging buffer is strided: it is split along an axis long
+    # enough for every worker instead of copied on one thread.
+    monkeypatch.setattr(_fill, "_WORKERS", 4)
+    tasks = []
+    real_run = _fill._run
+    monkeypatch.setattr(_fill, "_run", lambda ts: tasks.append(len(ts)) or real_run(ts))
+    src = rng.standard_normal(shape).astype(np.float32)
+    out = np.full((shape[0] + 2, shape[1] + 5, shape[2] + 1), np.nan, np.float32)
+    _fill.fill_padded(out, src)
+    want = np.zeros(out.shape, np.float32)
+    want[: shape[0], : shape[1], : shape[2]] = src
+    np.testing.assert_array_equal(out, want)
+    assert tasks == [4]  # one part per worker, along the first axis of length >= 4
+    tasks.clear()
+    _fill.copy_into(out[:1, :1, :1], src[:1, :1, :1])  # control: small work is not split
+    assert tasks == [1]
+
+
 def test_fill_padded_zero_pads_every_axis(rng):
     data = rng.standard_normal((5, 7, 3)).astype(np.float32)
     out = np.full((8, 11, 3), np.nan, np.float32)
