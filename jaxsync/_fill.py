@@ -13,6 +13,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -44,13 +45,33 @@ def _spans(n: int, nbytes: int) -> list[tuple[int, int]]:
 
 
 def _finite(x: np.ndarray) -> bool:
-    # min and max propagate NaN and expose +-inf: two vectorised reductions, no temporary array
-    return bool(np.isfinite(x.min()) and np.isfinite(x.max())) if x.size else True
+    if not x.size:
+        return True
+    if x.dtype.kind != "f":  # bfloat16 and float8 (ml_dtypes): numpy's own floats only below
+        return bool(np.isfinite(x).all())
+    # A sum propagates NaN and +-inf, so a finite sum proves every value finite in one pass.
+    # A non-finite sum may be finite values overflowing (float16 does so easily, hence only
+    # float32/64 try it): min and max then decide exactly, with no temporary array.
+    if x.dtype in _SUMMED:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(x.sum()):
+                return True
+    return bool(np.isfinite(x.min()) and np.isfinite(x.max()))
+
+
+_SUMMED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _inexact(dtype: np.dtype) -> bool:
+    # ml_dtypes' floats (bfloat16, float8) are not numpy.floating subtypes: numpy alone would
+    # call them not floating and skip their check. JAX's dtype lattice knows them.
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def all_finite(arr: np.ndarray) -> bool:
-    """Whether a host float array holds no NaN or inf (other dtypes: True)."""
-    if not np.issubdtype(arr.dtype, np.floating) or not arr.size:
+    """Whether a host float array (numpy's floats, bfloat16, float8) holds no NaN or inf (other
+    dtypes: True)."""
+    if not arr.size or not _inexact(arr.dtype):
         return True
     flat = _flat(arr)
     if flat is None:

@@ -50,6 +50,16 @@ def test_all_finite_finds_a_bad_value_in_any_slice(rng, bad, where):
     assert _fill.all_finite(x[::2]) == (row % 2 == 1)  # a strided view sees only even rows
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, ml_dtypes.bfloat16])
+def test_all_finite_is_exact_where_a_sum_overflows(dtype):
+    # Finite values whose sum overflows are still finite; +inf and -inf together sum to NaN.
+    big = np.full(BIG, ml_dtypes.finfo(dtype).max, dtype)
+    assert _fill.all_finite(big)
+    big.reshape(-1)[7] = np.inf
+    big.reshape(-1)[-7] = -np.inf
+    assert not _fill.all_finite(big)
+
+
 def test_all_finite_ignores_integers_and_empty():
     assert _fill.all_finite(np.arange(10))
     assert _fill.all_finite(np.zeros((0, 3), np.float32))
