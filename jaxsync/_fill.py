@@ -62,6 +62,7 @@ def _finite(x: np.ndarray) -> bool:
 _SUMMED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+@functools.cache  # a handful of dtypes; JAX's lattice walk costs microseconds per call
 def _inexact(dtype: np.dtype) -> bool:
     # ml_dtypes' floats (bfloat16, float8) are not numpy.floating subtypes: numpy alone would
     # call them not floating and skip their check. JAX's dtype lattice knows them.

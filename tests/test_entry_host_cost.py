@@ -35,11 +35,7 @@ def _voxtral(depth: int):
     from jaxsync.models import voxtral
     from jaxsync.paths.voxtral import reference as ref
 
-    cfg = voxtral.VoxtralAudioConfig(
-        num_mel_bins=128,
-        text_hidden_size=ref.TINY_TEXT["hidden_size"],
-        **{**ref.TINY_AUDIO, "num_hidden_layers": depth},
-    )
+    cfg = voxtral.VoxtralAudioConfig(**{**ref.TINY_ENCODER, "num_hidden_layers": depth})
     enc = voxtral.VoxtralAudioEncoder(voxtral.VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
     feats = jnp.zeros((4, cfg.num_mel_bins, cfg.chunk_frames), jnp.float32)
     return lambda: enc(input_features=feats, num_chunks=[1, 2])
@@ -161,9 +157,7 @@ def test_voxtral_num_chunks_mutated_in_place_is_planned_again():
     from jaxsync.models import voxtral
     from jaxsync.paths.voxtral import reference as ref
 
-    cfg = voxtral.VoxtralAudioConfig(
-        num_mel_bins=128, text_hidden_size=ref.TINY_TEXT["hidden_size"], **ref.TINY_AUDIO
-    )
+    cfg = voxtral.VoxtralAudioConfig(**ref.TINY_ENCODER)
     enc = voxtral.VoxtralAudioEncoder(voxtral.VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
     feats = jnp.zeros((4, cfg.num_mel_bins, cfg.chunk_frames), jnp.float32)
     counts = np.array([1, 2])

@@ -22,12 +22,10 @@ from jaxsync.paths.chameleon import reference as chameleon_ref
 from jaxsync.paths.gemma3n import reference as gemma3n_ref
 from jaxsync.paths.glm4v import reference as glm4v_ref
 from jaxsync.paths.qwen3_omni import reference as q3_ref
+from jaxsync.paths.voxtral import reference as voxtral_ref
 
 
-VOXTRAL = VoxtralAudioConfig(
-    num_mel_bins=128, hidden_size=28, intermediate_size=112, num_hidden_layers=2,
-    num_attention_heads=4, max_source_positions=20, text_hidden_size=36,
-)  # fmt: skip
+VOXTRAL = VoxtralAudioConfig(**voxtral_ref.TINY_ENCODER)
 
 
 def _voxtral_audio():

@@ -52,8 +52,7 @@ def _voxtral():
     )
     from jaxsync.paths.voxtral import reference as ref
 
-    cfg = VoxtralAudioConfig(num_mel_bins=128, text_hidden_size=ref.TINY_TEXT["hidden_size"],
-                             **ref.TINY_AUDIO)  # fmt: skip
+    cfg = VoxtralAudioConfig(**ref.TINY_ENCODER)
     enc = VoxtralAudioEncoder(VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)), MelConfig())
     feats = jnp.zeros((4, cfg.num_mel_bins, cfg.chunk_frames), jnp.float32)
     counts = [1, 2]

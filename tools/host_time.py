@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsync.bench._timing import _calls, _last, _Side, blocked_ms, measure
+from jaxsync.bench._timing import _Side, blocked_ms, measure, stream_ms
 
 
 # XLA's default command-buffer kinds plus the loop kinds, so a layer scan is one CUDA graph.
@@ -48,19 +48,16 @@ def host_us(fn: Callable[[], Any], side: _Side, *, samples: int = 15, k: int = 8
     calls 2..k of `samples // 3` bursts."""
     side.sync(fn())
     cold = statistics.median(blocked_ms(fn, side) for _ in range(samples)) * 1e3
-    stream = []
-    for _ in range(max(1, samples // 3)):
-        side.sync()
-        side.spin()
-        outs, ms = _calls(fn, k)
-        side.sync(_last(outs))
-        stream += ms[1:]
-    return cold, statistics.median(stream) * 1e3
+    return cold, stream_ms(fn, side, repeat=max(1, samples // 3), k=k) * 1e3
 
 
 def _voxtral(depth: int, smoke: bool):
-    from jaxsync.models.voxtral import MelConfig, VoxtralAudioEncoder, VoxtralAudioTower
-    from jaxsync.models.voxtral._config import VoxtralAudioConfig
+    from jaxsync.models.voxtral import (
+        MelConfig,
+        VoxtralAudioConfig,
+        VoxtralAudioEncoder,
+        VoxtralAudioTower,
+    )
 
     cfg = VoxtralAudioConfig()
     if smoke:

@@ -158,17 +158,22 @@ def _noop(n: int) -> Callable[[], Any]:
     return functools.partial(noop, *args)
 
 
-def stream_floor_ms(side: _Side, n: int, repeat: int = 5, k: int = 12) -> float:
-    """Stream host time per call of a do-nothing jit with `n` arguments: calls 2..k of k
-    back-to-back calls behind queued work, median."""
-    call, samples = _noop(n), []
+def stream_ms(fn: Callable[[], Any], side: _Side, repeat: int = 5, k: int = 12) -> float:
+    """Stream host time per call of `fn`: calls 2..k of k back-to-back calls behind queued
+    work, median over `repeat` bursts."""
+    samples: list[float] = []
     for _ in range(repeat):
         side.sync()
         side.spin()
-        outs, ms = _calls(call, k)
+        outs, ms = _calls(fn, k)
         side.sync(_last(outs))
         samples += ms[1:]
     return statistics.median(samples)
+
+
+def stream_floor_ms(side: _Side, n: int) -> float:
+    """`stream_ms` of a do-nothing jit with `n` arguments."""
+    return stream_ms(_noop(n), side)
 
 
 def dispatch_floor_ms(side: _Side, counts: tuple[int, ...] = (1, 3, 6, 64), repeat: int = 11):

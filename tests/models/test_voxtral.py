@@ -18,13 +18,10 @@ from jaxsync.models.voxtral import (
     VoxtralAudioEncoder,
     VoxtralAudioTower,
 )
+from jaxsync.paths.voxtral import reference as ref
 
 
-# Tiny but odd sizes: head_dim 7, 2 layers, 20 positions (a window = 40 frames = 6400 samples).
-TINY = dict(
-    num_mel_bins=128, hidden_size=28, intermediate_size=112, num_hidden_layers=2,
-    num_attention_heads=4, max_source_positions=20, text_hidden_size=36,
-)  # fmt: skip
+TINY = ref.TINY_ENCODER  # odd sizes: head_dim 7, 2 layers, a window = 40 frames = 6400 samples
 
 
 def _tower(seed: int = 0, **kw) -> VoxtralAudioTower:
@@ -221,7 +218,6 @@ def test_processor_features_go_straight_in(whisper_sized, tensors):
     """`encoder(**extractor_output)` (numpy or torch CPU) equals the tower on those features,
     and the raw audio through the on-device log-mel gives the same embeddings within the
     front end's bound."""
-    from jaxsync.paths.voxtral import reference as ref
     from jaxsync.testing import rel_err
 
     fe, enc, tower = whisper_sized
@@ -250,7 +246,6 @@ def test_processor_features_go_straight_in(whisper_sized, tensors):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     pytest.importorskip("torch")
-    from jaxsync.paths.voxtral import reference as ref
 
     _, path, _ = ref.build_tiny_voxtral(tmp_path_factory.mktemp("voxtral"))
     return path

@@ -27,13 +27,11 @@ from jaxsync.models.voxtral import (
     log_mel_spectrogram,
     plan_chunks,
 )
+from jaxsync.paths.voxtral import reference as ref
 from jaxsync.weights import WeightError
 
 
-TINY = dict(
-    num_mel_bins=128, hidden_size=28, intermediate_size=112, num_hidden_layers=2,
-    num_attention_heads=4, max_source_positions=20, text_hidden_size=36,
-)  # fmt: skip
+TINY = ref.TINY_ENCODER
 CFG = VoxtralAudioConfig(**TINY)
 
 

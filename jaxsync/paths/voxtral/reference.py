@@ -23,6 +23,8 @@ TINY_TEXT = dict(
     vocab_size=61, hidden_size=36, intermediate_size=44, num_hidden_layers=1,
     num_attention_heads=2, num_key_value_heads=1, head_dim=18,
 )  # fmt: skip
+# `VoxtralAudioConfig` fields of the same tiny model (128 mel bins, projected to the text width).
+TINY_ENCODER = dict(num_mel_bins=128, text_hidden_size=TINY_TEXT["hidden_size"], **TINY_AUDIO)
 
 
 def tiny_hf_config(num_mel_bins: int = 128, **audio: Any):
