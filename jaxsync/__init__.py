@@ -21,6 +21,7 @@ Core API:
   Embeddings                  - the output of every model path: padded rows + host lengths.
   PlanCache, metadata_key     - host plans and their packed uploads cached per shape mix,
                                 keyed by the exact content of the caller's host metadata.
+  CallCache, prepared_call    - repeated calls on device inputs: one lookup, then the program.
   host_array, host_ints,      - host inputs (numpy, lists, torch CPU tensors) validated
   host_int, check_finite        before any upload: no silent truncation, no NaN leaks.
   all_finite, fill_rows         large host checks and padded copies on a small thread pool.
@@ -28,6 +29,11 @@ Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.regis
 jaxsync.testing, jaxsync.models, jaxsync.kv.
 """
 
+from jaxsync._calls import (
+    CallCache as CallCache,
+    call_key as call_key,
+    prepared_call as prepared_call,
+)
 from jaxsync._device_cache import (
     CacheEntry as CacheEntry,
     DeviceCache as DeviceCache,

@@ -81,6 +81,23 @@ class Embeddings:
 
     layout = staticmethod(row_layout)
 
+    @classmethod
+    def assembler(
+        cls, layout: tuple[tuple[int, ...], tuple[int, ...]], extras: tuple[str, ...] = ()
+    ) -> Any:
+        """`outs -> Embeddings` of a program's outputs `(rows, *extras)` in one Python frame:
+        the finish of an entry's kept call (`TowerProgram.prepared`)."""
+        lengths, offsets = layout
+
+        def assemble(outs: Any) -> Embeddings:
+            out = object.__new__(cls)
+            out.embeddings = outs[0]
+            out.lengths, out.offsets = lengths, offsets
+            out.extras = dict(zip(extras, outs[1:], strict=True))
+            return out
+
+        return assemble
+
     def tree_flatten(self):
         names = tuple(sorted(self.extras))
         return (self.embeddings, *(self.extras[n] for n in names)), (

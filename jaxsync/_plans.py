@@ -73,20 +73,30 @@ class PlanCache(Generic[T]):
         self._lock = threading.Lock()
 
     def get(self, key: Hashable, build: Callable[[], T]) -> T:
+        hit = self.peek(key)
+        if hit is not None:
+            return hit
+        value = build()
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+            self.put(key, value)
+        return value
+
+    def peek(self, key: Hashable) -> T | None:
+        """The value kept for `key` (now the most recently used), or None."""
         hit = self._items.get(key)  # one C call, atomic: the hit path takes no lock
         if hit is not None:
             try:
                 self._items.move_to_end(key)
             except KeyError:  # evicted by another thread meanwhile: still valid
                 pass
-            return hit
-        value = build()
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
-            with self._lock:
-                self._items[key] = value
-                while len(self._items) > self.maxsize:
-                    self._items.popitem(last=False)
-        return value
+        return hit
+
+    def put(self, key: Hashable, value: T) -> None:
+        """Keeps `value` for `key`, evicting the least recently used beyond `maxsize`."""
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsync._calls import deleted_message
 from jaxsync._jit import flat_state
 from jaxsync._layers import split_layers
 from jaxsync._packing import PackedLeaves, PackedTower
@@ -151,6 +152,28 @@ class TowerProgram:
     def __call__(self, *inputs: Any) -> Any:
         """Runs the compiled forward on `inputs` (device arrays / `jaxsync.Packed`)."""
         return self._jitted(self._args, *inputs)
+
+    def prepared(
+        self, *rest: Any, finish: Callable[[Any], Any], name: str
+    ) -> Callable[[jax.Array], Any]:
+        """`x -> finish(self(x, *rest))`: an entry's kept call (see `jaxsync.CallCache`).
+
+        Two Python frames between the entry and the dispatch: it runs right after the serving
+        thread waited, when every frame costs microseconds. The weights are read at call time,
+        so `load_state` is seen. A deleted `x` raises `ValueError` naming `name` (the program
+        refuses it before any launch).
+        """
+
+        def call(x: jax.Array) -> Any:
+            try:
+                out = self._jitted(self._args, x, *rest)
+            except RuntimeError:
+                if not x.is_deleted():
+                    raise
+                raise ValueError(deleted_message(name)) from None
+            return finish(out)
+
+        return call
 
     def lower(self, *inputs: Any) -> Any:
         """`jax.jit(...).lower` of one call, for inspection (argument counts, HLO)."""

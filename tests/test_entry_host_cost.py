@@ -28,7 +28,7 @@ def _glm4v(depth: int):
     enc = glm4v.Glm4vVisionEncoder(glm4v.Glm4vVisionTower(cfg, rngs=nnx.Rngs(0)))
     grid = [[1, 4, 6], [1, 6, 6]]
     pixels = jnp.zeros((enc.plan(grid).padded_patches, cfg.patch_dim), jnp.float32)
-    return lambda: enc(pixels, grid)
+    return lambda x: enc(x, grid), pixels
 
 
 def _voxtral(depth: int):
@@ -38,7 +38,7 @@ def _voxtral(depth: int):
     cfg = voxtral.VoxtralAudioConfig(**{**ref.TINY_ENCODER, "num_hidden_layers": depth})
     enc = voxtral.VoxtralAudioEncoder(voxtral.VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
     feats = jnp.zeros((4, cfg.num_mel_bins, cfg.chunk_frames), jnp.float32)
-    return lambda: enc(input_features=feats, num_chunks=[1, 2])
+    return lambda x: enc(input_features=x, num_chunks=[1, 2]), feats
 
 
 def _gemma3n(depth: int):
@@ -49,7 +49,7 @@ def _gemma3n(depth: int):
     enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg)
     feats = jnp.zeros((3, 57, cfg.input_feat_size), jnp.float32)
     mask = np.arange(57)[None, :] < np.array([57, 40, 13])[:, None]
-    return lambda: enc(feats, mask)
+    return lambda x: enc(x, mask), feats
 
 
 def _chameleon(depth: int):
@@ -60,7 +60,7 @@ def _chameleon(depth: int):
     vq = chameleon.ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
     enc = chameleon.ChameleonImageEncoder(cfg, vq, buckets=(4,))
     pixels = jnp.zeros((3, *enc.image_shape), jnp.float32)
-    return lambda: enc(pixels)
+    return lambda x: enc(x), pixels
 
 
 def _qwen3_omni(depth: int):
@@ -71,7 +71,7 @@ def _qwen3_omni(depth: int):
     enc = q3.Qwen3OmniAudioEncoder(q3.Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0)))
     lens = [120, 0, 31]
     x = jaxsync.async_h2d(q3.pad_features(ref.random_features(cfg, lens), lens))
-    return lambda: enc(x, lens)
+    return lambda x: enc(x, lens), x
 
 
 def _kv_stacked(depth: int):
@@ -82,7 +82,7 @@ def _kv_stacked(depth: int):
     )
     cache = layout.random([f"layer{i}" for i in range(depth)], jax.random.key(0))
     other = layout.random([f"layer{i}" for i in range(depth)], jax.random.key(1))
-    return lambda: kv.copy_blocks(cache, other, [1, 2, 3], [4, 5, 6])
+    return lambda x: kv.copy_blocks(x, other, [1, 2, 3], [4, 5, 6]), cache
 
 
 ENTRIES = {
@@ -98,7 +98,10 @@ ENTRIES = {
 @pytest.mark.parametrize("family", sorted(ENTRIES))
 def test_entry_main_program_takes_few_jit_arguments_at_any_depth(family):
     build, depths = ENTRIES[family]
-    counts = [main_program_args(build(depth)) for depth in depths]
+    counts = []
+    for depth in depths:
+        call, x = build(depth)
+        counts.append(main_program_args(lambda call=call, x=x: call(x)))
     assert counts[0] == counts[1] and 2 <= counts[0] <= 6, counts
 
 
@@ -192,3 +195,68 @@ def test_gemma3n_mask_mutated_in_place_is_planned_again():
     mask[1, :] = False  # a clip without a real frame: refused
     with pytest.raises(ValueError, match="no valid frame"):
         enc(feats, mask)
+
+
+TOWERS = sorted(f for f in ENTRIES if not f.startswith("kv"))
+
+
+@pytest.fixture
+def call_cache_spy(monkeypatch):
+    """Records each `CallCache.find` answer (hit or miss) and each `keep` (a full-path call)."""
+    seen: list[str] = []
+    find, keep = jaxsync.CallCache.find, jaxsync.CallCache.keep
+
+    def spy_find(self, x, *metadata):
+        run, key = find(self, x, *metadata)
+        seen.append("miss" if run is None else "hit")
+        return run, key
+
+    def spy_keep(self, key, run):
+        seen.append("keep")
+        return keep(self, key, run)
+
+    monkeypatch.setattr(jaxsync.CallCache, "find", spy_find)
+    monkeypatch.setattr(jaxsync.CallCache, "keep", spy_keep)
+    return seen
+
+
+def _host(out):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(out)]
+
+
+@pytest.mark.parametrize("family", TOWERS)
+def test_repeated_device_call_skips_the_checks_and_gives_the_same_answer(family, call_cache_spy):
+    build, depths = ENTRIES[family]
+    call, x = build(depths[0])
+    first = _host(call(x))
+    assert "keep" in call_cache_spy and "hit" not in call_cache_spy  # the full path, once
+    call_cache_spy.clear()
+    second = _host(call(x))
+    assert call_cache_spy == ["hit"]  # no check, no plan lookup, no new entry
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("family", TOWERS)
+def test_repeated_call_on_a_deleted_array_is_refused(family, call_cache_spy):
+    build, depths = ENTRIES[family]
+    call, x = build(depths[0])
+    jax.block_until_ready(call(x))
+    jax.block_until_ready(call(x))
+    x.delete()
+    call_cache_spy.clear()
+    with pytest.raises(ValueError, match="deleted"):
+        call(x)
+    assert call_cache_spy == ["hit"]  # the prepared call itself refused it
+
+
+@pytest.mark.parametrize("family", TOWERS)
+def test_same_shape_on_other_devices_is_checked_again(family, call_cache_spy):
+    build, depths = ENTRIES[family]
+    call, x = build(depths[0])
+    jax.block_until_ready(call(x))
+    call_cache_spy.clear()
+    away = jax.device_put(x, jax.devices()[1])  # same shape and dtype, away from the weights
+    with pytest.raises(ValueError, match="devices|lives on|live on"):
+        call(away)
+    assert call_cache_spy[0] == "miss"

@@ -194,17 +194,24 @@ def guard_active() -> bool:
     return mode is not None and allow_depth == 0
 
 
-_MODES: dict[str, Mode | None] = {}  # raw value -> parsed mode (a handful of distinct values)
+# Every entry call reads the variable. `os.environ.get` runs four Python frames; the mapping it
+# wraps is one C lookup (kept in sync by `os.environ[...] = ...`, `putenv` and monkeypatch).
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENV_KEY = ENV_VAR if _ENVIRON is None else os.environ.encodekey(ENV_VAR)
+
+# raw (encoded) value -> parsed mode: a handful of distinct values per process.
+_MODES: dict[str | bytes, Mode | None] = {}
 
 
 def env_mode() -> Mode | None:
     """The mode set by JAXSYNC_SYNC_CHECK (off/unset -> None, warn, error)."""
-    raw = os.environ.get(ENV_VAR)
+    raw = os.environ.get(ENV_VAR) if _ENVIRON is None else _ENVIRON.get(_ENV_KEY)
     if raw is None:
         return None
     if raw in _MODES:
         return _MODES[raw]
-    text = raw.strip().lower()
+    text = raw if isinstance(raw, str) else os.environ.decodevalue(raw)
+    text = text.strip().lower()
     if text in ("", "off", "0", "none"):
         mode = None
     elif text in ("warn", "error"):
@@ -223,6 +230,8 @@ def entry_point(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if _ENVIRON is not None and _ENV_KEY not in _ENVIRON:  # unset: no call to env_mode
+            return fn(*args, **kwargs)
         mode = env_mode()
         if mode is None or _scope.get()[0] is not None:
             return fn(*args, **kwargs)

@@ -93,6 +93,7 @@ class Gemma3nAudioEncoder:
 
         self._pad_fn = jax.jit(pad_fn)
         self.plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
+        self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device features
         self._take_weights(model)
         self.placement = self._home if placement is None else placement
         if _devices(self.placement) != self._devices:
@@ -159,10 +160,14 @@ class Gemma3nAudioEncoder:
                 features, deleted or misplaced device features, or (overflow="error") more
                 tower positions than `soft_tokens`.
         """
+        run, call_key = self._calls.find(input_features, input_features_mask)
+        if run is not None:
+            return run(input_features)
         cfg = self.cfg
         if isinstance(input_features, jax.core.Tracer):
             raise TypeError(f"{FEATURES} is traced: inside a jit call `forward` directly")
-        if isinstance(input_features, jax.Array):
+        on_device = isinstance(input_features, jax.Array)
+        if on_device:
             feats, mask = input_features, input_features_mask
             self._check_device(feats)
             shape = feats.shape[:2]
@@ -185,8 +190,16 @@ class Gemma3nAudioEncoder:
             feats = jaxsync.default_staging.put(
                 host, padded_shape(host, plan), dtype=np.float32, placement=self.placement
             )
-        if plan.truncation:
-            warnings.warn(plan.truncation, AudioTruncationWarning, stacklevel=3)
+        if not on_device:
+            return self._embed(feats, plan, meta, layout, placement, stacklevel=4)
+        run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
+            lambda x: self._embed(x, plan, meta, layout, placement, stacklevel=6), FEATURES
+        )
+        return self._calls.keep(call_key, run)(feats)
+
+    def _embed(self, feats, plan, meta, layout, placement, stacklevel) -> jaxsync.Embeddings:
+        if plan.truncation:  # stacklevel: the warning points at the caller's line
+            warnings.warn(plan.truncation, AudioTruncationWarning, stacklevel=stacklevel)
         rows, finite = self.program(feats, meta, self.pad_embedding(placement))
         if plan.num_clips != plan.batch:
             finite = _head(finite, plan.num_clips)

@@ -97,6 +97,8 @@ class VoxtralAudioEncoder:
             placement = _replicated(leaf.sharding)
         self.placement = placement
         self._plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache()
+        # Device inputs, by kind: a [B, W] audio batch and [F, 2P] features share a shape.
+        self._audio_calls, self._feature_calls = jaxsync.CallCache(), jaxsync.CallCache()
 
     @staticmethod
     def _weight_devices(model: nnx.Module) -> frozenset:
@@ -172,6 +174,15 @@ class VoxtralAudioEncoder:
             neither input, more windows than the largest chunk bucket, inputs on other devices
             than the weights; all before any upload or compile.
         """
+        if sampling_rate is None and attention_mask is None:  # a repeated device call
+            if input_features is None:
+                run, key = self._audio_calls.find(audio, lengths)
+                if run is not None:
+                    return run(audio)
+            elif audio is None and lengths is None:
+                run, key = self._feature_calls.find(input_features, num_chunks)
+                if run is not None:
+                    return run(input_features)
         if (audio is None) == (input_features is None):
             raise ValueError("pass exactly one of audio= and input_features=")
         if input_features is None:
@@ -183,6 +194,7 @@ class VoxtralAudioEncoder:
         return self._from_features(input_features, num_chunks)
 
     def _from_audio(self, audio: Any, lengths: Any, sampling_rate: Any) -> jaxsync.Embeddings:
+        _, call_key = self._audio_calls.find(audio, lengths)
         if isinstance(audio, list | tuple):
             if lengths is not None:
                 raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
@@ -211,8 +223,11 @@ class VoxtralAudioEncoder:
         key = ("audio", lens.tobytes(), b_pad, width, where)
         plan, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
         if not on_device:
-            x = upload_batch(x, lens, hop, self.placement)
-        return self._run(x, meta, layout)
+            return self._run(upload_batch(x, lens, hop, self.placement), meta, layout)
+        if sampling_rate is not None:  # the fast path is for calls without it
+            call_key = None
+        run = self._prepared(meta, layout, "waveforms", batched=audio.ndim == 2)
+        return self._audio_calls.keep(call_key, run)(audio)
 
     def _run(self, x: jax.Array, meta: jaxsync.Packed, layout) -> jaxsync.Embeddings:
         emb, finite = self._program(x, meta)
@@ -220,11 +235,13 @@ class VoxtralAudioEncoder:
 
     def _from_features(self, features: Any, num_chunks: Any) -> jaxsync.Embeddings:
         cfg = self.config
+        _, call_key = self._feature_calls.find(features, num_chunks)
         on_device = isinstance(features, jax.Array)
         if on_device:
             check_live(features, name="input_features")
         else:
             features = jaxsync.host_array(features, name="input_features")
+        given = features
         if features.ndim == 2:
             features = features[None]
         want = (cfg.num_mel_bins, cfg.chunk_frames)
@@ -257,7 +274,16 @@ class VoxtralAudioEncoder:
             features = jaxsync.default_staging.put(
                 features, (plan.chunks, *want), dtype=np.float32, placement=self.placement
             )
-        return self._run(features, meta, layout)
+            return self._run(features, meta, layout)
+        run = self._prepared(meta, layout, "input_features", batched=given.ndim == 3)
+        return self._feature_calls.keep(call_key, run)(given)
+
+    def _prepared(self, meta: jaxsync.Packed, layout, name: str, batched: bool):
+        """The kept call of a device input; an unbatched one (one axis fewer) gets its axis."""
+        run = self._program.prepared(
+            meta, finish=jaxsync.Embeddings.assembler(layout, ("finite",)), name=name
+        )
+        return run if batched else jaxsync.prepared_call(lambda x: run(x[None]), name)
 
     @staticmethod
     def _counts(num_chunks: Any) -> np.ndarray:
