@@ -74,17 +74,19 @@ def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
     """The arguments the entry hands its program (recorded from one call)."""
     program = enc._program
     seen = {}
-    call = type(program).__call__
+    jitted = program._jitted  # a tool's private access: wrapped for one call
 
-    def record(self, *inputs):
+    def record(state, *inputs):
         seen["inputs"] = inputs
-        return call(self, *inputs)
+        return jitted(state, *inputs)
 
-    type(program).__call__ = record
+    program._jitted = record
     try:
+        enc._feature_calls.clear()  # the full path, which builds the kept call around `record`
         jax.block_until_ready(enc(input_features=mel).embeddings)
     finally:
-        type(program).__call__ = call
+        program._jitted = jitted
+        enc._feature_calls.clear()
     return program, seen["inputs"]
 
 
