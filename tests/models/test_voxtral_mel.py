@@ -450,3 +450,33 @@ def test_log_mel_floor_is_vllms_clamp_inside_a_server_jit(g):
     assert not np.asarray(part)[..., 10:].any()
     with pytest.raises(TypeError, match="Python float"):
         jaxsync.models.voxtral.log_mel_floor(log.numpy(), global_log_mel_max=2)
+
+
+def test_repeated_device_call_is_kept_and_still_checked(monkeypatch):
+    seen = []
+    find = jaxsync.CallCache.find
+
+    def spy(self, x, *metadata):
+        run, key = find(self, x, *metadata)
+        seen.append(run is not None)
+        return run, key
+
+    monkeypatch.setattr(jaxsync.CallCache, "find", spy)
+    cfg = MelConfig(num_mel_bins=80)
+    x = jax.device_put(_batch([_audio(4000, 1), _audio(3001, 2)]))
+    lens = [4000, 3001]
+    first = log_mel_spectrogram(x, lens, config=cfg)
+    first.num_frames[:] = -1  # the caller's own copy: the next call's counts are unchanged
+    second = log_mel_spectrogram(x, lens, config=cfg)
+    assert seen[-1] is True and second.num_frames.tolist() == [4000 // 160, 3001 // 160]
+    np.testing.assert_array_equal(np.asarray(first.features), np.asarray(second.features))
+    other = log_mel_spectrogram(x, lens, config=cfg, floor="per_example")  # other settings
+    assert seen[-1] is False and not np.array_equal(
+        np.asarray(other.features), np.asarray(second.features)
+    )
+    lens[1] = 5000  # mutated in place: checked again, refused
+    with pytest.raises(ValueError, match="exceed"):
+        log_mel_spectrogram(x, lens, config=cfg)
+    x.delete()
+    with pytest.raises(ValueError, match="waveforms was deleted"):
+        log_mel_spectrogram(x, [4000, 3001], config=cfg)
