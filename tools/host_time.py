@@ -169,6 +169,26 @@ def programs(args: argparse.Namespace) -> None:
     for name, (fn, fn_args) in cases.items():
         cold, stream = host_us(lambda fn=fn, a=fn_args: fn(*a), side)
         print(f"{name:34s} cold {cold:7.1f} us   stream {stream:7.1f} us")
+    # Donation: each call consumes the previous call's output (a kv cache's calling pattern).
+    cache = (1024, 16, 8, 128) if not args.smoke else (16, 4, 2, 8)  # blocks, block, heads, dim
+    ids = jnp.asarray(np.random.default_rng(0).permutation(cache[0])[: cache[0] // 2], jnp.int32)
+    chains = {
+        "donated pass-through": jax.jit(lambda c, i: c, donate_argnums=0),
+        "donated one-block write": jax.jit(lambda c, i: c.at[i[0]].set(c[i[1]]), donate_argnums=0),
+        f"donated {len(ids)}-block scatter": jax.jit(
+            lambda c, i: c.at[i].set(c[jnp.roll(i, 1)]), donate_argnums=0
+        ),
+        "same scatter, not donated": jax.jit(lambda c, i: c.at[i].set(c[jnp.roll(i, 1)])),
+    }
+    for name, fn in chains.items():
+        state = {"c": jnp.zeros(cache, jnp.bfloat16)}
+
+        def step(fn=fn, state=state):
+            state["c"] = fn(state["c"], ids)
+            return state["c"]
+
+        cold, stream = host_us(step, side)
+        print(f"{name:34s} cold {cold:7.1f} us   stream {stream:7.1f} us")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ weights (four [d, d], one [d, f], one [f, d]) from:
 Each form computes the same thing (checked bit for bit); the table prints device ms per call.
 
     python tools/layer_slices.py            # released width, 32 layers (a GPU)
+    python tools/layer_slices.py --unrolled # also each form as a Python loop (constant slices)
     python tools/layer_slices.py --smoke    # tiny sizes: a CPU check of the tool
 """
 
@@ -104,17 +105,35 @@ def scan_program(weights_of: Callable, layers: int) -> Callable:
     return jax.jit(run)
 
 
+def unrolled_program(weights_of: Callable, layers: int) -> Callable:
+    """The same layers as a Python loop: every slice index a constant."""
+
+    def run(x, small, *buffers):
+        for i in range(layers):
+            x = _layer(x, weights_of(buffers, i), small[i])
+        return x
+
+    return jax.jit(run)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check of the tool)")
+    ap.add_argument("--unrolled", action="store_true", help="also each form without a loop")
     args = ap.parse_args(argv)
     layers, rows, d, f = (3, 16, 8, 24) if args.smoke else (32, 6000, 1280, 5120)
     x = jax.random.normal(jax.random.key(1), (rows, d), jnp.bfloat16)
     small = jnp.ones((layers, 2, d), jnp.bfloat16)
     times, first = {}, None
-    for name, (weights_of, buffers) in forms(layers, d, f).items():
-        fn = scan_program(weights_of, layers)
+    programs = [("", scan_program)] + ([(" unrolled", unrolled_program)] if args.unrolled else [])
+    for (name, (weights_of, buffers)), (suffix, build) in (
+        (form, p) for form in forms(layers, d, f).items() for p in programs
+    ):
+        name += suffix
+        fn = build(weights_of, layers)
+        t0 = time.perf_counter()
         out = jax.block_until_ready(fn(x, small, *buffers))
+        compile_s = time.perf_counter() - t0
         first = out if first is None else first
         if not bool(jnp.array_equal(out, first)):
             raise AssertionError(f"{name} computes something else than the stacked form")
@@ -124,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             jax.block_until_ready([fn(x, small, *buffers) for _ in range(5)])
             samples.append((time.perf_counter() - t0) / 5 * 1e3)
         times[name] = statistics.median(samples)
-        print(f"{name:14s} {times[name]:8.3f} ms per call", flush=True)
+        print(f"{name:23s} {times[name]:8.3f} ms per call  (first call {compile_s:.1f} s)",
+              flush=True)  # fmt: skip
     return times
 
 
