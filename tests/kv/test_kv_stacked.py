@@ -184,3 +184,62 @@ def test_stacked_caches_sharded_over_kv_heads(impl):
     with no_recompile():
         got = inject_kv(got, rows, [44, 45])
         extract_kv(got, [5])
+
+
+def _kept_pair(layers=3, blocks=16):
+    layout = KVLayout(kind="packed", num_blocks=blocks, block_size=2, num_kv_heads=2, head_dim=4)
+    names = [f"l{i}" for i in range(layers)]
+    src = stack_layers(layout.random(names, jax.random.key(0)))
+    dst = stack_layers(layout.random(names, jax.random.key(1)))
+    return src, dst
+
+
+def _blocks(cache, ids):
+    return np.asarray(cache.kv)[ids]
+
+
+def test_repeated_copy_is_kept_and_copies_the_same(monkeypatch):
+    src, dst = _kept_pair()
+    hits = []
+    peek = _copy._KEPT.peek
+    monkeypatch.setattr(_copy._KEPT, "peek", lambda key: hits.append(peek(key)) or hits[-1])
+    want_src = np.asarray(src.kv)
+    for _ in range(3):  # the first call checks and keeps, the others hit
+        dst = copy_blocks(src, dst, [1, 5, 7], [2, 3, 11])
+        np.testing.assert_array_equal(_blocks(dst, [2, 3, 11]), want_src[[1, 5, 7]])
+    assert [h is not None for h in hits] == [False, True, True]
+    np.testing.assert_array_equal(np.asarray(src.kv), want_src)  # the source is never written
+
+
+def test_kept_copy_still_refuses_what_its_key_cannot_see():
+    src, dst = _kept_pair()
+    ids = [1, 5]
+    dst = copy_blocks(src, dst, ids, [2, 3])
+    dst = copy_blocks(src, dst, ids, [2, 3])  # kept
+    ids[1] = 99  # mutated in place: a new key, checked, refused
+    with pytest.raises(ValueError, match=r"must lie in \[0, 16\)"):
+        copy_blocks(src, dst, ids, [2, 3])
+    old = dst
+    dst = copy_blocks(src, dst, [1, 5], [2, 3])  # donates `old`
+    with pytest.raises(ValueError, match="deleted"):
+        copy_blocks(src, old, [1, 5], [2, 3])  # same signature, a deleted (donated) cache
+    before = np.asarray(dst.kv)
+    with pytest.raises(ValueError, match="deleted"):
+        copy_blocks(old, dst, [1, 5], [2, 3])  # a deleted source: dst is not consumed
+    np.testing.assert_array_equal(np.asarray(dst.kv), before)
+    within = copy_blocks(dst, dst, [1, 5], [2, 3])  # one cache: another program, same shapes
+    np.testing.assert_array_equal(_blocks(within, [2, 3]), before[[1, 5]])
+
+
+def test_kept_copy_follows_the_kernel_switches(monkeypatch):
+    from jaxsync.kv import _pallas
+
+    src, dst = _kept_pair()
+    dst = copy_blocks(src, dst, [1, 5], [2, 3])  # XLA on CPU, kept
+    chosen = []
+    plan = _pallas.auto_plan
+    monkeypatch.setattr(_pallas, "auto_plan", lambda *a, **k: chosen.append(1) or plan(*a, **k))
+    with _pallas.interpreted("gpu"):  # another kernel choice: not served the kept XLA call
+        dst = copy_blocks(src, dst, [1, 5], [2, 3])
+    assert chosen == [1]
+    np.testing.assert_array_equal(_blocks(dst, [2, 3]), np.asarray(src.kv)[[1, 5]])
