@@ -224,11 +224,13 @@ def plan_copy(
 _ID_UPLOADS: jaxsync.PlanCache[jaxsync.Packed] = jaxsync.PlanCache(maxsize=256)
 
 
-def _dispatch(program: _Program, src: Cache, dst: Cache, ids: jaxsync.Packed) -> Cache:
+def _dispatch(
+    program: _Program, src: Cache, dst: Cache, ids: jaxsync.Packed, compiled: bool = False
+) -> Cache:
     if program.within:
         return _copy_within(dst, ids)
     if program.kernel is not None:  # d2d, or h2d with the kernel reading the pinned source
-        return _pallas.copy(src, dst, ids, program.kernel)
+        return _pallas.copy(src, dst, ids, program.kernel, compiled=compiled)
     if program.direction == "d2d":
         return _copy_same_memory(src, dst, ids)
     return _copy_cross_memory(src, dst, ids, to_host=program.direction == "d2h")
@@ -341,7 +343,7 @@ def _kept_key(src, dst, s_key, d_key, direction, buckets, impl) -> tuple | None:
 
 def _run_kept(program: _Program, ids: jaxsync.Packed, src: Cache, dst: Cache) -> Cache:
     try:
-        return _dispatch(program, src, dst, ids)
+        return _dispatch(program, src, dst, ids, compiled=True)
     except RuntimeError:  # a deleted leaf: refused by the program before anything ran
         if not any(x.is_deleted() for x in jax.tree.leaves((src, dst))):
             raise

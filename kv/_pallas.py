@@ -228,10 +228,15 @@ def _copy_pallas(src: Cache, dst: Cache, ids: jaxsync.Packed, plan: Plan) -> Cac
     return per_shard(local, plan, src, dst, ids)
 
 
-def copy(src: Cache, dst: Cache, ids: jaxsync.Packed, kernel_plan: Plan) -> Cache:
+def copy(
+    src: Cache, dst: Cache, ids: jaxsync.Packed, kernel_plan: Plan, *, compiled: bool = False
+) -> Cache:
     """Same contract as the XLA `_copy_same_memory` (ids padded with out-of-range dst ids), for
     device caches; `src` may also be in pinned host memory (h2d: the kernel reads it directly,
-    as `_pool`'s kernel swap does)."""
+    as `_pool`'s kernel swap does). `compiled`: this exact call signature ran before, so
+    nothing is lowered (the warning filter, process-wide state, is then left alone)."""
+    if compiled:
+        return _copy_pallas(src, dst, ids, kernel_plan)
     with quiet_triton_deprecation():  # Pallas warns whenever the Triton kernel is lowered
         return _copy_pallas(src, dst, ids, kernel_plan)
 
