@@ -260,3 +260,64 @@ def test_same_shape_on_other_devices_is_checked_again(family, call_cache_spy):
     with pytest.raises(ValueError, match="devices|lives on|live on"):
         call(away)
     assert call_cache_spy[0] == "miss"
+
+
+def _own_frames(fn) -> int:
+    """Python frames of jaxsync's own code (core, models, kv) that one call of `fn` runs."""
+    import os
+    import sys
+
+    roots = tuple(
+        os.path.dirname(m.__file__) + os.sep
+        for m in (jaxsync, __import__("jaxsync.models").models, __import__("jaxsync.kv").kv)
+    )
+    seen = [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            seen[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    jax.block_until_ready(out)
+    return seen[0]
+
+
+@pytest.mark.parametrize("family", TOWERS)
+def test_repeated_device_call_runs_a_short_hot_path(family, monkeypatch):
+    # What a serving thread pays per call right after a wait grows with the Python it runs:
+    # a repeated call stays within a dozen frames of jaxsync's own code.
+    build, depths = ENTRIES[family]
+    call, x = build(depths[0])
+    jax.block_until_ready(call(x))
+    kept = _own_frames(lambda: call(x))
+    assert kept <= 13, kept
+    # control: the same call with every kept call missed runs the full checks
+    find = jaxsync.CallCache.find
+    monkeypatch.setattr(jaxsync.CallCache, "find", lambda self, x, *m: (None, find(self, x, *m)[1]))
+    assert _own_frames(lambda: call(x)) >= kept + 8
+
+
+def test_chameleon_full_bucket_kept_calls_match_and_refuse_deleted_pixels():
+    from jaxsync.models import chameleon
+    from jaxsync.paths.chameleon import reference as ref
+
+    cfg = chameleon.ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=1))
+    vq = chameleon.ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
+    enc = chameleon.ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    x = jax.random.normal(jax.random.key(0), (4, *enc.image_shape), jnp.float32)
+    first_rows, first_ids = enc(x), enc.get_image_tokens(x)
+    again_rows, again_ids = enc(x), enc.get_image_tokens(x)  # both kept: no pad, one program
+    np.testing.assert_array_equal(np.asarray(again_rows.embeddings), first_rows.embeddings)
+    np.testing.assert_array_equal(np.asarray(again_ids), np.asarray(first_ids))
+    assert again_rows.lengths == first_rows.lengths and again_ids.shape == (4, enc.tokens_per_image)
+    np.testing.assert_array_equal(
+        np.asarray(again_ids).reshape(-1), np.asarray(again_rows.embeddings)
+    )
+    x.delete()
+    for entry in (enc, enc.get_image_tokens):
+        with pytest.raises(ValueError, match="pixel_values was deleted"):
+            entry(x)

@@ -248,7 +248,14 @@ class ChameleonImageEncoder:
 
         ids, finite, out = tokens(pixel_values)
         self._warm_bucket(rows, shards, ids, finite, pixel_values, where)
-        calls.keep(key, jaxsync.prepared_call(lambda x: tokens(x)[2], "pixel_values"))
+        if pad is None:  # a full bucket: the program and the output's assembly, nothing else
+            run = self._program.prepared(
+                meta, table, finish=lambda outs: finish(self, *outs, n, rows, layout),
+                name="pixel_values",
+            )  # fmt: skip
+        else:
+            run = jaxsync.prepared_call(lambda x: tokens(x)[2], "pixel_values")
+        calls.keep(key, run)
         return out
 
     def _placing(self, where, name: str) -> tuple[int, Any]:
