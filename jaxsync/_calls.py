@@ -87,7 +87,9 @@ def prepared_call(run: Callable[[jax.Array], Any], name: str) -> Callable[[jax.A
 class CallCache:
     """Prepared calls of one entry point, keyed by `call_key`: an LRU of `maxsize` signatures.
 
-    Store only a call whose full checks passed for that key: a hit skips them.
+    Store only a call whose full checks passed for that key: a hit skips them. A kept call
+    that holds something derived from the weights must be dropped (`clear()`) by the entry's
+    `load_state`; one that reads the weights at call time (`TowerProgram.prepared`) need not.
     """
 
     def __init__(self, maxsize: int = 64):

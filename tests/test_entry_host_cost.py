@@ -321,3 +321,23 @@ def test_chameleon_full_bucket_kept_calls_match_and_refuse_deleted_pixels():
     for entry in (enc, enc.get_image_tokens):
         with pytest.raises(ValueError, match="pixel_values was deleted"):
             entry(x)
+
+
+def test_gemma3n_kept_call_sees_new_weights_after_load_state():
+    from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
+    from jaxsync.paths.gemma3n import reference as ref
+
+    cfg = ref.tiny_config()
+    model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
+    enc = Gemma3nAudioEncoder(model, cfg)
+    feats = jnp.ones((2, 40, cfg.input_feat_size), jnp.float32)
+    mask = np.arange(40)[None, :] < np.array([40, 9])[:, None]  # clip 1 ends in pad rows
+    enc(feats, mask)
+    before = np.asarray(enc(feats, mask).embeddings)  # a kept call
+    state = nnx.state(model.embed_audio)
+    nnx.update(model.embed_audio, jax.tree.map(lambda w: w * 1.5 + 0.25, state))
+    enc.load_state(model)
+    after = np.asarray(enc(feats, mask).embeddings)
+    want = np.asarray(Gemma3nAudioEncoder(model, cfg)(feats, mask).embeddings)
+    np.testing.assert_array_equal(after, want)  # pad rows included: no stale pad embedding
+    assert not np.array_equal(after, before)

@@ -113,6 +113,7 @@ class Gemma3nAudioEncoder:
         """Takes new weights (same structure and placement) without recompiling."""
         self.program.load_state(model)
         self._take_weights(model)
+        self._calls.clear()  # kept calls hold the old pad embedding
 
     def pad_embedding(self, placement: Any = None) -> jax.Array:
         """The padding token's embedding `[D]`, computed once per placement, then cached."""
@@ -192,9 +193,14 @@ class Gemma3nAudioEncoder:
             )
         if not on_device:
             return self._embed(feats, plan, meta, layout, placement, stacklevel=4)
-        run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
-            lambda x: self._embed(x, plan, meta, layout, placement, stacklevel=6), FEATURES
-        )
+        if plan.truncation or plan.num_clips != plan.batch:
+            run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
+                lambda x: self._embed(x, plan, meta, layout, placement, stacklevel=6), FEATURES
+            )
+        else:  # the common case: the program and the output's assembly, nothing else
+            finish = jaxsync.Embeddings.assembler(layout, ("finite",))
+            pad = self.pad_embedding(placement)  # `load_state` drops the kept calls
+            run = self.program.prepared(meta, pad, finish=finish, name=FEATURES)
         return self._calls.keep(call_key, run)(feats)
 
     def _embed(self, feats, plan, meta, layout, placement, stacklevel) -> jaxsync.Embeddings:
