@@ -1,4 +1,4 @@
-"""CallCache: the signature of a device call, the kept call, and its refusal of deleted input."""
+"""CallCache: a call's signature on device inputs, the kept call, refusal of deleted input."""
 
 from __future__ import annotations
 

@@ -203,7 +203,7 @@ class Qwen3OmniAudioEncoder:
             non-finite host features, before any upload or compile.
         """
         key = None
-        if input_features is None and feature_attention_mask is None:  # a repeated device call
+        if input_features is None and feature_attention_mask is None:  # a kept call, if any
             run, key = self._calls.find(features, feature_lens)
             if run is not None:
                 return run(features)

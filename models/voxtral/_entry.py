@@ -174,7 +174,7 @@ class VoxtralAudioEncoder:
             neither input, more windows than the largest chunk bucket, inputs on other devices
             than the weights; all before any upload or compile.
         """
-        if sampling_rate is None and attention_mask is None:  # a repeated device call
+        if sampling_rate is None and attention_mask is None:  # a kept call, if any
             if input_features is None:
                 run, key = self._audio_calls.find(audio, lengths)
                 if run is not None:
