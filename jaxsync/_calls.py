@@ -34,11 +34,9 @@ _LIVE_TYPES: set[type] = set()
 
 
 def _live(x: Any) -> bool:
-    kind = type(x)
-    if kind in _LIVE_TYPES:
-        return True
+    """`x` is a concrete device array (its type then joins `_LIVE_TYPES`)."""
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        _LIVE_TYPES.add(kind)
+        _LIVE_TYPES.add(type(x))
         return True
     return False
 

@@ -174,6 +174,7 @@ class VoxtralAudioEncoder:
             neither input, more windows than the largest chunk bucket, inputs on other devices
             than the weights; all before any upload or compile.
         """
+        key = None  # the signature a call on device inputs is kept under
         if sampling_rate is None and attention_mask is None:  # a kept call, if any
             if input_features is None:
                 run, key = self._audio_calls.find(audio, lengths)
@@ -188,13 +189,14 @@ class VoxtralAudioEncoder:
         if input_features is None:
             if num_chunks is not None or attention_mask is not None:
                 raise ValueError("num_chunks and attention_mask go with input_features=")
-            return self._from_audio(audio, lengths, sampling_rate)
+            return self._from_audio(audio, lengths, sampling_rate, key)
         if lengths is not None or sampling_rate is not None:
             raise ValueError("lengths and sampling_rate go with audio=, not input_features=")
-        return self._from_features(input_features, num_chunks)
+        return self._from_features(input_features, num_chunks, key)
 
-    def _from_audio(self, audio: Any, lengths: Any, sampling_rate: Any) -> jaxsync.Embeddings:
-        _, call_key = self._audio_calls.find(audio, lengths)
+    def _from_audio(
+        self, audio: Any, lengths: Any, sampling_rate: Any, call_key: Any
+    ) -> jaxsync.Embeddings:
         if isinstance(audio, list | tuple):
             if lengths is not None:
                 raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
@@ -224,8 +226,6 @@ class VoxtralAudioEncoder:
         plan, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
         if not on_device:
             return self._run(upload_batch(x, lens, hop, self.placement), meta, layout)
-        if sampling_rate is not None:  # the fast path is for calls without it
-            call_key = None
         run = self._prepared(meta, layout, "waveforms", batched=audio.ndim == 2)
         return self._audio_calls.keep(call_key, run)(audio)
 
@@ -233,9 +233,8 @@ class VoxtralAudioEncoder:
         emb, finite = self._program(x, meta)
         return jaxsync.Embeddings.from_layout(emb, layout, {"finite": finite})
 
-    def _from_features(self, features: Any, num_chunks: Any) -> jaxsync.Embeddings:
+    def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
         cfg = self.config
-        _, call_key = self._feature_calls.find(features, num_chunks)
         on_device = isinstance(features, jax.Array)
         if on_device:
             check_live(features, name="input_features")

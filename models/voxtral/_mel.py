@@ -228,8 +228,9 @@ def log_mel_spectrogram(
         calls = _CALLS.peek(settings)
     except TypeError:  # unhashable settings: the checks below refuse them
         calls = settings = None
+    key = None
     if calls is not None:
-        run, _ = calls.find(waveforms, lengths)
+        run, key = calls.find(waveforms, lengths)
         if run is not None:
             return run(waveforms)
     floor = resolve_floor(config, floor)
@@ -254,8 +255,8 @@ def log_mel_spectrogram(
 
     if not on_device or settings is None:
         return run(x)
-    calls = _CALLS.get(settings, jaxsync.CallCache)
-    _, key = calls.find(waveforms, lengths)
+    if calls is None:  # the first device call with these settings
+        calls, key = _CALLS.get(settings, jaxsync.CallCache), jaxsync.call_key(waveforms, lengths)
     return calls.keep(key, jaxsync.prepared_call(run, "waveforms"))(waveforms)
 
 
