@@ -1,12 +1,18 @@
 """The private JAX internals jaxsync uses, in one place, each with a public-API fallback.
 
-Everything else in jaxsync uses JAX's public API. The one thing here is the direct upload
-(`direct_put`): jaxlib's C++ `batched_device_put`, the call under `jax.device_put`, made without
-`device_put`'s Python around it (about 0.2-0.3 ms of host time per small upload on a GPU host
-with work queued; `jaxsync._transfer` says where the numbers come from). It needs four private
-symbols, listed in `PRIVATE`; when any of them is missing (another jax), `DIRECT_PUT` is False and
-every upload takes `jax.device_put`, which gives the same arrays. `tests/test_compat.py` checks
-each symbol on the installed jax and names the one that moved.
+Everything else in jaxsync uses JAX's public API. Two things live here:
+
+- The direct upload (`direct_put`): jaxlib's C++ `batched_device_put`, the call under
+  `jax.device_put`, made without `device_put`'s Python around it (about 0.2-0.3 ms of host time
+  per small upload on a GPU host with work queued; `jaxsync._transfer` says where the numbers
+  come from). It needs the first four symbols of `PRIVATE`; when any of them is missing
+  (another jax), `DIRECT_PUT` is False and every upload takes `jax.device_put`, which gives the
+  same arrays.
+- cuDNN attention over ragged segments (`ragged_attention`), for towers that batch many images
+  into one packed sequence; without it (`ragged_attention_available()` False) they take the
+  masked dense attention, with the same result.
+
+`tests/test_compat.py` checks each symbol on the installed jax and names the one that moved.
 """
 
 from __future__ import annotations
@@ -51,7 +57,20 @@ PRIVATE = (
         "whether a trace is active (an upload under tracing must give a tracer, so it takes "
         "device_put); jax.core no longer exports it",
     ),
+    Private(
+        "jax._src.cudnn.fused_attention_stablehlo",
+        "dot_product_attention",
+        "cuDNN flash attention over ragged segments of one packed sequence (segment lengths and "
+        "offsets): each segment attends alone and no other segment's blocks are computed; "
+        "jax.nn.dot_product_attention takes only per-row padding lengths",
+    ),
+    Private(
+        "jax._src.cudnn.fused_attention_stablehlo",
+        "MaskType.PADDING",
+        "the mask kind that makes the call above honour the segment lengths",
+    ),
 )
+_UPLOAD = PRIVATE[:4]  # the symbols `direct_put` needs
 
 
 def _lookup(symbol: Private) -> Any:
@@ -64,17 +83,18 @@ def _lookup(symbol: Private) -> Any:
         return None
 
 
-def missing() -> list[str]:
-    """The private symbols the installed jax lacks, as 'module.attr' (empty on a supported jax)."""
-    gone = [f"{s.module}.{s.attr}" for s in PRIVATE if _lookup(s) is None]
+def missing(symbols: tuple[Private, ...] | None = None) -> list[str]:
+    """The private symbols (default: all of `PRIVATE`) the installed jax lacks, as
+    'module.attr' (empty on a supported jax)."""
+    gone = [f"{s.module}.{s.attr}" for s in symbols or PRIVATE if _lookup(s) is None]
     state = _lookup(PRIVATE[1])
     if state is not None and not hasattr(state(), "explicit_device_put"):
         gone.append("jax._src.lib.guard_lib.thread_local_state().explicit_device_put")
     return gone
 
 
-_batched_device_put, _guard_state, _shaped, _trace_clean = (_lookup(s) for s in PRIVATE)
-DIRECT_PUT = not missing()
+_batched_device_put, _guard_state, _shaped, _trace_clean = (_lookup(s) for s in _UPLOAD)
+DIRECT_PUT = not missing(_UPLOAD)
 """True when `direct_put` can take jaxlib's C++ transfer; False: it calls `jax.device_put`."""
 
 
@@ -126,3 +146,41 @@ def array_type() -> type:
     runtime guard patches its conversion methods."""
     with jax.ensure_compile_time_eval():  # a concrete value even if called under a trace
         return type(jax.device_put(np.zeros((), np.int32)))
+
+
+def ragged_attention_available() -> bool:
+    """Whether the installed jax has the cuDNN ragged-segment attention `ragged_attention`
+    calls (looked up on first use: the module registers cuDNN primitives on import)."""
+    return _lookup(PRIVATE[4]) is not None and _lookup(PRIVATE[5]) is not None
+
+
+def ragged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, offsets: jax.Array, scale: float
+) -> jax.Array:
+    """cuDNN flash attention of every segment of packed rows alone (GPU, 16-bit, inside jit).
+
+    Args:
+      q, k, v: [T, N, H] packed rows.
+      lengths: int32 [M] rows per segment; -1 in unused slots.
+      offsets: int32 [M + 1] first row of each segment, then the end of the last; -1 after it.
+      scale: the score scale (1/sqrt(H) for standard attention).
+
+    Returns:
+      [T, N, H]; rows in no segment are not written by the kernel (cover every row).
+    """
+    cudnn = _lookup(PRIVATE[4])
+    padding = _lookup(PRIVATE[5])
+    lengths, offsets = lengths[None], offsets[None]
+    out = cudnn(
+        q[None],
+        k[None],
+        v[None],
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=scale,
+        mask_type=padding,
+        qkv_layout="BTNH",
+    )
+    return out[0]

@@ -62,8 +62,18 @@ def test_public_fallback_when_the_private_transfer_is_gone(monkeypatch):
 def test_missing_names_a_removed_symbol(monkeypatch):
     # Negative control for the checks above: a symbol that is gone is reported by name.
     fake = _compat.Private("jax._src.core", "no_such_symbol", "test")
-    monkeypatch.setattr(_compat, "PRIVATE", (*_compat.PRIVATE[:2], fake, _compat.PRIVATE[3]))
+    monkeypatch.setattr(_compat, "PRIVATE", (*_compat.PRIVATE[:2], fake, *_compat.PRIVATE[3:]))
     assert _compat.missing() == ["jax._src.core.no_such_symbol"]
+
+
+def test_ragged_attention_is_available_on_this_jax():
+    assert _compat.ragged_attention_available(), _compat.missing()
+
+
+def test_ragged_attention_unavailable_when_its_symbol_is_gone(monkeypatch):
+    fake = _compat.Private("jax._src.cudnn.fused_attention_stablehlo", "no_such_symbol", "test")
+    monkeypatch.setattr(_compat, "PRIVATE", (*_compat.PRIVATE[:4], fake, _compat.PRIVATE[5]))
+    assert not _compat.ragged_attention_available()
 
 
 def test_array_type_is_the_class_of_jax_arrays():

@@ -26,6 +26,7 @@ from jaxsync.models.glm4v._plan import (
     VisionPlan as VisionPlan,
     merge_block_coords as merge_block_coords,
     plan_batch as plan_batch,
+    resolve_layout as resolve_layout,
 )
 from jaxsync.models.glm4v._weights import (
     FULL_MODEL_PREFIX as FULL_MODEL_PREFIX,

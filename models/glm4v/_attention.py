@@ -8,10 +8,13 @@ product. A segment's own non-finite keys still poison it, through its own scores
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsync import _compat
 from jaxsync.models._attention import AttentionImpl, resolve_attention
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 
@@ -98,6 +101,28 @@ def segment_attention(
     return out
 
 
+class RaggedSegments(NamedTuple):
+    """The "ragged" layout's segments of P packed rows (see `plan_batch`)."""
+
+    lengths: jax.Array  # int32 [M]: rows per segment, -1 in unused slots
+    offsets: jax.Array  # int32 [M + 1]: first row of each segment, then the end; -1 after
+    seg: jax.Array  # int32 [P]: each row's segment id (the mask where cuDNN is not used)
+
+
+def ragged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: RaggedSegments, impl: str
+) -> jax.Array:
+    """Attention of each segment alone: cuDNN's ragged kernel (work sum(L^2), no block of
+    another segment computed) where `impl` is "cudnn", else the same segments as a dense
+    mask. q, k, v: [P, N, H]; returns [P, N, H]."""
+    if impl == "cudnn":
+        v = finite_values(v)  # as the dense form: a segment's own non-finite values give 0
+        scale = q.shape[-1] ** -0.5
+        return _compat.ragged_attention(q, k, v, segments.lengths, segments.offsets, scale)
+    seg = segments.seg
+    return masked_attention(q, k, v, seg[:, None] == seg[None, :], impl)
+
+
 class Attention(nnx.Module):
     """`Glm4vVisionAttention` over a packed sequence, restricted to each segment (frame).
 
@@ -126,13 +151,15 @@ class Attention(nnx.Module):
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array | tuple
     ) -> jax.Array:
-        """x: [P, D]; cos, sin: [P, H]; segments: the dense [P, P] same-segment mask, or the
-        segment groups of `segment_attention`. Returns [P, D]."""
+        """x: [P, D]; cos, sin: [P, H]; segments: the dense [P, P] same-segment mask, the
+        segment groups of `segment_attention`, or `RaggedSegments`. Returns [P, D]."""
         p = x.shape[0]
         qkv = self.qkv(x).reshape(p, 3, self.num_heads, self.head_dim)  # [P, 3, N, H]
         q = _rotate(qkv[:, 0], cos, sin)  # [P, N, H]
         k = _rotate(qkv[:, 1], cos, sin)
-        if isinstance(segments, tuple):
+        if isinstance(segments, RaggedSegments):
+            out = ragged_attention(q, k, qkv[:, 2], segments, self.impl)
+        elif isinstance(segments, tuple):
             out = segment_attention(q, k, qkv[:, 2], segments, self.impl)
         else:
             # Every row keeps its own key (padding forms its own segment): no all-masked row.

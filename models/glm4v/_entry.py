@@ -16,7 +16,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, pos_embeds
-from jaxsync.models.glm4v._plan import AttentionLayout, VisionPlan, check_grid, plan_batch
+from jaxsync.models.glm4v._plan import (
+    AttentionLayout,
+    VisionPlan,
+    check_grid,
+    plan_batch,
+    resolve_layout,
+)
 
 
 # Compiled tower programs shared by every encoder of the same module structure, shapes, dtypes
@@ -68,10 +74,19 @@ class Glm4vVisionEncoder:
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
       placement: device or sharding for host uploads (None: beside the weights).
       plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
-      attention_layout: "dense" (a [P, P] segment mask; one program per patch bucket),
-        "segments" (each image / frame attends alone, images of similar size batched: work
-        grows with the sum of per-image squares; one program per patch bucket and size mix),
-        or "auto" (dense for a single image, segments for several images or video frames).
+      attention_layout: how each image / frame attends only to itself:
+        "ragged" (cuDNN's attention over the segments of the packed rows: work grows with the
+        sum of per-image squares; GPU towers with cuDNN attention; one program per patch
+        bucket and segment-slot bucket, 8 / 64 / 512 ... segments),
+        "dense" (a [P, P] segment mask: work grows with the square of the batch's patches; any
+        backend; one program per patch bucket),
+        "segments" (images of similar size batched, each attending alone: work grows with the
+        sum of per-image squares; any backend; one program per patch bucket and size mix),
+        or "auto" (default: "ragged" where the tower's attention runs on cuDNN, else "dense").
+        "ragged" on a tower without cuDNN attention computes the dense mask.
+
+    Attributes:
+      attention_layout: the layout in use ("auto" resolved).
     """
 
     def __init__(
@@ -81,15 +96,12 @@ class Glm4vVisionEncoder:
         group_buckets: Sequence[int] | None = None,
         placement=None,
         plan_cache_size: int = 64,
-        attention_layout: AttentionLayout = "dense",
+        attention_layout: AttentionLayout = "auto",
     ):
-        if attention_layout not in ("dense", "segments", "auto"):
-            raise ValueError(
-                f"attention_layout must be 'dense', 'segments' or 'auto', got {attention_layout!r}"
-            )
-        self.attention_layout = attention_layout
         if not isinstance(model, Glm4vVisionTower):
             raise TypeError(f"model must be a Glm4vVisionTower, got {type(model).__name__}")
+        attention = model.blocks[0].attn.impl if len(model.blocks) else "xla"
+        self.attention_layout = resolve_layout(attention_layout, attention)
         self.cfg = model.cfg
         self.dtype = model.dtype
         self.group_buckets = (

@@ -16,7 +16,7 @@ from flax import nnx
 import jaxsync
 from jaxsync.models._activations import gelu
 from jaxsync.models._attention import AttentionImpl
-from jaxsync.models.glm4v._attention import Attention, linear, rotary_cos_sin
+from jaxsync.models.glm4v._attention import Attention, RaggedSegments, linear, rotary_cos_sin
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._interp import interpolate_pos_embed
 from jaxsync.models.glm4v._plan import SEGMENT_GROUP
@@ -189,6 +189,8 @@ def forward(
     groups = tuple(meta[name] for name in meta.names if name.startswith(SEGMENT_GROUP))
     if groups:  # the "segments" layout: each segment attends alone, batched by length
         segments = groups
+    elif "seq_lengths" in meta.names:  # the "ragged" layout
+        segments = RaggedSegments(meta["seq_lengths"], meta["seq_offsets"], meta["seg"])
     else:
         seg = meta["seg"]
         segments = seg[:, None] == seg[None, :]  # [P, P]

@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 import jaxsync
+from jaxsync import _compat
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 
 
@@ -31,7 +32,11 @@ DEFAULT_SEGMENT_BUCKETS: tuple[int, ...] = (4, 8, 16, *(4 * b for b in DEFAULT_G
 _SLOT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(16))
 # Field-name prefix of a segment group's row index in the plan (`segment_L` -> [G, L]).
 SEGMENT_GROUP = "segment_"
-AttentionLayout = Literal["dense", "segments", "auto"]
+# Segment slots of the "ragged" layout: coarse, so nearly every batch of a patch bucket shares
+# one program; unused slots cost the kernel next to nothing.
+_RAGGED_SLOTS: tuple[int, ...] = tuple(8**k for k in range(1, 8))
+LAYOUTS = ("dense", "segments", "ragged")
+AttentionLayout = Literal["dense", "segments", "ragged", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +53,9 @@ class VisionPlan:
         patch's image), seg (int32 attention segment: one per frame; padding gets its own),
         item (int32 item index; padding gets the item count). The "segments" layout adds, per
         segment length bucket L, `segment_L` [G, L]: the rows of G segments (frames) of at most
-        L patches, padded with the index P.
+        L patches, padded with the index P. The "ragged" layout adds `seq_lengths` [M] and
+        `seq_offsets` [M + 1] (rows per segment and first row of each, then the end; -1 in
+        unused slots), the padding rows forming the last segment.
     """
 
     grid_thw: np.ndarray
@@ -122,17 +129,16 @@ def plan_batch(
       group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
       attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket),
         "segments" (segments grouped by length bucket, attention work sum(G * L^2): one
-        program per patch bucket and group mix), or "auto" (dense for a batch of one segment,
-        segments for several).
+        program per patch bucket and group mix) or "ragged" (segment lengths and offsets for
+        cuDNN's ragged attention, work sum(L^2): one program per patch bucket and slot bucket).
       segment_buckets: patch-count buckets of one segment (default `DEFAULT_SEGMENT_BUCKETS`).
 
     Raises:
-      ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`.
+      ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`; or another
+        layout (resolve "auto" with `resolve_layout` first).
     """
-    if attention_layout not in ("dense", "segments", "auto"):
-        raise ValueError(
-            f"attention_layout must be 'dense', 'segments' or 'auto', got {attention_layout!r}"
-        )
+    if attention_layout not in LAYOUTS:
+        raise ValueError(f"attention_layout must be one of {LAYOUTS}, got {attention_layout!r}")
     merge = cfg.spatial_merge_size
     grid = check_grid(grid_thw, merge)
     real = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
@@ -164,10 +170,41 @@ def plan_batch(
     seg[real:] = frame  # padding attends only to padding, so its rows stay finite
     tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
     fields = {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
-    # One segment gains nothing from grouping (and pays its bucket's padding); several do.
-    if attention_layout == "segments" or (attention_layout == "auto" and frame > 1):
+    if attention_layout == "segments":
         fields.update(segment_groups(grid, padded, segment_buckets or DEFAULT_SEGMENT_BUCKETS))
+    elif attention_layout == "ragged":
+        fields.update(ragged_segments(seg))
     return VisionPlan(grid, real, padded, tokens, fields)
+
+
+def resolve_layout(layout: str, attention: str) -> str:
+    """The layout an encoder plans with: "auto" is "ragged" where the tower's attention runs
+    on cuDNN (and the installed jax offers its ragged form), else "dense"; both compile one
+    program per patch bucket.
+
+    Raises:
+      ValueError: an unknown layout.
+    """
+    if layout == "auto":
+        return (
+            "ragged" if attention == "cudnn" and _compat.ragged_attention_available() else "dense"
+        )
+    if layout not in LAYOUTS:
+        raise ValueError(f"attention_layout must be one of {(*LAYOUTS, 'auto')}, got {layout!r}")
+    return layout
+
+
+def ragged_segments(seg: np.ndarray) -> dict[str, np.ndarray]:
+    """`seq_lengths` [M] and `seq_offsets` [M + 1] of the runs of equal ids in `seg` [P] (every
+    row in one segment), M the slot bucket of the run count, -1 in unused slots."""
+    starts = np.flatnonzero(np.diff(seg, prepend=-1))  # first row of each run
+    count = len(starts)
+    slots = jaxsync.bucket(count, _RAGGED_SLOTS, minimum=1)
+    lengths = np.full(slots, -1, np.int32)
+    offsets = np.full(slots + 1, -1, np.int32)
+    lengths[:count] = np.diff(np.append(starts, len(seg)))
+    offsets[: count + 1] = np.append(starts, len(seg))
+    return {"seq_lengths": lengths, "seq_offsets": offsets}
 
 
 def segment_groups(grid: np.ndarray, padded: int, buckets: Sequence[int]) -> dict[str, np.ndarray]:

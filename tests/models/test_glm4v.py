@@ -137,7 +137,7 @@ def test_registered_for_verify():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["dense", "segments"])
+@pytest.mark.parametrize("layout", ["dense", "segments", "ragged"])
 def test_cudnn_attention_matches_xla(layout):
     """The GPU flash-attention path (segment mask through cuDNN) against the XLA form, bf16.
 
@@ -396,24 +396,70 @@ def test_segments_layout_never_recompiles_a_repeated_mix(model):
     assert out.lengths == tuple(t * h * w // 4 for t, h, w in same_mix)
 
 
-def test_auto_layout_is_dense_for_one_segment_and_segments_for_several(model):
-    # "auto" picks per batch: the plan (and so the program) of the dense layout for a single
-    # image, of the segments layout for several images or video frames; results identical.
-    auto = glm4v.Glm4vVisionEncoder(model, attention_layout="auto")
-    for grid, twin in (
-        ([[1, 8, 8]], "dense"),
-        (MIXED_SIZES, "segments"),
-        ([[3, 4, 4]], "segments"),
-    ):
-        other = glm4v.Glm4vVisionEncoder(model, attention_layout=twin)
-        assert set(auto.plan(grid).fields) == set(other.plan(grid).fields)
-        px = ref.pixels(grid, CFG, seed=3)
-        np.testing.assert_array_equal(
-            np.asarray(auto(px, grid).embeddings), np.asarray(other(px, grid).embeddings)
+def test_ragged_plan_lists_every_segment_once():
+    # A video of 3 frames, two images and the bucket's padding: 6 segments covering every row.
+    grid = [[3, 4, 4], [1, 8, 6], [1, 2, 2]]
+    plan = glm4v.plan_batch(grid, CFG, attention_layout="ragged")
+    lengths, offsets = plan.fields["seq_lengths"], plan.fields["seq_offsets"]
+    real = [16, 16, 16, 48, 4]
+    pad = plan.padded_patches - sum(real)
+    assert pad > 0
+    np.testing.assert_array_equal(lengths, [*real, pad, -1, -1])  # 8 slots
+    np.testing.assert_array_equal(offsets, [0, 16, 32, 48, 96, 100, plan.padded_patches, -1, -1])
+    assert lengths.dtype == offsets.dtype == np.int32
+    # each run of the dense layout's segment ids is one ragged segment
+    seg = plan.fields["seg"]
+    for first, n in zip(offsets[:6], lengths[:6], strict=True):
+        assert len(set(seg[first : first + n])) == 1 and (
+            first == 0 or seg[first - 1] != seg[first]
         )
-    # control: the two layouts do plan differently for several segments
-    assert set(glm4v.Glm4vVisionEncoder(model).plan(MIXED_SIZES).fields) != set(
-        auto.plan(MIXED_SIZES).fields
-    )
+    # nine images: the next slot bucket (64)
+    nine = glm4v.plan_batch([[1, 2, 2]] * 9, CFG, attention_layout="ragged")
+    assert nine.fields["seq_lengths"].shape == (64,) and nine.fields["seq_offsets"].shape == (65,)
+    assert "seq_lengths" not in glm4v.plan_batch(grid, CFG).fields  # control: dense plans none
+
+
+@pytest.mark.parametrize("grid", [MIXED_SIZES, [[3, 4, 4], [1, 8, 6]], [[1, 8, 8]]])
+def test_ragged_layout_off_cudnn_is_the_dense_result(model, grid):
+    # Without cuDNN attention the ragged segments run as the dense mask: bit-identical.
+    ragged = glm4v.Glm4vVisionEncoder(model, attention_layout="ragged")
+    dense = glm4v.Glm4vVisionEncoder(model, attention_layout="dense")
+    assert ragged.attention_layout == "ragged" and "seq_lengths" in ragged.plan(grid).fields
+    px = ref.pixels(grid, CFG, seed=3)
+    a, b = ragged(px, grid), dense(px, grid)
+    np.testing.assert_array_equal(np.asarray(a.embeddings), np.asarray(b.embeddings))
+    np.testing.assert_array_equal(np.asarray(a.extras["hidden"]), np.asarray(b.extras["hidden"]))
+
+
+def test_ragged_layout_compiles_once_per_bucket_not_per_mix(model):
+    from jaxsync.check import RecompileError, no_recompile
+
+    enc = glm4v.Glm4vVisionEncoder(model, attention_layout="ragged")
+    first = [MIXED_SIZES[i % 4] for i in range(5)]
+    other_mix = [[1, 10, 10], [2, 4, 6], [1, 6, 4], [1, 8, 12]]  # other sizes, a video
+    assert enc.plan(first).padded_patches == enc.plan(other_mix).padded_patches
+    enc(ref.pixels(first, CFG, seed=1), first)
+    with no_recompile():
+        out = enc(ref.pixels(other_mix, CFG, seed=2), other_mix)
+    assert out.lengths == tuple(t * h * w // 4 for t, h, w in other_mix)
+    # control: a new slot bucket (more than 8 segments) is a new program
+    many = [[1, 2, 2]] * 9 + [[1, 8, 8]] * 4
+    assert enc.plan(many).padded_patches == enc.plan(first).padded_patches
+    with pytest.raises(RecompileError), no_recompile():
+        enc(ref.pixels(many, CFG, seed=3), many)
+
+
+def test_auto_layout_is_ragged_with_cudnn_attention_else_dense(model, monkeypatch):
+    from jaxsync import _compat
+
+    assert glm4v.Glm4vVisionEncoder(model).attention_layout == "dense"  # XLA attention (CPU)
+    assert glm4v.resolve_layout("auto", "cudnn") == "ragged"
+    assert glm4v.resolve_layout("auto", "xla") == "dense"
+    assert glm4v.resolve_layout("segments", "cudnn") == "segments"
+    # a jax without the ragged kernel: auto keeps the dense mask
+    monkeypatch.setattr(_compat, "ragged_attention_available", lambda: False)
+    assert glm4v.resolve_layout("auto", "cudnn") == "dense"
     with pytest.raises(ValueError, match="'auto'"):
         glm4v.Glm4vVisionEncoder(model, attention_layout="sparse")
+    with pytest.raises(ValueError, match="attention_layout"):
+        glm4v.plan_batch([[1, 4, 4]], CFG, attention_layout="auto")  # resolve it first

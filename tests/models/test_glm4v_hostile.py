@@ -81,7 +81,7 @@ def test_weight_errors_name_the_key(tmp_path):
 POISON_GRID = [[1, 6, 6], [1, 4, 8], [2, 2, 4], [1, 10, 6]]
 
 
-@pytest.mark.parametrize("layout", ["dense", "segments"])
+@pytest.mark.parametrize("layout", ["dense", "segments", "ragged"])
 @pytest.mark.parametrize("impl", ["xla", "dot_product"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_poisoned_image_never_changes_the_others(impl, bad, layout):
@@ -308,3 +308,37 @@ def test_batch_equals_each_image_alone(enc, blocks):
             np.asarray(part), np.asarray(alone.embeddings)[: n // 4], rtol=2e-5, atol=2e-5
         )
         start += n
+
+
+@pytest.mark.gpu
+def test_ragged_cudnn_is_sync_free_and_isolates_each_image():
+    """GPU: the default layout of a bf16 tower is cuDNN's ragged attention. It never syncs, one
+    program serves every mix of the bucket, and a poisoned image leaves the others bit-identical."""
+    if jax.default_backend() not in ("gpu", "cuda"):
+        pytest.skip("cuDNN attention needs a GPU")
+    from jaxsync.check import assert_sync_free
+
+    cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "hidden_size": 64, "num_heads": 4})  # H = 16
+    model = glm4v.Glm4vVisionTower(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    enc = glm4v.Glm4vVisionEncoder(model)
+    assert model.blocks[0].attn.impl == "cudnn" and enc.attention_layout == "ragged"
+    grids = [POISON_GRID, [[1, 8, 8], [2, 4, 6], [1, 6, 6]], [[1, 10, 10], [1, 6, 6], [1, 2, 2]]]
+    assert len({enc.plan(g).padded_patches for g in grids}) == 1
+    inputs = [(ref.pixels(g, cfg, seed=i), g) for i, g in enumerate(grids)]
+    assert assert_sync_free(enc, *inputs[0], inputs=inputs[1:]).compiles == 0
+
+    px = ref.pixels(POISON_GRID, cfg, seed=4)
+    plan = enc.plan(POISON_GRID, px.shape[0])
+    clean = np.zeros((plan.padded_patches, cfg.patch_dim), np.float32)
+    clean[: px.shape[0]] = px
+    poisoned = clean.copy()
+    poisoned[36 + 5, 7] = np.nan  # one value of image 1
+    a = enc(jaxsync.async_h2d(clean.astype(jnp.bfloat16)), POISON_GRID)
+    b = enc(jaxsync.async_h2d(poisoned.astype(jnp.bfloat16)), POISON_GRID)
+    np.testing.assert_array_equal(np.asarray(b.extras["finite"])[:4], [True, False, True, True])
+    for i, (o, n) in enumerate(zip(a.offsets, a.lengths, strict=True)):
+        got = np.asarray(b.embeddings[o : o + n], np.float32)
+        if i == 1:
+            assert not np.isfinite(got).any()
+        else:
+            np.testing.assert_array_equal(got, np.asarray(a.embeddings[o : o + n], np.float32))

@@ -107,11 +107,11 @@ def test_interpolate_pos_embed_standalone_8x8():
     assert np.abs(np.asarray(wrong).reshape(h * w, dim) - got).max() > 1e-3
 
 
-@pytest.mark.parametrize("layout", ["dense", "segments"])
+@pytest.mark.parametrize("layout", ["dense", "segments", "ragged"])
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_tower_fp32(tiny, name, layout):
     _, torch_model, cfg, _, enc = tiny
-    if layout == "segments":
+    if layout != "dense":
         enc = glm4v.Glm4vVisionEncoder(glm4v.load_model(tiny[3], cfg), attention_layout=layout)
     grid = BATCHES[name]
     px = ref.pixels(grid, cfg, seed=len(name))

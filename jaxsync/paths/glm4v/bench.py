@@ -22,9 +22,9 @@ _BENCH_GRIDS = {
     "4 images": _MIXED,
     "16 images": _MIXED * 4,
 }
-# Rows also timed with attention_layout="segments" (work grows with the sum of per-image
-# squares instead of the square of the batch's patch count).
-_SEGMENT_ROWS = ("672x448", "4 images", "16 images")
+# Rows also timed with the other attention layouts than the default ("ragged" on a GPU):
+# "dense" (work grows with the square of the batch's patch count) and "segments".
+_LAYOUT_ROWS = ("672x448", "4 images", "16 images")
 
 
 @register_bench("glm4v")
@@ -41,7 +41,11 @@ def _bench(device: str, size: str) -> list[BenchCase]:
     torch_model = ref.build_reference(hf, device=device, dtype=tdtype)
     tower = Glm4vVisionTower(cfg, dtype=jdtype, rngs=nnx.Rngs(0))
     enc = Glm4vVisionEncoder(tower)
-    segments = Glm4vVisionEncoder(tower, attention_layout="segments")
+    others = {
+        layout: Glm4vVisionEncoder(tower, attention_layout=layout)
+        for layout in ("dense", "segments")
+        if layout != enc.attention_layout
+    }
     grids = _BENCH_GRIDS
     if size == "tiny":  # the tiny table is 6x6 with patch 7: same shapes, smaller images
         grids = {k: [[t, h // 4, w // 4] for t, h, w in g] for k, g in grids.items()}
@@ -68,12 +72,12 @@ def _bench(device: str, size: str) -> list[BenchCase]:
         cases.append(
             BenchCase(f"glm4v.vision_tower {label}", jax_fn, {"transformers_eager": torch_fn})
         )
-        if label in _SEGMENT_ROWS:
+        for layout, other in others.items() if label in _LAYOUT_ROWS else ():
 
-            def segments_fn(jpx=jpx, grid=grid):
-                return segments(next(jpx), grid).embeddings
+            def other_fn(jpx=jpx, grid=grid, other=other):
+                return other(next(jpx), grid).embeddings
 
-            cases.append(BenchCase(f"glm4v.vision_tower {label} [segments]", segments_fn))
+            cases.append(BenchCase(f"glm4v.vision_tower {label} [{layout}]", other_fn))
 
     grid = grids["4 images"]
     cases.append(
