@@ -110,3 +110,47 @@ def test_sharded_state_passes_leaf_by_leaf():
     prog = jaxsync.TowerProgram(model, forward, layers="blocks")
     assert prog.num_state_args > 1  # not packed: packing would reshard
     np.testing.assert_allclose(prog(x, meta), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cublas_matmuls_option_applies_only_on_a_gpu():
+    from jaxsync._tower import CUBLAS_MATMULS, jit_options
+
+    assert jit_options("cublas", "gpu", {})["compiler_options"] == CUBLAS_MATMULS
+    mine = {"compiler_options": {"xla_gpu_enable_triton_gemm": True}, "donate_argnums": (1,)}
+    assert jit_options("cublas", "gpu", mine) == mine  # the caller's own option wins
+    assert jit_options("cublas", "cpu", {}) == {} and jit_options("cublas", "tpu", {}) == {}
+    assert jit_options("xla", "gpu", {}) == {}
+    model = Tower(rngs=nnx.Rngs(0))
+    x, meta = _inputs()
+    prog = jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="cublas")
+    assert prog.platform == jax.devices()[0].platform
+    np.testing.assert_array_equal(
+        prog(x, meta), jaxsync.TowerProgram(model, forward, layers="blocks")(x, meta)
+    )
+    with pytest.raises(ValueError, match="matmuls"):
+        jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="triton")
+
+
+@pytest.mark.gpu
+def test_cublas_matmuls_compile_no_triton_gemm_on_a_gpu():
+    if jax.default_backend() not in ("gpu", "cuda"):
+        pytest.skip("needs a GPU")
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            kw = {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16, "rngs": rngs}
+            self.blocks = nnx.List([nnx.Linear(1280, 5120, **kw) for _ in range(2)])
+
+    def mlp(model, x):
+        for layer in model.blocks:  # matmul, bias and GELU: a Triton gemm fusion candidate
+            x = jax.nn.gelu(layer(x), approximate=False)[:, :1280]
+        return x
+
+    model = Mlp(nnx.Rngs(0))
+    x = jnp.ones((6000, 1280), jnp.bfloat16)
+    texts = {
+        m: jaxsync.TowerProgram(model, mlp, layers=None, matmuls=m).lower(x).compile().as_text()
+        for m in ("xla", "cublas")
+    }
+    assert "__triton_gemm" not in texts["cublas"] and "cublas" in texts["cublas"]
+    assert "__triton_gemm" in texts["xla"]  # control: XLA's own choice here is a Triton gemm
