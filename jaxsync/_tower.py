@@ -105,6 +105,7 @@ class TowerProgram:
     Attributes:
       num_state_args: jit arguments the state takes per call.
       platform: the platform the state lives on ("cpu", "gpu", "tpu").
+      matmuls: the `matmuls` argument.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class TowerProgram:
             raise ValueError(f"matmuls must be 'xla' or 'cublas', got {matmuls!r}")
         self._forward = forward
         self._layers = layers
+        self.matmuls = matmuls
         self._build(model)
         self._jitted = jax.jit(self._run, **jit_options(matmuls, self.platform, jit_kwargs))
 
