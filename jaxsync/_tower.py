@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsync import _compat
 from jaxsync._calls import deleted_message
 from jaxsync._jit import flat_state
 from jaxsync._layers import split_layers
@@ -123,7 +124,15 @@ class TowerProgram:
         self._layers = layers
         self.matmuls = matmuls
         self._build(model)
-        self._jitted = jax.jit(self._run, **jit_options(matmuls, self.platform, jit_kwargs))
+        options = jit_options(matmuls, self.platform, jit_kwargs)
+        self._top = jax.jit(self._run, **options)
+        self._jitted = self._top
+        if options is not jit_kwargs:
+            # JAX takes compiler options only on a top-level jit: traced inside another jit (a
+            # server's step, a checker), the program is the same function without them.
+            nested = jax.jit(self._run, **jit_kwargs)
+            top = self._top
+            self._jitted = lambda *a: (nested if _compat.tracing() else top)(*a)
 
     def _build(self, model: nnx.Module) -> None:
         if self._layers is not None and len(getattr(model, self._layers)):
@@ -203,7 +212,7 @@ class TowerProgram:
 
     def lower(self, *inputs: Any) -> Any:
         """`jax.jit(...).lower` of one call, for inspection (argument counts, HLO)."""
-        return self._jitted.lower(self._args, *inputs)
+        return self._top.lower(self._args, *inputs)
 
     def load_state(self, model: nnx.Module) -> None:
         """Takes new weights (e.g. after `nnx.update`) without recompiling.

@@ -129,3 +129,26 @@ def test_cublas_matmuls_option_applies_only_on_a_gpu():
     )
     with pytest.raises(ValueError, match="matmuls"):
         jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="triton")
+
+
+def test_program_with_compiler_options_runs_inside_another_jit(monkeypatch):
+    # JAX refuses compiler options on a nested jit; a "cublas" program traced inside a server's
+    # step (or a checker's trace) takes the same function without them.
+    from jaxsync import _tower
+
+    monkeypatch.setattr(_tower, "jit_options", lambda m, p, kw: _tower.CUBLAS_MATMULS_KW)
+    monkeypatch.setattr(
+        _tower, "CUBLAS_MATMULS_KW", {"compiler_options": _tower.CUBLAS_MATMULS}, raising=False
+    )
+    model = Tower(rngs=nnx.Rngs(0))
+    x, meta = _inputs()
+    prog = jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="cublas")
+    want = np.asarray(prog(x, meta))
+    np.testing.assert_array_equal(jax.jit(lambda x: prog(x, meta))(x), want)
+    call = prog.prepared(meta, finish=lambda out: out, name="x")
+    np.testing.assert_array_equal(call(x), want)
+    np.testing.assert_array_equal(jax.jit(call)(x), want)
+    # control: the plain jit with the options fails when nested
+    opts = jax.jit(lambda x: x + 1, compiler_options=_tower.CUBLAS_MATMULS)
+    with pytest.raises(ValueError, match="compiler_options"):
+        jax.jit(lambda x: opts(x))(x)
