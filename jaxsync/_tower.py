@@ -64,10 +64,10 @@ def run_layers(layers: Sequence[nnx.Module], x: Any, *args: Any) -> Any:
     return out
 
 
-# XLA on a GPU may compile a matmul together with the slices and elementwise ops around it into
-# one Triton kernel. For the towers' large bf16 matmuls cuBLAS with separate fusions is faster
-# (the voxtral encoder at 4 x 30 s: 5% less device time on an H200) and the program compiles
-# without autotuning Triton kernels (a third of the first-call time).
+# XLA on a GPU autotunes every matmul over cuBLAS algorithms and its own Triton kernels. For the
+# voxtral encoder at released width the Triton candidates never win, yet the program compiled
+# with them off runs 3-5% faster on an H200 (other algorithms win the timing) and compiles in a
+# third of the time. Other towers measured no better or slightly worse, so it is per program.
 CUBLAS_MATMULS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 
 
@@ -94,8 +94,8 @@ class TowerProgram:
         named by `layers` through `jaxsync.run_layers`.
       layers: attribute holding the list of identical layers, or None for a model without one
         (its leaves are then packed flat, one buffer per dtype).
-      matmuls: "xla" (XLA picks each matmul's kernel) or "cublas": on a GPU, every matmul a
-        cuBLAS call, never a Triton kernel fused with its neighbours (see `CUBLAS_MATMULS`).
+      matmuls: "xla" (XLA picks each matmul's kernel) or "cublas": on a GPU, only cuBLAS
+        algorithms are candidates for a matmul, no Triton kernel (see `CUBLAS_MATMULS`).
         Ignored on other platforms.
       **jit_kwargs: passed to `jax.jit` (e.g. `donate_argnums` counted over `inputs`, shifted
         by the one state argument).
