@@ -10,6 +10,8 @@ from typing import Generic, TypeVar
 import jax
 import numpy as np
 
+from jaxsync import _compat
+
 
 T = TypeVar("T")
 
@@ -93,7 +95,13 @@ class PlanCache(Generic[T]):
         return hit
 
     def put(self, key: Hashable, value: T) -> None:
-        """Keeps `value` for `key`, evicting the least recently used beyond `maxsize`."""
+        """Keeps `value` for `key`, evicting the least recently used beyond `maxsize`.
+
+        Nothing is kept while a trace is active: a value built then (a prepared call, an
+        upload) may hold traced values that must not outlive the trace.
+        """
+        if _compat.tracing():
+            return
         with self._lock:
             self._items[key] = value
             while len(self._items) > self.maxsize:

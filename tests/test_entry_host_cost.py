@@ -341,3 +341,23 @@ def test_gemma3n_kept_call_sees_new_weights_after_load_state():
     want = np.asarray(Gemma3nAudioEncoder(model, cfg)(feats, mask).embeddings)
     np.testing.assert_array_equal(after, want)  # pad rows included: no stale pad embedding
     assert not np.array_equal(after, before)
+
+
+@pytest.mark.parametrize("family", TOWERS)
+def test_a_call_traced_with_concrete_inputs_keeps_nothing_traced(family, monkeypatch):
+    """An entry traced with concrete device inputs closed over (a checker's scan, a server's
+    own jit) builds its uploads and prepared call as traced values: none may be kept, or the
+    next real call would run on a leaked tracer."""
+    build, depths = ENTRIES[family]
+    call, x = build(depths[0])
+    jax.make_jaxpr(lambda: call(x))()
+    want = _host(call(x))  # a real call after the traced one
+    again = _host(call(x))  # and its repeat (kept now)
+    for a, b in zip(want, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # control: keeping during the trace is what leaks
+    call, x = build(depths[0])
+    monkeypatch.setattr(jaxsync._compat, "tracing", lambda: False)
+    jax.make_jaxpr(lambda: call(x))()
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.block_until_ready(call(x))

@@ -243,3 +243,19 @@ def test_kept_copy_follows_the_kernel_switches(monkeypatch):
         dst = copy_blocks(src, dst, [1, 5], [2, 3])
     assert chosen == [1]
     np.testing.assert_array_equal(_blocks(dst, [2, 3]), np.asarray(src.kv)[[1, 5]])
+
+
+def test_copy_traced_with_concrete_caches_keeps_nothing_traced(monkeypatch):
+    # Traced with concrete caches closed over, the id upload is a traced value: it must not be
+    # kept for the real calls that follow (they would run on a leaked tracer).
+    src, dst = _kept_pair()
+    jax.make_jaxpr(lambda: copy_blocks(src, dst, [1, 5], [2, 3]))()
+    dst = copy_blocks(src, dst, [1, 5], [2, 3])
+    dst = copy_blocks(src, dst, [1, 5], [2, 3])  # the repeat, kept now
+    np.testing.assert_array_equal(_blocks(dst, [2, 3]), np.asarray(src.kv)[[1, 5]])
+    # control: keeping during the trace is what leaks
+    src, dst = _kept_pair()
+    monkeypatch.setattr(jaxsync._compat, "tracing", lambda: False)
+    jax.make_jaxpr(lambda: copy_blocks(src, dst, [4, 6], [7, 8]))()
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.block_until_ready(copy_blocks(src, dst, [4, 6], [7, 8]))
