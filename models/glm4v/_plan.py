@@ -119,6 +119,7 @@ def plan_batch(
     group_buckets: Sequence[int] | None = None,
     attention_layout: AttentionLayout = "dense",
     segment_buckets: Sequence[int] | None = None,
+    attention: str = "xla",
 ) -> VisionPlan:
     """Plans a packed batch of images (t = 1) and videos (t frames, each its own segment).
 
@@ -130,15 +131,17 @@ def plan_batch(
       attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket),
         "segments" (segments grouped by length bucket, attention work sum(G * L^2): one
         program per patch bucket and group mix) or "ragged" (segment lengths and offsets for
-        cuDNN's ragged attention, work sum(L^2): one program per patch bucket and slot bucket).
+        cuDNN's ragged attention, work sum(L^2): one program per patch bucket and slot bucket),
+        or "auto" (see `resolve_layout`).
       segment_buckets: patch-count buckets of one segment (default `DEFAULT_SEGMENT_BUCKETS`).
+      attention: the tower's attention implementation (`model.blocks[0].attn.impl`), which
+        "auto" resolves by.
 
     Raises:
-      ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`; or another
-        layout (resolve "auto" with `resolve_layout` first).
+      ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`; or an unknown
+        layout.
     """
-    if attention_layout not in LAYOUTS:
-        raise ValueError(f"attention_layout must be one of {LAYOUTS}, got {attention_layout!r}")
+    attention_layout = resolve_layout(attention_layout, attention)
     merge = cfg.spatial_merge_size
     grid = check_grid(grid_thw, merge)
     real = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())

@@ -456,10 +456,16 @@ def test_auto_layout_is_ragged_with_cudnn_attention_else_dense(model, monkeypatc
     assert glm4v.resolve_layout("auto", "cudnn") == "ragged"
     assert glm4v.resolve_layout("auto", "xla") == "dense"
     assert glm4v.resolve_layout("segments", "cudnn") == "segments"
+    # a server's own plan resolves "auto" by its tower's attention, as the encoder does
+    auto = glm4v.plan_batch(MIXED_SIZES, CFG, attention_layout="auto", attention="cudnn")
+    assert set(auto.fields) == set(
+        glm4v.plan_batch(MIXED_SIZES, CFG, attention_layout="ragged").fields
+    )
+    assert "seq_lengths" not in glm4v.plan_batch(MIXED_SIZES, CFG, attention_layout="auto").fields
     # a jax without the ragged kernel: auto keeps the dense mask
     monkeypatch.setattr(_compat, "ragged_attention_available", lambda: False)
     assert glm4v.resolve_layout("auto", "cudnn") == "dense"
     with pytest.raises(ValueError, match="'auto'"):
         glm4v.Glm4vVisionEncoder(model, attention_layout="sparse")
     with pytest.raises(ValueError, match="attention_layout"):
-        glm4v.plan_batch([[1, 4, 4]], CFG, attention_layout="auto")  # resolve it first
+        glm4v.plan_batch([[1, 4, 4]], CFG, attention_layout="sparse")
