@@ -82,7 +82,8 @@ class Glm4vVisionEncoder:
         backend; one program per patch bucket),
         "segments" (images of similar size batched, each attending alone: work grows with the
         sum of per-image squares; any backend; one program per patch bucket and size mix),
-        or "auto" (default: "ragged" where the tower's attention runs on cuDNN, else "dense").
+        or "auto" (default: "ragged" for a tower on one device whose attention runs on cuDNN,
+        else "dense").
         "ragged" on a tower without cuDNN attention computes the dense mask.
 
     Attributes:
@@ -101,7 +102,8 @@ class Glm4vVisionEncoder:
         if not isinstance(model, Glm4vVisionTower):
             raise TypeError(f"model must be a Glm4vVisionTower, got {type(model).__name__}")
         attention = model.blocks[0].attn.impl if len(model.blocks) else "xla"
-        self.attention_layout = resolve_layout(attention_layout, attention)
+        devices = len(model.post_layernorm.weight[...].sharding.device_set)
+        self.attention_layout = resolve_layout(attention_layout, attention, devices)
         self.cfg = model.cfg
         self.dtype = model.dtype
         self.group_buckets = (

@@ -180,18 +180,18 @@ def plan_batch(
     return VisionPlan(grid, real, padded, tokens, fields)
 
 
-def resolve_layout(layout: str, attention: str) -> str:
-    """The layout an encoder plans with: "auto" is "ragged" where the tower's attention runs
-    on cuDNN (and the installed jax offers its ragged form), else "dense"; both compile one
-    program per patch bucket.
+def resolve_layout(layout: str, attention: str, devices: int = 1) -> str:
+    """The layout an encoder plans with: "auto" is "ragged" for a tower on one device whose
+    attention runs on cuDNN (and the installed jax offers its ragged form), else "dense"; both
+    compile one program per patch bucket. A tower over several devices keeps the dense mask
+    under "auto": the ragged call's partitioning over a mesh is not proven here.
 
     Raises:
       ValueError: an unknown layout.
     """
     if layout == "auto":
-        return (
-            "ragged" if attention == "cudnn" and _compat.ragged_attention_available() else "dense"
-        )
+        ragged = attention == "cudnn" and devices == 1 and _compat.ragged_attention_available()
+        return "ragged" if ragged else "dense"
     if layout not in LAYOUTS:
         raise ValueError(f"attention_layout must be one of {(*LAYOUTS, 'auto')}, got {layout!r}")
     return layout

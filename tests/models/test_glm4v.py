@@ -462,6 +462,16 @@ def test_auto_layout_is_ragged_with_cudnn_attention_else_dense(model, monkeypatc
         glm4v.plan_batch(MIXED_SIZES, CFG, attention_layout="ragged").fields
     )
     assert "seq_lengths" not in glm4v.plan_batch(MIXED_SIZES, CFG, attention_layout="auto").fields
+    # a tower over several devices keeps the dense mask under "auto"; asked for, ragged it is
+    assert glm4v.resolve_layout("auto", "cudnn", devices=8) == "dense"
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    cudnn = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0), attention="cudnn")  # built, never run
+    assert glm4v.Glm4vVisionEncoder(cudnn).attention_layout == "ragged"
+    graphdef, state = nnx.split(cudnn)
+    spread = nnx.merge(graphdef, jax.device_put(state, NamedSharding(_mesh((8,), ("d",)), P())))
+    assert glm4v.Glm4vVisionEncoder(spread).attention_layout == "dense"
+    assert glm4v.Glm4vVisionEncoder(spread, attention_layout="ragged").attention_layout == "ragged"
     # a jax without the ragged kernel: auto keeps the dense mask
     monkeypatch.setattr(_compat, "ragged_attention_available", lambda: False)
     assert glm4v.resolve_layout("auto", "cudnn") == "dense"
