@@ -176,3 +176,12 @@ def test_auto_layout_is_ragged_with_cudnn_attention_else_dense(model, monkeypatc
         glm4v.Glm4vVisionEncoder(model, attention_layout="sparse")
     with pytest.raises(ValueError, match="attention_layout"):
         glm4v.plan_batch([[1, 4, 4]], CFG, attention_layout="sparse")
+
+
+def test_ragged_plan_refuses_more_segments_than_its_largest_slot_bucket():
+    from jaxsync.models.glm4v._plan import _RAGGED_SLOTS, ragged_segments
+
+    most = _RAGGED_SLOTS[-1]
+    assert ragged_segments(np.arange(most, dtype=np.int32))["seq_lengths"].shape == (most,)
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        ragged_segments(np.arange(most + 1, dtype=np.int32))
