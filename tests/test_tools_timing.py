@@ -1,6 +1,7 @@
 """`tools/host_time.py` and `tools/layer_slices.py` at tiny sizes: what the benchmark page cites
 runs, and each comparison compares like with like."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -65,3 +66,25 @@ def test_layer_slices_refuses_a_form_that_reads_other_weights(monkeypatch):
     monkeypatch.setattr(tool, "forms", swapped)
     with pytest.raises(AssertionError, match="kind-major"):
         tool.main(["--smoke"])
+
+
+def test_roofline_floor_is_its_parts():
+    tool = _tool("roofline")
+    ms = tool.main(["--smoke", "--windows", "1"])
+    assert {"layer matmuls, chained", "attention, jax xla", "floor"} <= set(ms)
+    parts = ms["layer matmuls, chained"] + ms["attention, jax xla"]
+    assert all(v > 0 for v in ms.values()) and ms["floor"] >= parts
+
+
+def test_roofline_chain_does_every_layer_matmul():
+    # the chain's FLOPs are the layers' matmul FLOPs the bench counts, attention excluded
+    from jaxsync.models.voxtral import VoxtralAudioConfig
+    from jaxsync.paths.voxtral.bench import encoder_flops
+
+    tool = _tool("roofline")
+    small = dataclasses.replace(VoxtralAudioConfig(), hidden_size=40, intermediate_size=160,
+                                num_attention_heads=4, num_hidden_layers=1)  # fmt: skip
+    _, chain = tool.layer_matmuls(small, 1, jnp.float32)
+    one, two = (encoder_flops(dataclasses.replace(small, num_hidden_layers=n), 1) for n in (1, 2))
+    per_layer = two - one  # one more layer: its matmuls and its attention
+    assert chain == per_layer - tool.attention_flops(small, 1)

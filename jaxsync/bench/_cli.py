@@ -89,6 +89,11 @@ def bench(argv: Sequence[str]) -> int:
     ap.add_argument("--match", help="only the cases whose name contains this text")
     ap.add_argument("--repeat", type=int, default=5, help="timed repeats per row (median)")
     ap.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
+    ap.add_argument(
+        "--jaxsync-only",
+        action="store_true",
+        help="skip the PyTorch baselines (host time per call under another client, say)",
+    )
     args = ap.parse_args(argv)
 
     # JAX's caches and torch's baselines share one GPU: JAX must not grab 75% of it up front.
@@ -142,20 +147,21 @@ def bench(argv: Sequence[str]) -> int:
                     row["jaxsync"].update(
                         same_args_floor(case, jax_side, floor_by_args, stream_floors)
                     )
-                    for label, fn in case.torch_fns.items():
+                    baselines = {} if args.jaxsync_only else case.torch_fns
+                    for label, fn in baselines.items():
                         fn = _no_grad(fn)  # inference: no autograd bookkeeping in the baselines
                         row[label] = measure(fn, torch_side, repeat=args.repeat)
                         row[label]["kernels"] = torch_kernels_per_call(fn)
                     if case.bytes_moved:
                         row["bytes_moved"] = case.bytes_moved
-                        for label in ["jaxsync", *case.torch_fns]:
+                        for label in ["jaxsync", *baselines]:
                             ms = row[label]["device_ms"]
                             row[label]["gbps"] = (
                                 case.bytes_moved / (ms * 1e-3) / 1e9 if ms else None
                             )
                     if case.flops:
                         row["flops"] = case.flops
-                        for label in ["jaxsync", *case.torch_fns]:
+                        for label in ["jaxsync", *baselines]:
                             ms = row[label]["device_ms"]
                             row[label]["tflops"] = case.flops / (ms * 1e-3) / 1e12 if ms else None
                 except Exception as e:

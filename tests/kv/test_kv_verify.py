@@ -1,6 +1,7 @@
 """The kv paths are registered for `jaxsync verify` / `jaxsync bench` and their parity holds."""
 
 import jax
+import numpy as np
 import pytest
 
 import jaxsync.paths.kv  # noqa: F401  (registers)
@@ -57,7 +58,14 @@ def test_tiny_bench_layout_cases_run():
         for n in spec["layers"]
         for tag in ("per-layer", "stacked")
     }
-    assert {c.name for c in cases} == want
+    numpy_ids = {f"{name} [numpy ids]" for name in want if "stacked" in name}
+    assert {c.name for c in cases} == want | numpy_ids
+    by_name = {c.name: c for c in cases}
+    for name in numpy_ids:  # the same copies as its list-ids row, on int32 id arrays
+        lists, arrays = by_name[name.removesuffix(" [numpy ids]")], by_name[name]
+        copied = np.asarray(lists.jax_fn().kv)  # both rows copy into one donated chain
+        assert np.array_equal(np.asarray(arrays.jax_fn().kv), copied)
+    cases = [c for c in cases if c.name in want]
     side = _Side("jax")
     for case in cases:  # as `jaxsync bench` measures a row, its jit-argument count included
         assert measure(case.jax_fn, side, repeat=2)["device_ms"] >= 0

@@ -204,11 +204,18 @@ def _layout_cases(cfg, size, device, src, src_t, state, torch_cache) -> list[Ben
             if device.startswith("cuda") and _pallas.ALLOW_COMPILED:  # auto: the kernel there
                 cases.append(_impl_case(name, "xla", s_cache, state, id_sets, nbytes,
                                         f"{key} {tag}"))  # fmt: skip
+            if tag == "stacked":  # the same ids as int32 arrays, as a server's block tables hold
+                arrays = [tuple(np.asarray(i, np.int32) for i in pair) for pair in id_sets]
+                cases.append(_impl_case(name, "auto", s_cache, state, arrays, nbytes,
+                                        f"{key} {tag}", label="numpy ids"))  # fmt: skip
     return cases
 
 
-def _impl_case(name, impl, s_cache, state, id_sets, nbytes, direction="d2d") -> BenchCase:
-    """The copy of `name` with an explicit `impl`, on the same ids (row "[impl]")."""
+def _impl_case(
+    name, impl, s_cache, state, id_sets, nbytes, direction="d2d", label=None
+) -> BenchCase:
+    """The copy of `name` with an explicit `impl`, on the same ids (row "[impl]", or
+    "[label]")."""
     rotation = itertools.cycle(id_sets)
 
     def jax_fn():
@@ -217,7 +224,7 @@ def _impl_case(name, impl, s_cache, state, id_sets, nbytes, direction="d2d") -> 
         return state[direction]
 
     args = _count(lambda: copy_blocks(s_cache, state[direction], *id_sets[0], impl=impl))
-    return BenchCase(f"{name} [{impl}]", jax_fn, {}, bytes_moved=nbytes, jit_args=args)
+    return BenchCase(f"{name} [{label or impl}]", jax_fn, {}, bytes_moved=nbytes, jit_args=args)
 
 
 def _pool_case(
