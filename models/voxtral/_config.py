@@ -80,10 +80,18 @@ class MelConfig:
 
         Raises:
           ValueError: on settings this front end does not implement (dither, a window shorter
-            than n_fft, normalisation).
+            than n_fft, normalisation, a non-zero padding value, left padding).
         """
         if getattr(fe, "dither", 0.0):
             raise ValueError(f"dither={fe.dither} is not supported (random noise is not parity)")
+        # Audio is zero-padded at its end to whole windows (and to the batch width): another
+        # padding value or side changes every padded window's features and its dynamic max.
+        pad_value = getattr(fe, "padding_value", 0.0)
+        if pad_value != 0.0:
+            raise ValueError(f"padding_value={pad_value!r} is not supported (only 0.0)")
+        pad_side = getattr(fe, "padding_side", "right")
+        if pad_side != "right":
+            raise ValueError(f"padding_side={pad_side!r} is not supported (only 'right')")
         win = getattr(fe, "win_length", fe.n_fft)
         if win != fe.n_fft:
             raise ValueError(f"win_length {win} != n_fft {fe.n_fft} is not supported")

@@ -172,3 +172,17 @@ def test_weight_errors(tiny, tmp_path):
     save_file(state, str(tmp_path / "m.safetensors"))
     with pytest.raises(WeightError, match=r"layers\.1\.fc2\.bias"):
         load_model(tmp_path / "m.safetensors", cfg)
+
+
+@pytest.mark.parametrize("field", [{"padding_value": 0.5}, {"padding_side": "left"}])
+def test_feature_extractor_padding_it_does_not_implement_is_refused(field):
+    """A Whisper extractor that pads with another value or on the left gives other features for
+    every padded window (the control below); the front end zero-pads on the right only."""
+    from transformers import WhisperFeatureExtractor
+
+    a = _audio(3001, 0)
+    fe = WhisperFeatureExtractor(feature_size=80, **field)
+    plain = ref.processor_features(WhisperFeatureExtractor(feature_size=80), a, 40)
+    assert rel_err(ref.processor_features(fe, a, 40), plain) > 1e-2  # semantics do change
+    with pytest.raises(ValueError, match=next(iter(field))):
+        MelConfig.from_feature_extractor(fe)
