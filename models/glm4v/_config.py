@@ -29,6 +29,10 @@ HF_DEFAULTS: dict[str, Any] = {
     "intermediate_size": 13696,
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
 }
+# Vision towers with this exact architecture: GLM-4.1V and GLM-4.5V (the MoE language model's
+# tower is the same module). Other GLM vision configs reuse these field names for other math
+# (GLM-OCR adds q/k norms and MLP biases), so their `model_type` is refused.
+_MODEL_TYPES = ("glm4v_vision", "glm4v_moe_vision")
 # Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that cannot change inference.
 _IGNORED = (
     "attention_dropout",  # dropout is off at inference
@@ -133,11 +137,18 @@ class Glm4vVisionConfig:
 
         Raises:
           TypeError: `src` is none of these, or an integer field holds a float or bool.
-          ValueError: a field this port does not implement has a non-default value.
+          ValueError: a field this port does not implement has a non-default value, or the
+            config is of another vision tower (its `model_type`).
         """
         got = as_dict(src)
         if "vision_config" in got:
             got = as_dict(got["vision_config"])
+        kind = got.get("model_type") or _MODEL_TYPES[0]
+        if kind not in _MODEL_TYPES:
+            raise ValueError(
+                f"model_type {kind!r} is not a GLM-4.1V / GLM-4.5V vision tower "
+                f"(supported: {_MODEL_TYPES})"
+            )
         # every modelled field is read below; anything else must be absent or generic
         unknown = unhandled_fields(got, {}, HF_DEFAULTS, ignored=_IGNORED)
         if unknown:

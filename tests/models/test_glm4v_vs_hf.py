@@ -175,3 +175,32 @@ def test_config_sources_and_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(full.to_dict()))
     for src in (hf, hf.to_dict(), full, full.to_dict(), tmp_path, str(tmp_path)):
         assert glm4v.Glm4vVisionConfig.from_hf_config(src) == want
+
+
+def test_glm45v_tower_is_the_same_module(tiny):
+    """GLM-4.5V's (MoE) vision config is accepted: its tower computes what GLM-4.1V's does."""
+    import transformers
+
+    _, torch_model, cfg, ckpt, enc = tiny
+    moe_cfg = transformers.Glm4vMoeVisionConfig(**ref.TINY)
+    moe_cfg._attn_implementation = "eager"
+    moe = transformers.Glm4vMoeVisionModel(moe_cfg).eval()
+    moe.load_state_dict(torch_model.state_dict())
+    assert glm4v.Glm4vVisionConfig.from_hf_config(moe_cfg) == cfg
+    grid = [[1, 4, 6], [2, 2, 2]]
+    px = ref.pixels(grid, cfg, seed=5)
+    out = enc(px, grid)
+    assert_close(
+        np.asarray(out.embeddings)[: out.num_tokens], ref.forward(moe, px, grid)[1], rtol=1e-5
+    )
+
+
+def test_other_glm_vision_towers_are_refused():
+    """GLM-OCR's vision config has the same fields but other math (q/k norms, MLP biases)."""
+    import transformers
+
+    ocr = transformers.GlmOcrVisionConfig(**ref.TINY)
+    assert any("q_norm" in k for k in transformers.GlmOcrVisionModel(ocr).state_dict())
+    for src in (ocr, ocr.to_dict(), transformers.GlmOcrConfig(vision_config=ocr.to_dict())):
+        with pytest.raises(ValueError, match="glm_ocr_vision"):
+            glm4v.Glm4vVisionConfig.from_hf_config(src)
