@@ -186,3 +186,22 @@ def test_feature_extractor_padding_it_does_not_implement_is_refused(field):
     assert rel_err(ref.processor_features(fe, a, 40), plain) > 1e-2  # semantics do change
     with pytest.raises(ValueError, match=next(iter(field))):
         MelConfig.from_feature_extractor(fe)
+
+
+def test_configs_of_other_whisper_style_encoders_are_refused():
+    """AudioFlamingo3's encoder config has the Voxtral fields, but its encoder average-pools the
+    frames before the final norm (half the rows: the control); its model_type is refused."""
+    import torch
+    from transformers import AudioFlamingo3Encoder, AudioFlamingo3EncoderConfig
+
+    af3 = AudioFlamingo3EncoderConfig(num_mel_bins=8, **ref.TINY_AUDIO)
+    with torch.no_grad():
+        x, mask = torch.zeros(1, 8, 40), torch.ones(1, 40, dtype=torch.long)
+        rows = AudioFlamingo3Encoder(af3).eval()(x, mask).last_hidden_state
+    assert rows.shape[1] == ref.TINY_AUDIO["max_source_positions"] // 2
+    for src in (af3, af3.to_dict()):
+        with pytest.raises(ValueError, match="audioflamingo3_encoder"):
+            VoxtralAudioConfig.from_hf_config(src)
+    full = ref.tiny_hf_config().to_dict()
+    with pytest.raises(ValueError, match="model_type 'other'"):
+        VoxtralAudioConfig.from_hf_config({**full, "model_type": "other"})
