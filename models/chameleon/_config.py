@@ -146,11 +146,15 @@ class ChameleonVQConfig:
 
         Raises:
           TypeError: a non-integer for an integer field (`2.0`, `True`).
-          ValueError: `double_latent=True`, `attn_type != "vanilla"`, or an unknown key.
+          ValueError: `double_latent=True`, `attn_type != "vanilla"`, an unknown key, or the
+            config of another VQ model (its `model_type`; GLM-Image's VQ config has a subset of
+            these fields and another architecture).
         """
         vq = as_dict(src)
         if "vq_config" in vq or vq.get("model_type") == "chameleon":
+            _check_model_type(vq, "chameleon")
             vq = as_dict(vq.get("vq_config") or {})
+        _check_model_type(vq, "chameleon_vqgan")
         unknown = set(vq) - _VQ_FIELDS - _GENERIC_FIELDS
         if unknown:
             raise ValueError(f"unsupported Chameleon vq_config fields: {sorted(unknown)}")
@@ -251,6 +255,12 @@ class ChameleonConfig:
 def from_hf_config(src: Any) -> ChameleonConfig:
     """`ChameleonConfig.from_hf_config`: an HF config object, a dict, or a checkpoint directory."""
     return ChameleonConfig.from_hf_config(src)
+
+
+def _check_model_type(cfg: Mapping[str, Any], want: str) -> None:
+    kind = cfg.get("model_type") or want
+    if kind != want:
+        raise ValueError(f"not a Chameleon config: model_type={kind!r} (expected {want!r})")
 
 
 def _head(d: Mapping[Any, Any], n: int = 5) -> str:

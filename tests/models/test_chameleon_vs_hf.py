@@ -246,3 +246,20 @@ def test_load_model_places_parameters_on_a_mesh(tiny):
     pixels = ref.random_pixels(3, tiny["cfg"].vq, seed=2)
     want = ref.hf_image_tokens(tiny["model"], pixels)["tokens"]
     np.testing.assert_array_equal(np.asarray(sharded.get_image_tokens(pixels)), want)
+
+
+def test_vq_configs_of_other_models_are_refused():
+    """GLM-Image's VQ config holds a subset of the Chameleon VQ fields, but its model has no
+    encoder (the control: no conv_in); its model_type is refused, alone or in its full config."""
+    import transformers
+
+    from jaxsync.models.chameleon import ChameleonVQConfig
+
+    vq = transformers.GlmImageVQVAEConfig(embed_dim=8, num_embeddings=5, latent_channels=16)
+    assert not any("conv_in" in k for k in transformers.GlmImageVQVAE(vq).state_dict())
+    for src in (vq, vq.to_dict(), {"model_type": "glm_image", "vq_config": vq.to_dict()}):
+        with pytest.raises(ValueError, match="model_type='glm_image"):
+            ChameleonVQConfig.from_hf_config(src)
+    assert ChameleonVQConfig.from_hf_config(transformers.ChameleonVQVAEConfig()) == (
+        ChameleonVQConfig()
+    )
