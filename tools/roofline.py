@@ -173,8 +173,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"  floor / transformers sdpa = {ms['floor'] / baseline:.2f}; jaxsync / sdpa = "
               f"{ms['jaxsync encoder + projector'] / baseline:.2f}")  # fmt: skip
     if args.out:
+        result = {"windows": args.windows, "matmul_tflops": ceiling, "ms": ms}
+        if not args.smoke:  # the versions and card the figures belong to
+            from jaxsync.bench._cli import _environment
+
+            result = {**_environment(), **result}
         with open(args.out, "w") as f:
-            json.dump({"windows": args.windows, "matmul_tflops": ceiling, "ms": ms}, f, indent=1)
+            json.dump(result, f, indent=1)
     return ms
 
 
