@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError, deserialize, safe_open
 from safetensors.numpy import save_file
 
 import jaxsync
@@ -34,6 +35,24 @@ from jaxsync.kv._slots import (
     row_sharding,
     slot_mapping_for,
 )
+
+
+# Cache dtypes a layer file can hold: safetensors' dtype set, by numpy name.
+_STORABLE = frozenset(
+    ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+     "bfloat16", "float32", "float64", "complex64", "float8_e4m3fn", "float8_e4m3fnuz",
+     "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"]
+)  # fmt: skip
+
+# Stored dtypes safetensors' numpy reader cannot return (it looks their names up on numpy, which
+# has no float8 types): their bytes are read as the ml_dtypes type instead.
+_RAW = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+}
 
 
 def _key_hashes(mm_hashes: Any) -> list[str]:
@@ -105,6 +124,14 @@ def _tensor_names(leaves: list, layer: str) -> list[str]:
     raise ValueError(f"layer {layer!r} must be an array or a (k, v) pair")
 
 
+def _check_storable(caches: Cache) -> None:
+    """Every leaf's dtype is one a safetensors file can hold (checked before any gather, so an
+    unsupported cache never leaves a half-written folder behind)."""
+    for dtype in {np.dtype(x.dtype) for x in jax.tree.leaves(caches)}:
+        if dtype.name not in _STORABLE:
+            raise TypeError(f"a KV file cannot hold {dtype.name}; supported: {sorted(_STORABLE)}")
+
+
 def _check_layer_names(caches: Cache) -> None:
     for name in caches.layers if isinstance(caches, StackedCache) else caches:
         if not isinstance(name, str):
@@ -117,6 +144,7 @@ def _plan(caches: Cache, token_ids: Any, block_ids: Any, root, mm_hashes, bucket
     """Host checks and the request's slots and folder, before any file, upload or compile:
     caches, layer names, ids (ints), block ids inside the cache, slots unique, the key."""
     _check_layer_names(caches)
+    _check_storable(caches)
     tokens = host_ids(token_ids, "token_ids")
     block_size = _block_size(caches)
     num_blocks = jax.tree.leaves(caches)[0].shape[0]
@@ -139,8 +167,13 @@ def _read(path: str, name: str) -> np.ndarray:
     the tensor is a ValueError naming it."""
     try:
         with safe_open(path, framework="numpy") as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
+            stored = f.get_slice(name).get_dtype()
+            if stored not in _RAW:
+                return f.get_tensor(name)
+        with open(path, "rb") as f:
+            tensor = dict(deserialize(f.read()))[name]
+        return np.frombuffer(tensor["data"], _RAW[stored]).reshape(tensor["shape"])
+    except (SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path} is not a readable safetensors file with {name!r}: {e}") from e
 
 
@@ -209,7 +242,8 @@ def load_kv(
       The updated caches (`caches` itself when no whole block is kept).
 
     Raises (all before anything is uploaded or compiled; caches untouched):
-      TypeError: token or block ids that are not ints, mm_hashes not a list of str.
+      TypeError: token or block ids that are not ints, mm_hashes not a list of str, a cache
+        dtype safetensors cannot store (int4, float4, float8_e4m3b11fnuz, ...).
       ValueError: block ids outside the cache or repeated, a hash that would mis-key (see
         `kv_folder`), a file that is not valid safetensors (truncated, corrupt, missing a
         tensor), or a stored tensor whose shape or dtype does not fit the cache.

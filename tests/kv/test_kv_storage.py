@@ -105,3 +105,31 @@ def test_load_errors_leave_cache_untouched(tmp_path):
     assert load_kv(tmp_path, cache, TOKENS[:4], [6]) is cache
     with pytest.raises(ValueError, match="file name"):
         save_kv(tmp_path, {"a/b": cache[LAYERS[0]]}, TOKENS, [6, 2, 8])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu])
+def test_float8_caches_round_trip(tmp_path, dtype):
+    # safetensors' numpy reader cannot return float8 tensors (numpy has no such types): load_kv
+    # reads their bytes itself, so what save_kv wrote comes back bit for bit.
+    layout = KVLayout(kind="separate", num_blocks=7, block_size=3, num_kv_heads=1, head_dim=5,
+                      dtype=dtype, stacked=True)  # fmt: skip
+    cache = layout.random(LAYERS, jax.random.key(0))
+    folder = save_kv(tmp_path, cache, TOKENS, [6, 2, 0, 4])  # 11 tokens, S=3 -> 9 kept
+    stored = jax.tree.leaves(jax.device_get(extract_kv(cache, slot_mapping_for([6, 2, 0], 3, 11))))
+    target = layout.random(LAYERS, jax.random.key(1))
+    out = load_kv(tmp_path, target, TOKENS, [1, 5, 3, 2])
+    back = extract_kv(out, slot_mapping_for([1, 5, 3], 3, 11))
+    for a, b in zip(jax.tree.leaves(back), stored, strict=True):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(as_numpy(a).view(np.uint8), b.view(np.uint8))
+    assert sorted(os.listdir(folder)) == sorted(f"{n}.safetensors" for n in LAYERS)
+
+
+def test_dtypes_files_cannot_hold_are_refused_before_the_folder(tmp_path):
+    layout = KVLayout(kind="mla", num_blocks=5, block_size=2, latent_dim=4, dtype=jnp.int4)
+    cache = layout.random(LAYERS, jax.random.key(0))
+    for call in (save_kv, load_kv):
+        with pytest.raises(TypeError, match="cannot hold int4"):
+            call(tmp_path, cache, TOKENS[:5], [3, 1])
+    assert os.listdir(tmp_path) == []
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
