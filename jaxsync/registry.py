@@ -107,7 +107,8 @@ class BenchCase:
         `jax_fn` dispatches (the bench times a do-nothing jit of as many arguments beside it).
         None: `jax_fn` is traced once to count them, which suits a closure that keeps no state
         between calls; one that stores its outputs (a donated chain) passes a stateless
-        closure here, e.g. `lambda: bench.main_program_args(lambda: copy_blocks(...))`.
+        closure here, e.g. `lambda: main_program_args(lambda: copy_blocks(...))`
+        (`jaxsync.bench._programs`).
     """
 
     name: str

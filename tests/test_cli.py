@@ -241,7 +241,8 @@ def test_bench_floor_with_the_main_programs_argument_count():
     import jax
     import jax.numpy as jnp
 
-    from jaxsync.bench._timing import _Side, main_program_args, same_args_floor
+    from jaxsync.bench._programs import main_program_args
+    from jaxsync.bench._timing import _Side, same_args_floor
 
     xs = [jnp.ones(8) + i for i in range(5)]
     small = jax.jit(lambda a: a + 1)
@@ -288,7 +289,7 @@ def test_jax_dispatch_count_from_profiler_trace():
     import jax
     import jax.numpy as jnp
 
-    from jaxsync.bench._timing import jax_executions_per_call
+    from jaxsync.bench._programs import jax_executions_per_call
 
     f = jax.jit(lambda v: v * 2)
     g = jax.jit(lambda v: v + 1)
@@ -298,7 +299,7 @@ def test_jax_dispatch_count_from_profiler_trace():
 
 
 def test_execution_count_takes_one_nesting_level():
-    from jaxsync.bench._timing import count_executions
+    from jaxsync.bench._programs import count_executions
 
     def ev(name):
         return {"ph": "X", "name": name}

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxsync
-from jaxsync.bench._timing import main_program_args
+from jaxsync.bench._programs import main_program_args
 
 
 def _glm4v(depth: int):

@@ -28,6 +28,7 @@ def test_serving_loop_guard_would_catch_a_sync(monkeypatch):
     # Negative control: a server that reads the token back inside the step is caught.
     from jaxsync.check import SyncError
 
+    monkeypatch.setenv("JAXSYNC_SYNC_CHECK", "error")
     example = _load()
     original = example.Server.decode_step
 
@@ -101,7 +102,7 @@ def test_each_step_is_one_program_with_the_kv_write_inside():
     # decode step each execute one XLA program, and the cache is donated to it.
     import numpy as np
 
-    from jaxsync.bench._timing import jax_executions_per_call
+    from jaxsync.bench._programs import jax_executions_per_call
 
     example = _load()
     server = example.Server(0)

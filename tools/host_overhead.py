@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
-from jaxsync.bench._timing import main_program_args
+from jaxsync.bench._programs import main_program_args
 
 
 def _glm4v():

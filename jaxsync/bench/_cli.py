@@ -106,15 +106,14 @@ def bench(argv: Sequence[str]) -> int:
     import jax
 
     from jaxsync import registry
+    from jaxsync.bench._programs import jax_executions_per_call, torch_kernels_per_call
     from jaxsync.bench._timing import (
         _Side,
         copy_ceiling_gbps,
         dispatch_floor_ms,
-        jax_executions_per_call,
         matmul_tflops,
         measure,
         same_args_floor,
-        torch_kernels_per_call,
     )
 
     jax.config.update("jax_default_matmul_precision", "default")  # serving precision

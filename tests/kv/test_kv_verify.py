@@ -44,7 +44,8 @@ def test_tiny_bench_cases_run():
 def test_tiny_bench_layout_cases_run():
     # d2d copies of the same blocks at each layer count, stacked next to per-layer, vLLM's
     # per-layer copy as baseline; the released size keeps its layer counts and block count
-    from jaxsync.bench._timing import _Side, jax_executions_per_call, measure, same_args_floor
+    from jaxsync.bench._programs import jax_executions_per_call
+    from jaxsync.bench._timing import _Side, measure, same_args_floor
     from jaxsync.kv import StackedCache
     from jaxsync.paths.kv.bench import SIZES
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsync.bench._timing import main_program_args
+from jaxsync.bench._programs import main_program_args
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,

@@ -262,7 +262,7 @@ def _pool_case(
 def _count(call):
     """`BenchCase.jit_args` of a donated chain: its main program traced on the current state
     by a call that stores nothing."""
-    from jaxsync.bench._timing import main_program_args
+    from jaxsync.bench._programs import main_program_args
 
     return lambda: main_program_args(call)
 
