@@ -24,6 +24,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync import replicated_near
+from jaxsync.kv._ids import host_int
 
 
 @ft.partial(jax.tree_util.register_dataclass, data_fields=["kv"], meta_fields=["layers"])
@@ -76,6 +77,9 @@ class KVLayout:
     stacked: bool = False
 
     def __post_init__(self):
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim", "latent_dim"):
+            # Sizes are ints: a bool (True) would silently be a size of 1, a float a late error.
+            object.__setattr__(self, name, host_int(getattr(self, name), name))
         if self.kind not in ("packed", "separate", "mla"):
             raise ValueError(f"kind must be 'packed', 'separate' or 'mla', got {self.kind!r}")
         if self.num_blocks <= 0 or self.block_size <= 0:

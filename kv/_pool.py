@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas
-from jaxsync.kv._ids import checked_ids, padded_ids
+from jaxsync.kv._ids import checked_ids, host_int, padded_ids
 from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
@@ -92,6 +92,7 @@ def host_pool(cache: Cache, num_blocks: int) -> HostPool:
     (sharded like it, with the leaf axis unsharded). Setup, not hot path."""
     leaves, treedef = cache_leaves(cache, "cache")
     block, dtype = _block_spec(leaves, "cache")
+    num_blocks = host_int(num_blocks, "num_blocks")  # a bool would make a 1-block pool
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
     shape = (num_blocks, len(leaves), *block)

@@ -253,3 +253,19 @@ def test_fresh_copy_places_device_masters_and_refuses_pinned_sources():
         fresh_copy(host)
     with pytest.raises(ValueError, match="memory_kind must be"):
         fresh_copy(cache, "unpinned_host")
+
+
+@pytest.mark.parametrize("size", [True, 2.0, np.float32(3), "4"])
+def test_sizes_must_be_ints(size):
+    # A bool would otherwise pass as a size of 1 (a 1-block pool or cache), a float fail late.
+    cache = make()
+    with pytest.raises(TypeError, match="num_blocks must be an int"):
+        host_pool(cache, size)
+    for field in ("num_blocks", "block_size", "head_dim"):
+        with pytest.raises(TypeError, match=f"{field} must be an int"):
+            KVLayout(**{"num_blocks": 5, "block_size": 4, **KINDS["packed"], field: size})
+    assert host_pool(cache, np.int64(3)).num_blocks == 3
+    assert (
+        type(KVLayout(num_blocks=np.int32(5), block_size=4, latent_dim=2, kind="mla").num_blocks)
+        is int
+    )
