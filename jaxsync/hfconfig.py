@@ -100,3 +100,17 @@ def reject_unhandled(
     bad = unhandled_fields(actual, default, handled, ignored=ignored)
     if bad:
         raise ValueError(f"unsupported non-default {what} config field(s): {bad}")
+
+
+def check_model_type(cfg: Mapping[str, Any], allowed: str | tuple[str, ...], *, what: str) -> None:
+    """Refuses the config of another model: `ValueError` when `cfg["model_type"]` is set and not
+    one of `allowed` (a dict without one, as tests build, passes).
+
+    Other models reuse a family's field names for other math (GLM-OCR's vision tower adds q/k
+    norms, AudioFlamingo3's Whisper encoder pools its frames), so the field diff alone would
+    load them into the wrong computation.
+    """
+    allowed = (allowed,) if isinstance(allowed, str) else allowed
+    kind = cfg.get("model_type") or allowed[0]
+    if kind not in allowed:
+        raise ValueError(f"model_type {kind!r} is not a {what} config (supported: {allowed})")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jaxsync
-from jaxsync.hfconfig import GENERIC_FIELDS, as_dict
+from jaxsync.hfconfig import GENERIC_FIELDS, as_dict, check_model_type
 
 
 # Bookkeeping beyond jaxsync.hfconfig.GENERIC_FIELDS: training and generation settings.
@@ -152,9 +152,9 @@ class ChameleonVQConfig:
         """
         vq = as_dict(src)
         if "vq_config" in vq or vq.get("model_type") == "chameleon":
-            _check_model_type(vq, "chameleon")
+            check_model_type(vq, "chameleon", what="Chameleon")
             vq = as_dict(vq.get("vq_config") or {})
-        _check_model_type(vq, "chameleon_vqgan")
+        check_model_type(vq, "chameleon_vqgan", what="Chameleon VQ")
         unknown = set(vq) - _VQ_FIELDS - _GENERIC_FIELDS
         if unknown:
             raise ValueError(f"unsupported Chameleon vq_config fields: {sorted(unknown)}")
@@ -255,12 +255,6 @@ class ChameleonConfig:
 def from_hf_config(src: Any) -> ChameleonConfig:
     """`ChameleonConfig.from_hf_config`: an HF config object, a dict, or a checkpoint directory."""
     return ChameleonConfig.from_hf_config(src)
-
-
-def _check_model_type(cfg: Mapping[str, Any], want: str) -> None:
-    kind = cfg.get("model_type") or want
-    if kind != want:
-        raise ValueError(f"not a Chameleon config: model_type={kind!r} (expected {want!r})")
 
 
 def _head(d: Mapping[Any, Any], n: int = 5) -> str:

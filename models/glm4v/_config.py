@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Literal
 
 import jaxsync
-from jaxsync.hfconfig import as_dict, unhandled_fields
+from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 
 
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
@@ -143,12 +143,7 @@ class Glm4vVisionConfig:
         got = as_dict(src)
         if "vision_config" in got:
             got = as_dict(got["vision_config"])
-        kind = got.get("model_type") or _MODEL_TYPES[0]
-        if kind not in _MODEL_TYPES:
-            raise ValueError(
-                f"model_type {kind!r} is not a GLM-4.1V / GLM-4.5V vision tower "
-                f"(supported: {_MODEL_TYPES})"
-            )
+        check_model_type(got, _MODEL_TYPES, what="GLM-4.1V / GLM-4.5V vision tower")
         # every modelled field is read below; anything else must be absent or generic
         unknown = unhandled_fields(got, {}, HF_DEFAULTS, ignored=_IGNORED)
         if unknown:

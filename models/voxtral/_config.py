@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxsync.hfconfig import as_dict, reject_unhandled
+from jaxsync.hfconfig import as_dict, check_model_type, reject_unhandled
 
 
 _GELU_ACTS = ("gelu",)  # transformers ACT2FN["gelu"] is the exact (erf) GELU
@@ -209,10 +209,10 @@ class VoxtralAudioConfig:
             _reject_unhandled(outer, _OUTER_DEFAULTS, {"audio_token_id", "hidden_size"})
             act = outer.get("projector_hidden_act", "gelu")
             text_hidden = text.get("hidden_size", outer.get("hidden_size", cls.text_hidden_size))
-            _check_model_type(outer, "voxtral")
+            check_model_type(outer, "voxtral", what="Voxtral")
         else:
             audio, act, text_hidden = d, "gelu", cls.text_hidden_size
-        _check_model_type(audio, "voxtral_encoder")
+        check_model_type(audio, "voxtral_encoder", what="Voxtral encoder")
         handled = {
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_mel_bins", "max_source_positions", "activation_function", "scale_embedding",
@@ -255,13 +255,6 @@ def _positive_int(name: str, v: Any) -> None:
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if v <= 0:
         raise ValueError(f"{name} must be positive, got {v}")
-
-
-def _check_model_type(got: dict, want: str) -> None:
-    """Other Whisper-style encoders share these field names but not the computation."""
-    kind = got.get("model_type") or want
-    if kind != want:
-        raise ValueError(f"model_type {kind!r} is not a Voxtral config (expected {want!r})")
 
 
 def _reject_unhandled(got: dict, default: dict, handled: set[str]) -> None:

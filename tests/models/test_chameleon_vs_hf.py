@@ -258,7 +258,7 @@ def test_vq_configs_of_other_models_are_refused():
     vq = transformers.GlmImageVQVAEConfig(embed_dim=8, num_embeddings=5, latent_channels=16)
     assert not any("conv_in" in k for k in transformers.GlmImageVQVAE(vq).state_dict())
     for src in (vq, vq.to_dict(), {"model_type": "glm_image", "vq_config": vq.to_dict()}):
-        with pytest.raises(ValueError, match="model_type='glm_image"):
+        with pytest.raises(ValueError, match="model_type 'glm_image"):
             ChameleonVQConfig.from_hf_config(src)
     assert ChameleonVQConfig.from_hf_config(transformers.ChameleonVQVAEConfig()) == (
         ChameleonVQConfig()
