@@ -43,6 +43,7 @@ from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
     check_placement,
+    check_same_sharding,
     check_same_structure,
     committed,
     memory_kind,
@@ -168,6 +169,7 @@ def _program(src: Cache, dst: Cache, direction: str | None, impl: str) -> _Progr
     actual = _direction(s_leaves, d_leaves, direction)
     check_same_structure(src, dst, "src", "dst", flat=(s_leaves, s_def, d_leaves, d_def))
     check_placement(s_leaves + d_leaves, "src and dst")
+    check_same_sharding(zip(s_leaves, d_leaves, strict=True), "src and dst")
     if _within(s_leaves, d_leaves):  # gather-then-scatter: reads every source before writing
         return _Program(actual, within=True)
     kernel = None

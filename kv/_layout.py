@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 import jaxsync
 from jaxsync import replicated_near
@@ -291,6 +292,39 @@ def memory_kind(leaves: Sequence[jax.Array], what: str) -> str:
     if kind not in ("device", "pinned_host"):
         raise ValueError(f"{what} lives in memory kind {kind!r}; supported: device, pinned_host")
     return kind
+
+
+def _spread(leaf: jax.Array) -> bool:
+    """A concrete leaf spread over several devices (traced leaves carry no concrete sharding)."""
+    return not isinstance(leaf, jax.core.Tracer) and len(leaf.sharding.device_set) > 1
+
+
+def same_sharding(a: jax.Array, b: jax.Array, b_sharding: Any = None) -> bool:
+    """Whether leaf `a` is sharded like `b` (or like `b_sharding` for an array of a's rank),
+    memory kinds aside."""
+    sa = a.sharding
+    sb = b.sharding if b_sharding is None else b_sharding
+    if isinstance(sa, NamedSharding) and isinstance(sb, NamedSharding) and sa.mesh == sb.mesh:
+        pa = tuple(sa.spec) + (None,) * (a.ndim - len(sa.spec))
+        pb = tuple(sb.spec) + (None,) * (a.ndim - len(sb.spec))
+        if pa == pb:  # the common case, without building HLO shardings
+            return True
+    return sa.with_memory_kind("device").is_equivalent_to(sb.with_memory_kind("device"), a.ndim)
+
+
+def check_same_sharding(pairs: Iterable[tuple[jax.Array, jax.Array]], what: str) -> None:
+    """Each (source, destination) leaf pair on several devices sharded alike. A block of one
+    sharding written into an array of another either fails while tracing (a mesh with Explicit
+    axes: after the ids were uploaded) or silently gives the destination the source's sharding
+    (Auto axes). Raises ValueError."""
+    for src, dst in pairs:
+        if src is dst or not (_spread(src) or _spread(dst)):
+            continue
+        if not (_spread(src) and _spread(dst) and same_sharding(src, dst)):
+            raise ValueError(
+                f"{what} are sharded differently ({src.sharding} vs {dst.sharding}); a copy "
+                f"keeps the destination's sharding only between caches placed alike"
+            )
 
 
 def check_placement(leaves: list[jax.Array], what: str) -> None:

@@ -38,8 +38,10 @@ from jaxsync.kv._layout import (
     Cache,
     cache_leaves,
     check_placement,
+    check_same_sharding,
     committed,
     memory_kind,
+    same_sharding,
     upload_ids,
 )
 
@@ -126,6 +128,17 @@ def _check(pool: HostPool, cache: Cache) -> list[jax.Array]:
             f"{block} {dtype}"
         )
     check_placement([pool.blocks, *leaves], "the pool and the cache")
+    # Every layer sharded alike, and the pool like them with its leaf axis unsharded (as
+    # `host_pool` places it): otherwise tracing fails (Explicit mesh axes) or the swap silently
+    # hands the pool or the cache another sharding (Auto axes).
+    check_same_sharding([(x, leaves[0]) for x in leaves[1:]], "the cache's layers")
+    blocks = pool.blocks
+    if not isinstance(blocks, jax.core.Tracer) and len(blocks.sharding.device_set) > 1:
+        if not same_sharding(blocks, blocks, _pool_sharding(leaves[0])):
+            raise ValueError(
+                f"the pool ({blocks.sharding}) is not placed like the cache "
+                f"({leaves[0].sharding}) with an unsharded leaf axis; make it with host_pool"
+            )
     return leaves
 
 

@@ -96,6 +96,7 @@ def read_slots(cache: Cache, slots: jax.Array) -> Cache:
       `extract_kv` returns for the same slots.
     """
     check_id_array(slots, "slots")
+    check_ranks(jax.tree.leaves(cache))
 
     def one(leaf):  # -> row_shape(leaf.shape, N)
         return leaf.at[_index(leaf, slots)].get(mode="fill", fill_value=0)
@@ -117,16 +118,29 @@ def write_slots(cache: Cache, rows: Cache, slots: jax.Array) -> Cache:
       The updated cache; what `inject_kv` returns for the same rows and slots.
 
     Raises:
-      ValueError: while tracing, when the rows' structure, shapes or dtypes do not match.
+      ValueError: while tracing, when the rows' structure, shapes or dtypes do not match, or a
+        cache leaf has no token axis where slots look for it (a rank other than 3 to 5).
     """
     check_id_array(slots, "slots")
     leaves, treedef = jax.tree_util.tree_flatten(cache)
+    check_ranks(leaves)
     check_rows(leaves, treedef, rows, slots.shape[0])
 
     def one(leaf, r):
         return leaf.at[_index(leaf, slots)].set(r, mode="drop", unique_indices=True)
 
     return jax.tree.map(one, cache, rows)
+
+
+def check_ranks(leaves: list) -> None:
+    """Leaves slots can address: the token axis S second to last of `[P, K, S, X]`, `[P, S, L]`
+    or their stacked forms. Another rank would put S elsewhere and address the wrong rows."""
+    for leaf in leaves:
+        if leaf.ndim not in (3, 4, 5):
+            raise ValueError(
+                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves (with a "
+                f"layer axis after P if stacked), got shape {leaf.shape}"
+            )
 
 
 def check_id_array(ids: jax.Array, name: str) -> None:
@@ -174,12 +188,8 @@ def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name
     """Validates caches and slots on the host; returns (leaves, n, bucket, padded upload
     fields). `name`: what the slots are called in errors."""
     leaves, _ = cache_leaves(caches, "caches")
+    check_ranks(leaves)
     for leaf in leaves:
-        if leaf.ndim not in (3, 4, 5):
-            raise ValueError(
-                f"slot gathers need [P, K, S, X] (attention) or [P, S, L] (MLA) leaves (with a "
-                f"layer axis after P if stacked), got shape {leaf.shape}"
-            )
         if memory_kind([leaf], "caches") != "device":
             raise ValueError("extract_kv / inject_kv work on device-memory caches")
     sizes = {leaf.shape[-2] for leaf in leaves}

@@ -1,0 +1,91 @@
+"""Caches placed unlike each other, and cache leaves slots cannot address: refused on the host
+(or while tracing, for the pure functions) before anything is uploaded, or copied correctly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxsync
+import jaxsync.testing
+from jaxsync.kv import (
+    KVLayout,
+    copy_blocks,
+    host_pool,
+    plan_copy,
+    read_slots,
+    swap_in,
+    swap_out,
+    write_slots,
+)
+from jaxsync.testing import count_dispatch, fresh_copy, kv_call
+
+
+LAYERS = ("a", "b")
+LAYOUT = KVLayout(kind="packed", num_blocks=9, block_size=4, num_kv_heads=8, head_dim=4,
+                  dtype=jnp.float32)  # fmt: skip  # one kv head per simulated device
+SRC, DST = [0, 1, 8], [3, 4, 0]
+
+
+def bits(tree):
+    return [np.asarray(x).copy() for x in jax.tree.leaves(tree)]
+
+
+def assert_refused(match, fn, *args, keep, **kwargs):
+    before = bits(keep)
+    with count_dispatch() as seen, pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+    assert (seen.uploads, seen.compiles) == (0, 0), (seen.uploads, seen.compiles)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(keep))
+    for a, b in zip(bits(keep), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def caches(auto: bool):
+    mesh = jaxsync.testing.device_mesh("h", auto=auto)
+    heads = LAYOUT.random(LAYERS, jax.random.key(0), placement=NamedSharding(mesh, P(None, "h")))
+    whole = LAYOUT.random(LAYERS, jax.random.key(1), placement=NamedSharding(mesh, P()))
+    return heads, whole
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+@pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
+def test_differently_sharded_caches_are_refused_before_upload(impl, auto):
+    # A block of a heads-sharded cache written into a replicated one (or the reverse): with
+    # Explicit mesh axes tracing failed after the ids' upload; with Auto axes the result silently
+    # took the source's sharding instead of the destination's (and a pool the cache's).
+    heads, whole = caches(auto)
+    for src, dst in ((heads, whole), (whole, heads)):
+        for s_kind, d_kind in (("device", "device"), ("pinned_host", "device"),
+                               ("device", "pinned_host")):  # fmt: skip
+            s, d = fresh_copy(src, s_kind), fresh_copy(dst, d_kind)
+            assert_refused(
+                "sharded differently", kv_call, copy_blocks, s, d, SRC, DST, impl=impl, keep=(s, d)
+            )
+        assert_refused("sharded differently", plan_copy, dst, SRC, DST, source=src, keep=())
+        pool = host_pool(src, 5)  # placed like `src`, not like `dst`
+        d = fresh_copy(dst)
+        assert_refused("not placed like", swap_out, d, pool, SRC, [0, 1, 2], keep=(d, pool.blocks))
+        assert_refused(
+            "not placed like", kv_call, swap_in, pool, d, [0, 1, 2], DST, impl=impl,
+            keep=(d, pool.blocks),
+        )  # fmt: skip
+    pool = host_pool(heads, 5)
+    mixed = {"a": heads["a"], "b": whole["b"]}
+    assert_refused("layers", swap_out, mixed, pool, SRC, [0, 1, 2], keep=(mixed, pool.blocks))
+    # Caches placed alike still copy, and keep their sharding.
+    out = kv_call(copy_blocks, heads, fresh_copy(heads), SRC, DST, impl=impl)
+    for o, x in zip(jax.tree.leaves(out), jax.tree.leaves(heads), strict=True):
+        assert o.sharding.is_equivalent_to(x.sharding, x.ndim)
+        np.testing.assert_array_equal(np.asarray(o)[DST], np.asarray(x)[SRC])
+
+
+def test_pure_slot_functions_refuse_leaves_without_a_token_axis():
+    # A [P, X] leaf has no token axis second to last: slots would address the wrong rows.
+    flat = {"a": jnp.arange(15, dtype=jnp.float32).reshape(5, 3)}
+    slots = jnp.array([0, 4, 7], jnp.int32)
+    with pytest.raises(ValueError, match="slot gathers need"):
+        jax.jit(read_slots)(flat, slots)
+    with pytest.raises(ValueError, match="slot gathers need"):
+        jax.jit(write_slots)(flat, {"a": jnp.zeros((3, 3), jnp.float32)}, slots)
