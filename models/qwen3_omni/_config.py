@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Literal
 
 from jaxsync import host_int
-from jaxsync.hfconfig import as_dict, unhandled_fields
+from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 
 
 Activation = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"]
@@ -152,14 +152,19 @@ class Qwen3OmniAudioConfig:
 
         Raises:
           ValueError: a field that changes the computation and is not modelled differs from the
-            HF default, or a modelled value is invalid.
+            HF default, a modelled value is invalid, or the config is another model's (its
+            `model_type`).
           TypeError: a non-integer (a bool, a float such as 2.0) where an integer is expected.
         """
         cfg = as_dict(src)
         if "thinker_config" in cfg:
+            check_model_type(cfg, "qwen3_omni_moe", what="Qwen3-Omni")
             cfg = as_dict(cfg["thinker_config"])
         if "audio_config" in cfg:
+            check_model_type(cfg, "qwen3_omni_moe_thinker", what="Qwen3-Omni thinker")
             cfg = as_dict(cfg["audio_config"])
+        # Qwen2.5-Omni's audio encoder shares these field names but not the downsampling.
+        check_model_type(cfg, "qwen3_omni_moe_audio_encoder", what="Qwen3-Omni audio encoder")
         ignored = _INERT_FIELDS | set(_REJECTED_DEFAULTS)
         bad = unhandled_fields(cfg, _hf_defaults(), _MODELLED_FIELDS, ignored=ignored)
         bad.update({k: cfg[k] for k, v in _REJECTED_DEFAULTS.items() if k in cfg and cfg[k] != v})

@@ -255,3 +255,21 @@ def test_load_model_reads_config_and_keeps_the_checkpoint_dtype(tiny, tmp_path):
     assert q3.Qwen3OmniAudioConfig.from_hf_config(tmp_path) == CFG
     with pytest.raises(TypeError, match="float dtype"):
         q3.load_model(tmp_path, dtype=jnp.int32)
+
+
+def test_audio_configs_of_other_models_are_refused():
+    """Qwen2.5-Omni's audio encoder config shares the field names (at n_window 50 its values
+    pass the field diff: the control) but downsamples otherwise; its model_type is refused."""
+    import transformers
+
+    other = transformers.Qwen2_5OmniAudioEncoderConfig(n_window=50).to_dict()
+    unnamed = {k: v for k, v in other.items() if k != "model_type"}
+    assert q3.Qwen3OmniAudioConfig.from_hf_config(unnamed).n_window == 50  # fields alone pass
+    with pytest.raises(ValueError, match="model_type 'qwen2_5_omni_audio_encoder'"):
+        q3.Qwen3OmniAudioConfig.from_hf_config(other)
+    full = transformers.Qwen3OmniMoeConfig().to_dict()
+    assert q3.Qwen3OmniAudioConfig.from_hf_config(full) == q3.Qwen3OmniAudioConfig.from_hf_config(
+        full["thinker_config"]["audio_config"]
+    )
+    with pytest.raises(ValueError, match="model_type 'qwen2_5_omni'"):
+        q3.Qwen3OmniAudioConfig.from_hf_config({**full, "model_type": "qwen2_5_omni"})
