@@ -32,8 +32,7 @@ from jaxsync.weights import WeightError
 
 @pytest.fixture(scope="module")
 def enc():
-    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
-    return ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4, 8))
+    return ref.tiny_encoder(buckets=(4, 8))
 
 
 @contextlib.contextmanager

@@ -120,6 +120,16 @@ def save_checkpoint(model: Any, directory: str) -> str:
     return save_torch_state(model, os.path.join(directory, "model.safetensors"))
 
 
+def tiny_encoder(buckets: tuple[int, ...] = (4,), **vq_overrides: Any) -> Any:
+    """A `ChameleonImageEncoder` of `tiny_hf_config(**vq_overrides)`, seeded random weights."""
+    from flax import nnx
+
+    from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonVQVAE
+
+    cfg = ChameleonConfig.from_hf_config(tiny_hf_config(**vq_overrides))
+    return ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=buckets)
+
+
 def random_pixels(batch: int, vq: Any, *, seed: int = 0) -> np.ndarray:
     """Float32 pixels `[B, C, R, R]` in [-1, 1] (the processor's normalised range).
 

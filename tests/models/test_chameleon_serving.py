@@ -1,0 +1,264 @@
+"""Chameleon in a server: the pure paths inside a server's jit, processor outputs, sharded
+pixels and weights. Entry-point behaviour lives in test_chameleon.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsync.check
+import jaxsync.models.chameleon as chameleon
+import jaxsync.testing
+from jaxsync.models.chameleon import (
+    ChameleonConfig,
+    ChameleonImageEncoder,
+    ChameleonVQVAE,
+)
+from jaxsync.paths.chameleon import reference as ref
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return ref.tiny_encoder(buckets=(4,))
+
+
+def _px(batch, enc, seed=0):
+    return ref.random_pixels(batch, enc.cfg.vq, seed=seed)
+
+
+# ---------------------------------------------------------------- pure paths in a server's jit
+
+
+def _server_inputs(enc):
+    v, d = enc.cfg.vocab_size, 8
+    k = jax.random.split(jax.random.key(7), 5)
+    codes = jax.random.randint(k[3], (3, 7), 0, enc.mapping.num_codes, jnp.int32)
+    text, image = jax.random.normal(k[4], (2, 11, d)), jax.random.normal(k[0], (6, d))
+    positions = np.array([3, 0, 20, 14])
+    plan = chameleon.plan_merge((2, 11), 6, positions=positions, num_image_tokens=4)
+    return dict(
+        logits=jax.random.normal(k[0], (5, v)),
+        hidden=jax.random.normal(k[1], (5, d)),
+        w=jax.random.normal(k[2], (v, d)),
+        codes=codes,
+        text=text,
+        image=image,
+        pos=jaxsync.async_h2d(plan.fields["positions"]),
+        host_positions=positions,
+    )
+
+
+def _step(logits, hidden, w, codes, text, image, pos, mask, table):
+    return (
+        chameleon.mask_image_logits(logits, mask),
+        chameleon.compute_logits(hidden, w, mask),
+        chameleon.img2bpe(codes, table),
+        chameleon.merge_image_tokens(text, image, pos),
+    )
+
+
+def test_pure_paths_inside_a_server_jit_equal_the_entry_points(enc):
+    x = _server_inputs(enc)
+    mask, table = enc.mask_column(enc.cfg.vocab_size), enc.img2bpe_table()
+    args = (x["logits"], x["hidden"], x["w"], x["codes"], x["text"], x["image"], x["pos"])
+    got = jax.jit(_step)(*args, mask, table)
+    want = (
+        enc.mask_image_logits(x["logits"]),
+        enc.compute_logits(x["hidden"], x["w"]),
+        enc.mapping.convert_img2bpe(x["codes"]),
+        enc.merge_image_embeddings(
+            x["text"], x["image"], positions=x["host_positions"], num_image_tokens=4
+        ),
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_pure_paths_add_no_jit_argument_and_no_host_callback(enc):
+    x = _server_inputs(enc)
+    mask, table = enc.mask_column(enc.cfg.vocab_size), enc.img2bpe_table()
+    args = (x["logits"], x["hidden"], x["w"], x["codes"], x["text"], x["image"], x["pos"])
+    passed = jax.jit(_step).lower(*args, mask, table)
+    assert len(jax.tree.leaves(passed.args_info)) == len(args) + 2  # the server's own + tables
+    closed = jax.jit(lambda *a: _step(*a, mask, table)).lower(*args)
+    assert len(jax.tree.leaves(closed.args_info)) == len(args)  # tables closed over: none
+    assert jaxsync.check.scan_jaxpr(_step, *args, mask, table) == []
+    for lowered in (passed, closed):
+        assert jaxsync.check.scan_hlo_text(lowered.as_text(), "lowered") == []
+        assert jaxsync.check.scan_hlo_text(lowered.compile().as_text(), "compiled") == []
+
+    # negative control: a host callback in the same step is found
+    def leaky(*a):
+        jax.debug.print("{x}", x=a[0][0, 0])
+        return _step(*a)
+
+    assert jaxsync.check.scan_jaxpr(leaky, *args, mask, table)
+
+
+def test_pure_forward_drops_into_a_server_jit(enc):
+    from jaxsync.models.chameleon import forward, img2bpe
+
+    vq = ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0))  # the weights of the `enc` fixture
+    graphdef, state = nnx.split(vq)
+    px = _px(3, enc, seed=3)
+    plan = chameleon.plan_images(3, enc.buckets)
+    meta = jaxsync.upload_packed(plan.fields)
+    pixels = jnp.asarray(
+        np.concatenate([px, np.zeros((plan.rows - 3, *enc.image_shape), np.float32)])
+    )
+    table = enc.img2bpe_table()
+
+    @jax.jit
+    def step(state, pixels, meta, table):
+        codes, finite = forward(nnx.merge(graphdef, state), pixels, meta)
+        return img2bpe(codes, table), finite
+
+    ids, finite = step(state, pixels, meta, table)
+    want = enc(px)
+    np.testing.assert_array_equal(np.asarray(ids).reshape(-1), np.asarray(want.embeddings))
+    np.testing.assert_array_equal(np.asarray(finite), [True, True, True, False])
+    lowered = step.lower(state, pixels, meta, table)
+    assert len(jax.tree.leaves(lowered.args_info)) == len(jax.tree.leaves(state)) + 3
+    halved = jax.tree.map(lambda w: w * 0.5, state)
+    with jaxsync.check.no_recompile():
+        other, _ = step(halved, pixels, meta, table)
+    assert not np.array_equal(np.asarray(other), np.asarray(ids))  # weights are arguments
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_entry_program_takes_the_same_few_arguments_at_any_depth(blocks):
+    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=blocks))
+    enc = ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(2,))
+    pixels = jax.device_put(_px(2, enc))
+    meta = jaxsync.upload_packed(chameleon.plan_images(2, (2,)).fields)
+    lowered = enc._program.lower(pixels, meta, enc.img2bpe_table())
+    # one packed state buffer (one dtype) + pixels + packed meta + table, whatever the depth
+    assert len(jax.tree.leaves(lowered.args_info)) == 4
+    assert enc._program.num_state_args == 1
+
+
+def test_load_state_takes_new_weights_without_recompiling():
+    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
+    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
+    enc = ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    px = jax.device_put(_px(3, enc, seed=1))
+    before = np.asarray(enc(px).embeddings)
+    _, state = nnx.split(vq)
+    nnx.update(vq, jax.tree.map(lambda w: -w, state))
+    np.testing.assert_array_equal(np.asarray(enc(px).embeddings), before)  # snapshot
+    with jaxsync.check.no_recompile():
+        enc.load_state(vq)
+        after = np.asarray(enc(px).embeddings)
+    fresh = ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    np.testing.assert_array_equal(after, np.asarray(fresh(px).embeddings))
+    assert not np.array_equal(after, before)
+
+
+# ---------------------------------------------------------------- processor outputs
+
+
+@pytest.fixture(scope="module")
+def processor():
+    pytest.importorskip("PIL")
+    pytest.importorskip("transformers")
+    from transformers.models.chameleon.image_processing_pil_chameleon import (
+        ChameleonImageProcessorPil,
+    )
+
+    return ChameleonImageProcessorPil(
+        size={"shortest_edge": 22}, crop_size={"height": 22, "width": 22}
+    )
+
+
+def test_processor_outputs_go_straight_in(enc, processor):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), np.uint8))
+        for h, w in [(31, 40), (29, 23), (22, 22)]
+    ]
+    as_np = processor(images=images, return_tensors="np")
+    as_pt = processor(images=images, return_tensors="pt")
+    assert type(as_pt["pixel_values"]).__module__.startswith("torch")
+    want = np.asarray(enc.get_image_tokens(np.asarray(as_np["pixel_values"])))
+    for out in (as_np, as_pt):
+        got = enc(**out)
+        assert got.lengths == (enc.tokens_per_image,) * 3
+        np.testing.assert_array_equal(np.asarray(got.embeddings[: want.size]), want.reshape(-1))
+        np.testing.assert_array_equal(np.asarray(enc.get_image_tokens(**out)), want)
+    bf16 = as_pt["pixel_values"].bfloat16()  # widened exactly on the host
+    np.testing.assert_array_equal(
+        np.asarray(enc.get_image_tokens(pixel_values=bf16)),
+        np.asarray(enc.get_image_tokens(bf16.float().numpy())),
+    )
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def _replicated_encoder(cfg, mesh, buckets):
+    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
+    _, state = nnx.split(vq)
+    rep = jax.sharding.NamedSharding(mesh, jax.P())
+    nnx.update(vq, jax.tree.map(lambda w: jax.device_put(w, rep), state))
+    return ChameleonImageEncoder(cfg, vq, buckets=buckets)
+
+
+def test_pixels_sharded_over_the_data_axis(enc):
+    # A batch split over a mesh's data axis: the bucket pads to a multiple of the axis, the
+    # tables and metadata follow the input's mesh, and the tokens equal the single-device ones.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jaxsync.testing.device_mesh("data", max_devices=4, auto=True)
+    k = mesh.devices.size
+    dp = _replicated_encoder(enc.cfg, mesh, buckets=(2 * k,))
+    enc = ChameleonImageEncoder(enc.cfg, ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0)), buckets=(8,))
+    for n in (k, 2 * k):
+        px = _px(n, enc, seed=n)
+        split = jax.device_put(px, NamedSharding(mesh, P("data")))
+        out = dp(split)
+        assert out.embeddings.sharding.device_set == split.sharding.device_set
+        np.testing.assert_array_equal(
+            np.asarray(out.embeddings[: n * dp.tokens_per_image]),
+            np.asarray(enc(px).embeddings[: n * dp.tokens_per_image]),
+        )
+        np.testing.assert_array_equal(
+            np.asarray(dp.get_image_tokens(split)), np.asarray(enc.get_image_tokens(px))
+        )
+    with jaxsync.check.no_recompile():
+        dp(jax.device_put(_px(k, enc, seed=9), NamedSharding(mesh, P("data"))))
+    host = dp(_px(3, enc))  # host pixels go to the weights' mesh
+    np.testing.assert_array_equal(
+        np.asarray(host.embeddings[: 3 * dp.tokens_per_image]),
+        np.asarray(enc(_px(3, enc)).embeddings[: 3 * dp.tokens_per_image]),
+    )
+
+
+def test_weights_sharded_over_a_model_axis(enc):
+    import re
+
+    from jaxsync.models.chameleon import PARTITION_RULES
+    from jaxsync.weights import partition_spec
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("model",), (jax.sharding.AxisType.Auto,))
+    vq = ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0))
+    sharded = 0
+    for path, var in nnx.to_flat_state(nnx.state(vq, nnx.Param)):
+        name = ".".join(map(str, path))
+        axes = next((a for r, a in PARTITION_RULES if re.search(r, name)), None)
+        spec = partition_spec(axes, var.get_value().shape, mesh)
+        sharded += any(s is not None for s in spec)
+        var.set_value(jax.device_put(var.get_value(), jax.NamedSharding(mesh, spec)))
+    assert sharded  # the rules split something at this size
+    tp = ChameleonImageEncoder(enc.cfg, vq, buckets=(4,))
+    px = _px(3, enc, seed=5)
+    np.testing.assert_array_equal(
+        np.asarray(tp.get_image_tokens(px)), np.asarray(enc.get_image_tokens(px))
+    )
+
+
+def test_encoder_call_sync_free(enc):
+    xs = [jax.device_put(_px(b, enc, seed=b)) for b in (3, 1, 2)]
+    jaxsync.check.assert_sync_free(enc, xs[0], inputs=[(x,) for x in xs[1:]])
