@@ -28,6 +28,7 @@ from jaxsync.kv._layout import (
     check_placement,
     committed,
     memory_kind,
+    same_sharding,
     upload_ids,
 )
 
@@ -252,6 +253,23 @@ def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*kept))
 
 
+def check_row_placement(leaves: list, kv_leaves: list) -> None:
+    """Rows for a cache spread over devices are sharded as `row_sharding` cuts them from it, or
+    replicated. Rows sharded otherwise fail while tracing (Explicit mesh axes) or silently hand
+    the updated cache their own sharding (Auto axes). Raises ValueError."""
+    for leaf, rows in zip(leaves, kv_leaves, strict=True):
+        if isinstance(rows, jax.core.Tracer) or isinstance(leaf, jax.core.Tracer):
+            continue
+        sharding = rows.sharding
+        if len(leaf.sharding.device_set) == 1 or sharding.is_fully_replicated:
+            continue
+        if not same_sharding(rows, rows, row_sharding(leaf)):
+            raise ValueError(
+                f"kv rows sharded {sharding} do not fit a cache leaf sharded {leaf.sharding}: "
+                f"place them with row_sharding(leaf), or replicated"
+            )
+
+
 @entry_point
 def extract_kv(
     caches: Cache, slot_mapping: Any, *, buckets: tuple[int, ...] | None = None
@@ -289,11 +307,13 @@ def inject_kv(
 
     Raises:
       ValueError: before dispatch on bad slots or kv rows whose structure, shape or dtype do not
-        match the caches.
+        match the caches, or rows sharded neither as `row_sharding` cuts them from the cache
+        nor replicated.
     """
     leaves, n, size, fields = check_slots(caches, slot_mapping, buckets, unique=True)
     kv_leaves = check_rows(leaves, jax.tree_util.tree_structure(caches), kv, size, n)
     check_placement(leaves + kv_leaves, "caches and kv rows")
+    check_row_placement(leaves, kv_leaves)
     if n == 0:
         return caches
     return _inject(committed(caches), committed(kv), upload_ids(fields, leaves[0]))

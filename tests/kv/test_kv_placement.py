@@ -12,7 +12,9 @@ import jaxsync.testing
 from jaxsync.kv import (
     KVLayout,
     copy_blocks,
+    extract_kv,
     host_pool,
+    inject_kv,
     plan_copy,
     read_slots,
     swap_in,
@@ -79,6 +81,27 @@ def test_differently_sharded_caches_are_refused_before_upload(impl, auto):
     for o, x in zip(jax.tree.leaves(out), jax.tree.leaves(heads), strict=True):
         assert o.sharding.is_equivalent_to(x.sharding, x.ndim)
         np.testing.assert_array_equal(np.asarray(o)[DST], np.asarray(x)[SRC])
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
+def test_inject_refuses_rows_sharded_unlike_the_cache(auto):
+    # Heads-sharded rows into a replicated cache: tracing failed after the upload (Explicit
+    # axes), or the cache silently came back heads-sharded (Auto axes).
+    heads, whole = caches(auto)
+    slots = [1, 5, 35]
+    rows = extract_kv(heads, slots)  # sharded over heads, as row_sharding cuts them
+    dst = fresh_copy(whole)
+    assert_refused("do not fit", inject_kv, dst, rows, slots, keep=(dst, rows))
+    # Replicated rows fit any cache; rows cut from a cache fit its like. Both keep its sharding.
+    target = jax.device_put(whole, jax.tree.map(lambda x: x.sharding, heads))
+    replicated = jax.device_put(rows, NamedSharding(rows["a"].sharding.mesh, P()))
+    for r in (replicated, rows):
+        out = inject_kv(fresh_copy(target), r, slots)
+        for o, x in zip(jax.tree.leaves(out), jax.tree.leaves(heads), strict=True):
+            assert o.sharding.is_equivalent_to(x.sharding, x.ndim)
+        got = np.asarray(out["a"])
+        np.testing.assert_array_equal(got[[0, 1, 8], :, [1, 1, 3]], np.asarray(rows["a"])[:3])
+        np.testing.assert_array_equal(got[2:8], np.asarray(whole["a"])[2:8])
 
 
 def test_pure_slot_functions_refuse_leaves_without_a_token_axis():
