@@ -134,7 +134,7 @@ class StagingRing:
     """Reused pinned host buffers for large uploads, per (shape, dtype, placement).
 
     >>> import numpy as np
-    >>> ring = StagingRing(min_bytes=0)  # default: uploads from 1 MiB
+    >>> ring = StagingRing(min_bytes=0)  # default: uploads from 8 MiB
     >>> data = np.arange(6, dtype=np.float32).reshape(2, 3)
     >>> x = ring.put(data, (4, 3))  # zero padded to 4 rows, uploaded
     >>> data[:] = -1  # the caller may reuse its buffer at once
@@ -149,11 +149,13 @@ class StagingRing:
       per_key: most pinned buffers per key (transfers of one key in flight at once).
       max_bytes: most pinned bytes over all keys; least recently used idle buffers are freed
         first to make room.
-      min_bytes: smaller uploads take the pageable path: their transfer is short either way,
-        and the ring's bookkeeping would cost more host time than the DMA saves.
+      min_bytes: smaller uploads take the pageable path. A pinned buffer's transfer costs the
+        calling thread a fixed price (the memory-kind transfer and the ring's bookkeeping)
+        that a pageable upload of a few MiB undercuts; the pinned path pays off only from
+        about ten megabytes (docs/benchmarks.md).
     """
 
-    def __init__(self, *, per_key: int = 4, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20):
+    def __init__(self, *, per_key: int = 4, max_bytes: int = 1 << 30, min_bytes: int = 8 << 20):
         self.per_key = host_int(per_key, name="per_key", minimum=1)
         self.max_bytes = host_int(max_bytes, name="max_bytes", minimum=0)
         self.min_bytes = host_int(min_bytes, name="min_bytes", minimum=0)

@@ -15,7 +15,13 @@ the call returns and the end-to-end rate (call to last byte on the device) of:
 Then the voxtral entry on 8 x 30 s host waveforms (a one-layer tower with Whisper's 1500
 positions), through the ring and with the ring bypassed (its rate counts the whole forward).
 Each call runs alone (the previous one
-finished), so the ring reuses one buffer. Usage: python tools/bench_upload.py [--repeats 20]
+finished), so the ring reuses one buffer.
+
+`--small` instead compares the two paths where `StagingRing.min_bytes` draws the line (64 KiB to
+16 MiB): host ms of `async_h2d` and of a pinned `StagingRing.put`, cold and in a stream behind
+queued device work (the bench's harness), and the end-to-end ms of one call run alone.
+
+Usage: python tools/bench_upload.py [--repeats 20] [--small]
 """
 
 from __future__ import annotations
@@ -124,12 +130,33 @@ def bench_voxtral(repeats: int) -> dict[str, tuple[float, float]]:
     return results
 
 
+def small_uploads(kib: tuple[int, ...] = (64, 256, 1024, 1536, 4096, 8192, 16384)) -> None:
+    """Pageable `async_h2d` against a pinned `StagingRing.put` per size (see the docstring)."""
+    from jaxsync.bench._timing import _Side, blocked_ms, stream_ms
+
+    side, ring = _Side("jax"), jaxsync.StagingRing(min_bytes=0)
+    print(f"\n{'size':>9}  {'path':<10}{'cold ms':>9}{'stream ms':>11}{'alone ms':>10}")
+    for k in kib:
+        x = np.random.default_rng(0).standard_normal(k * 256).astype(np.float32)
+        for name, fn in (("async_h2d", lambda x=x: jaxsync.async_h2d(x)),
+                         ("ring.put", lambda x=x: ring.put(x, x.shape))):  # fmt: skip
+            jax.block_until_ready(fn())
+            cold = statistics.median(blocked_ms(fn, side) for _ in range(11))
+            alone = _measure(fn, jax.block_until_ready, x.nbytes, 20)[1]
+            print(f"{k:>6} KiB  {name:<10}{cold:>9.3f}{stream_ms(fn, side):>11.3f}"
+                  f"{x.nbytes / alone / 1e6:>10.3f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-voxtral", action="store_true")
+    parser.add_argument("--small", action="store_true", help="the pageable / pinned crossover")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if args.small:
+        small_uploads()
+        return
     sections = {name: bench_case(*case, args.repeats) for name, case in CASES.items()}
     if not args.no_voxtral:
         sections["voxtral 8 x 30 s host waveforms (15 MB f32)"] = bench_voxtral(args.repeats)
