@@ -14,16 +14,27 @@ def host_ids(ids: Any, name: str) -> np.ndarray:
     """Block or slot ids as a 1-D int64 host array.
 
     Raises TypeError on device arrays (a readback), strings, and elements that are not integers
-    (floats, bools: never truncated); ValueError on nested or ragged lists."""
+    (floats, bools: never truncated); ValueError on nested or ragged lists and ids beyond int64.
+    Numpy integer scalars of any mix of types are taken at their values."""
     if isinstance(ids, jax.Array):
         raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
     if isinstance(ids, np.ndarray):
         arr = ids
     elif isinstance(ids, list | tuple | range):
         types = set(map(type, ids))  # one C-level pass: bools would pass np.asarray as ints
-        if not types <= {int}:
+        if types <= {int}:
+            arr = np.asarray(ids)
+        else:
             _check_element_types(types, name)
-        arr = np.asarray(ids)
+            arr = None
+        if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+            # Python ints beyond int64 (object or float64 arrays), or numpy's promotion of mixed
+            # integer scalars (uint64 with int64 gives float64): checked as Python ints.
+            values = [int(x) for x in ids]
+            info = np.iinfo(np.int64)
+            if values and (min(values) < info.min or max(values) > info.max):
+                raise ValueError(f"{name} must lie in the int64 range; got {values[:8]}")
+            arr = np.array(values, np.int64)
     else:
         raise TypeError(f"{name} must be a list or 1-D ndarray of ints, got {type(ids).__name__}")
     if arr.ndim != 1:
@@ -32,6 +43,9 @@ def host_ids(ids: Any, name: str) -> np.ndarray:
         return np.zeros((0,), np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold ints, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:  # would wrap negative
+        big = arr[arr > np.iinfo(np.int64).max]
+        raise ValueError(f"{name} must lie in the int64 range; got {big[:8].tolist()}")
     return arr.astype(np.int64)
 
 

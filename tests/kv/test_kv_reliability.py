@@ -207,6 +207,25 @@ def test_slot_mapping_needs_ints(kwargs):
         slot_mapping_for(**args)
 
 
+def test_ids_of_mixed_integer_types_are_taken_at_their_values():
+    # numpy promotes a uint64 and an int64 scalar to float64: such ids were refused as floats.
+    cache = LAYOUT.random(LAYERS, jax.random.key(0))
+    src, dst = [np.uint64(1), np.int64(2), 3], [np.int8(4), np.uint32(5), np.int64(6)]
+    want = bits(cache)
+    for w in want:
+        w[[4, 5, 6]] = w[[1, 2, 3]]
+    for a, b in zip(bits(copy_blocks(cache, cache, src, dst)), want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    other = LAYOUT.random(LAYERS, jax.random.key(1))
+    for ids in (
+        [2**63],
+        [np.uint64(2**63 + 1), 3],
+        np.array([2**64 - 1], np.uint64),
+        [-(2**63) - 1],
+    ):
+        assert_refused(ValueError, "int64 range", copy_blocks, other, other, ids, [0], keep=other)
+
+
 # --- late errors host data can catch ---------------------------------------------------------
 
 
