@@ -213,6 +213,8 @@ def plan_copy(
     Raises:
       TypeError, ValueError: as `copy_blocks`, before anything is uploaded.
     """
+    if len(keys) != 2 or len(set(keys)) != 2 or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"keys must be two distinct field names, got {keys!r}")  # one would vanish
     source = cache if source is None else source
     program = _program(source, cache, "d2d", "xla")
     num_src, num_dst = jax.tree.leaves(source)[0].shape[0], jax.tree.leaves(cache)[0].shape[0]

@@ -21,6 +21,7 @@ from jaxsync.kv import (
     inject_kv,
     kv_folder,
     load_kv,
+    plan_copy,
     save_kv,
     slot_mapping_for,
     swap_in,
@@ -224,6 +225,14 @@ def test_ids_of_mixed_integer_types_are_taken_at_their_values():
         [-(2**63) - 1],
     ):
         assert_refused(ValueError, "int64 range", copy_blocks, other, other, ids, [0], keep=other)
+
+
+def test_plan_copy_needs_two_distinct_field_names():
+    cache = LAYOUT.random(LAYERS, jax.random.key(0))
+    for keys in (("ids", "ids"), ("src",), ("src", 1)):
+        with pytest.raises(ValueError, match="two distinct field names"):
+            plan_copy(cache, [0], [1], keys=keys)  # a repeated name silently dropped the sources
+    assert sorted(plan_copy(cache, [0], [1], keys=("s", "d"))) == ["d", "s"]
 
 
 # --- late errors host data can catch ---------------------------------------------------------
