@@ -57,7 +57,7 @@ def device_events(trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
 
 
-def profile(case, calls: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
+def profile(case, calls: int, top: int = 8) -> tuple[dict[str, float], list[tuple[str, float]]]:
     jax.block_until_ready(case.jax_fn())  # compile and warm up outside the trace
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -70,8 +70,7 @@ def profile(case, calls: int) -> tuple[dict[str, float], list[tuple[str, float]]
         ms = e.get("dur", 0) / 1e3 / calls
         per_class[classify(e["name"])] += ms
         per_kernel[e["name"][:70]] += ms
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]
-    return dict(per_class), top
+    return dict(per_class), sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="released", choices=("tiny", "released"))
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--rows", default="", help="only bench rows whose name contains this")
+    ap.add_argument("--top", type=int, default=8, help="kernels listed per row")
     args = ap.parse_args(argv)
 
     device = {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in build(device, args.size):
             if args.rows not in case.name:
                 continue
-            per_class, top = profile(case, args.calls)
+            per_class, top = profile(case, args.calls, args.top)
             total = sum(per_class.values())
             split = ", ".join(
                 f"{k} {v:.2f}" for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])

@@ -52,6 +52,8 @@ class Attention(nnx.Module):
         c, t, _ = x.shape
         shape = (c, t, self.num_heads, self.head_dim)
         # Scale q before the product, as upstream does (it matters for low-precision rounding).
+        # XLA merges the three projections into one matmul and splits its output; compiled as
+        # three matmuls the encoder runs slower on an H200 (docs/benchmarks.md).
         q = (self.q_proj(x) * self.head_dim**-0.5).reshape(shape)  # [C, T, N, H]
         k = self.k_proj(x).reshape(shape)
         v = self.v_proj(x).reshape(shape)
