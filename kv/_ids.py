@@ -9,15 +9,20 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxsync._host import host_array, is_torch_tensor
+
 
 def host_ids(ids: Any, name: str) -> np.ndarray:
     """Block or slot ids as a 1-D int64 host array.
 
-    Raises TypeError on device arrays (a readback), strings, and elements that are not integers
-    (floats, bools: never truncated); ValueError on nested or ragged lists and ids beyond int64.
-    Numpy integer scalars of any mix of types are taken at their values."""
+    Lists, tuples, ranges, numpy arrays and torch CPU tensors are host data. Raises TypeError on
+    device arrays (a readback: jax arrays, torch tensors on a GPU), strings, and elements that are
+    not integers (floats, bools: never truncated); ValueError on nested or ragged lists and ids
+    beyond int64. Numpy integer scalars of any mix of types are taken at their values."""
     if isinstance(ids, jax.Array):
         raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
+    if is_torch_tensor(ids):  # upstream's block tables: a CPU tensor is host data
+        ids = host_array(ids, name=name)  # a tensor on a GPU is refused (a readback)
     if isinstance(ids, np.ndarray):
         arr = ids
     elif isinstance(ids, list | tuple | range):

@@ -300,3 +300,17 @@ def test_placements_stale_buffers_and_files(tmp_path):
 
 def pinned_to_device(tree):
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), tree)
+
+
+def test_torch_cpu_ids_are_host_data():
+    # upstream's block tables are torch CPU tensors: taken like the same ids as a list; float
+    # and bool tensors are refused like float and bool lists, before anything is dispatched
+    torch = pytest.importorskip("torch")
+    s, d = [4, 0, 6], [1, 5, 2]
+    want = host(copy_blocks(MASTER, fresh_copy(OTHER), s, d))
+    got = host(copy_blocks(MASTER, fresh_copy(OTHER), torch.tensor(s), torch.tensor(d)))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for bad in (torch.tensor([4.0, 0.0, 6.0]), torch.tensor([True, False, True])):
+        dst = fresh_copy(OTHER)
+        refused(copy_blocks, MASTER, dst, bad, d, keep=(MASTER, dst))
