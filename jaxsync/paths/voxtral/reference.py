@@ -83,6 +83,33 @@ def build_tiny_voxtral(
     return model, path, VoxtralAudioConfig.from_hf_config(hf_cfg)
 
 
+def tone_audio(n: int, seed: int, sampling_rate: int = 16000) -> np.ndarray:
+    """`[n]` float32 test audio: noise plus a 440 Hz tone plus a quiet tail, so that the
+    dynamic-range floor actually clips something."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / sampling_rate
+    x = 0.05 * rng.standard_normal(n) + 0.3 * np.sin(2 * np.pi * 440.0 * t)
+    x[-n // 5 :] *= 1e-5
+    return x.astype(np.float32)
+
+
+def padded_batch(audios: list[np.ndarray], width: int | None = None, fill: float = 0.0):
+    """`[B, width]` float32: each audio at the start of its row, `fill` after it."""
+    width = width or max(len(a) for a in audios)
+    x = np.full((len(audios), width), fill, np.float32)
+    for i, a in enumerate(audios):
+        x[i, : len(a)] = a
+    return x
+
+
+def one_row_meta(n: int = 4000, frames: int = 25):
+    """The packed metadata `log_mel_rows` reads for one waveform of `n` samples as one row."""
+    import jaxsync
+
+    fields = dict(length=[n], signal=[n], row_audio=[0], row_frame0=[0], row_frames=[frames])
+    return jaxsync.upload_packed({k: np.array(v, np.int32) for k, v in fields.items()})
+
+
 def whisper_fe(num_mel_bins: int):
     from transformers import WhisperFeatureExtractor
 
