@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jaxsync.hfconfig import as_dict, unhandled_fields
+from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 
 
 __all__ = ["Gemma3nAudioConfig", "from_hf_config"]
@@ -195,8 +195,9 @@ def from_hf_config(src: Any, **overrides: Any) -> Gemma3nAudioConfig:
         **overrides: jaxsync-only fields (`overflow`) or replacements (`soft_tokens`).
 
     Raises:
-        ValueError: no `audio_config` in `src`, or an audio-config field this port does not
-            handle is set to a value other than transformers' default (unknown fields included).
+        ValueError: no `audio_config` in `src`, an audio-config field this port does not
+            handle is set to a value other than transformers' default (unknown fields included),
+            or the config of another model (its `model_type`).
         TypeError: a non-integer (float, bool) for an integer field.
     """
     cfg = as_dict(src)
@@ -205,7 +206,10 @@ def from_hf_config(src: Any, **overrides: Any) -> Gemma3nAudioConfig:
             "expected a full Gemma 3n config with an 'audio_config' (and 'text_config'); "
             f"got fields {sorted(cfg)[:8]}"
         )
+    # Gemma 4's configs reuse the outer layout (its audio tower is another model).
+    check_model_type(cfg, "gemma3n", what="Gemma 3n")
     audio = _sub(cfg, "audio_config")
+    check_model_type(audio, "gemma3n_audio", what="Gemma 3n audio")
     defaults = {f: getattr(Gemma3nAudioConfig, _HF_TO_OURS.get(f, f)) for f in _AUDIO_FIELDS}
     bad = unhandled_fields(audio, defaults, _AUDIO_FIELDS, ignored=_IGNORED_HF_FIELDS)
     if bad:

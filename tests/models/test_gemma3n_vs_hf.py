@@ -217,6 +217,17 @@ def test_config_rejects_unsupported(ref):
         dataclasses.replace(ref.cfg, overflow="drop")
 
 
+def test_configs_of_other_models_are_refused(ref):
+    # another model's config in Gemma 3n's layout is refused by its model_type (the control:
+    # the same dict without the name is read)
+    d = R.hf_config().to_dict()
+    assert from_hf_config({k: v for k, v in d.items() if k != "model_type"}) == ref.cfg
+    with pytest.raises(ValueError, match="model_type 'gemma4'"):
+        from_hf_config({**d, "model_type": "gemma4"})
+    with pytest.raises(ValueError, match="model_type 'gemma4_audio'"):
+        from_hf_config({**d, "audio_config": {**d["audio_config"], "model_type": "gemma4_audio"}})
+
+
 def test_bench_rows_time_device_and_host_features_alike():
     # Each workload is timed on device features (next to transformers, whose inputs are on the
     # device too) and on host features (the upload included): same clips, same embeddings.
