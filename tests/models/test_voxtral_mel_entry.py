@@ -180,6 +180,7 @@ def test_sharded_input_follows_its_placement():
         log_mel_spectrogram(x, lens, config=cfg, placement=jax.devices()[0])
 
 
+@requires_torch  # vLLM's clamp is torch code
 @pytest.mark.parametrize("g", [1.5, None])
 def test_log_mel_floor_is_vllms_clamp_inside_a_server_jit(g):
     """`log_mel_floor` = vLLM's clamp with Python scalars, traced inside the caller's jit, per
