@@ -287,6 +287,22 @@ def count_dispatch():
     return region()
 
 
+def assert_refused(error: Any, match: str, fn: Any, *args: Any, keep: Any = (), **kwargs: Any):
+    """`fn(*args, **kwargs)` raises `error` matching `match`, with nothing uploaded or compiled
+    and every array of `keep` alive and bit-identical (bad input refused on the host)."""
+    import jax
+    import pytest
+
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(keep)]
+    with count_dispatch() as seen, pytest.raises(error, match=match):
+        fn(*args, **kwargs)
+    assert (seen.uploads, seen.compiles) == (0, 0), (seen.uploads, seen.compiles)
+    after = jax.tree.leaves(keep)
+    assert not any(x.is_deleted() for x in after)
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 def main_arg_count(lowered: Any) -> int:
     """The number of arguments of a lowered program's entry function (a `jax.stages.Lowered`):
     what the host passes per call, after jit flattened the pytrees."""

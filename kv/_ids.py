@@ -21,8 +21,9 @@ def host_ids(ids: Any, name: str) -> np.ndarray:
     beyond int64. Numpy integer scalars of any mix of types are taken at their values."""
     if isinstance(ids, jax.Array):
         raise TypeError(f"{name} must be host data (list/ndarray); a jax.Array would be read back")
-    if is_torch_tensor(ids):  # upstream's block tables: a CPU tensor is host data
-        ids = host_array(ids, name=name)  # a tensor on a GPU is refused (a readback)
+    if not isinstance(ids, np.ndarray | list | tuple | range) and is_torch_tensor(ids):
+        # upstream's block tables: a CPU tensor is host data, one on a GPU is refused
+        ids = host_array(ids, name=name)
     if isinstance(ids, np.ndarray):
         arr = ids
     elif isinstance(ids, list | tuple | range):

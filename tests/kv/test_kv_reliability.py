@@ -27,7 +27,7 @@ from jaxsync.kv import (
     swap_in,
     swap_out,
 )
-from jaxsync.testing import count_dispatch, fresh_copy, kv_call
+from jaxsync.testing import assert_refused, fresh_copy, kv_call
 
 
 LAYERS = ("l0", "l1", "l2")
@@ -39,18 +39,6 @@ HEADS = KVLayout(kind="packed", num_blocks=11, block_size=4, num_kv_heads=8, hea
 
 def bits(tree):
     return [np.asarray(x).copy() for x in jax.tree.leaves(tree)]
-
-
-def assert_refused(error, match, fn, *args, keep=(), **kwargs):
-    """`fn` raises `error` naming the problem, with nothing uploaded or compiled and every
-    array of `keep` alive and bit-identical."""
-    before = bits(keep)
-    with count_dispatch() as seen, pytest.raises(error, match=match):
-        fn(*args, **kwargs)
-    assert (seen.uploads, seen.compiles) == (0, 0), (seen.uploads, seen.compiles)
-    assert not any(x.is_deleted() for x in jax.tree.leaves(keep))
-    for a, b in zip(bits(keep), before, strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 # --- copy within one cache -------------------------------------------------------------------
