@@ -1,0 +1,53 @@
+"""`jaxsync precompile` and `jaxsync.precompile`: compiled buckets that serve without recompiles."""
+
+import numpy as np
+import pytest
+
+from jaxsync import _cli, registry
+
+
+def test_precompile_then_mixed_stream_does_not_recompile(capsys):
+    import jaxsync
+    from jaxsync.check import no_recompile
+    from jaxsync.paths.demo import table_gather
+
+    done = jaxsync.precompile(["core.table_gather"], buckets=[8, 16, 32, 64])
+    assert [c.bucket for c in done] == [8, 16, 32, 64]
+    assert "precompile [" in capsys.readouterr().err
+    rng = np.random.default_rng(0)
+    with no_recompile():
+        for n in rng.integers(1, 64, size=40):
+            table_gather(rng.integers(0, 97, size=int(n)).tolist())
+
+
+def test_without_precompile_a_new_bucket_recompiles():
+    from jaxsync.check import RecompileError, no_recompile
+    from jaxsync.paths.demo import table_gather
+
+    with pytest.raises(RecompileError), no_recompile():
+        table_gather(list(range(90)))  # bucket 128 was never compiled
+
+
+def test_precompile_a_servers_own_instance():
+    # Compiled programs belong to the instance: precompile the PathCase of the object you serve.
+    import jaxsync
+    from jaxsync.check import no_recompile
+
+    (spec,) = registry.paths(["glm4v.vision_tower"])
+    case = spec.build(None)
+    enc = case.fn
+    done = jaxsync.precompile([jaxsync.Target("tower", case)], buckets=[24, 32, 48], progress=False)
+    assert [(c.path, c.bucket) for c in done] == [("tower", 24), ("tower", 32), ("tower", 48)]
+    from jaxsync.paths.glm4v import reference as ref
+
+    grids = [[[1, 6, 14]], [[1, 8, 12]], [[1, 10, 14]], [[1, 4, 20]], [[2, 6, 8]], [[1, 8, 24]]]
+    inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(grids)]  # 21..48 tokens
+    with no_recompile():
+        for px, g in inputs:
+            enc(px, g)
+
+
+def test_precompile_command(capsys):
+    assert _cli.main(["precompile", "--paths", "core.table_gather", "--buckets", "8", "16"]) == 0
+    assert "2 program(s) compiled" in capsys.readouterr().out
+    assert _cli.main(["precompile", "--paths", "nope"]) == 2
