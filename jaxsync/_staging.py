@@ -231,15 +231,21 @@ class StagingRing:
 
     def stage(self, shape: tuple[int, ...], dtype: Any, write: Callable[[np.ndarray], Any], *,
               placement: Placement = None) -> jax.Array:  # fmt: skip
-        """`acquire`, `write(buffer)` (which must set every element), `upload`; the buffer goes
-        back unused if `write` raises."""
+        """`fill` then `upload`."""
+        return self.upload(self.fill(shape, dtype, write, placement=placement))
+
+    def fill(self, shape: tuple[int, ...], dtype: Any, write: Callable[[np.ndarray], Any], *,
+             placement: Placement = None) -> np.ndarray:  # fmt: skip
+        """`acquire`, then `write(buffer)` (which must set every element; it may check the data
+        it copies and raise). Returns the filled buffer for `upload` (or `release`); the buffer
+        goes back unused if `write` raises."""
         view = self.acquire(shape, dtype, placement)
         try:
             write(view)
         except BaseException:
             self.release(view)
             raise
-        return self.upload(view)
+        return view
 
     def reserve(self, shape: tuple[int, ...], dtype: Any, placement: Placement = None,
                 count: int = 1) -> int:  # fmt: skip

@@ -105,3 +105,55 @@ def test_fill_rows_pads_each_row(rng, shape):
     for i, n in enumerate(lengths):
         want[i, :n] = src[i, :n]
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("shape", [(3, 11), BIG, (1, 2_000_003)])
+def test_fill_rows_checked_names_the_rows_with_a_bad_real_sample(rng, shape):
+    src = rng.standard_normal(shape).astype(np.float32)
+    lengths = [shape[1] - 3 * i for i in range(shape[0])]
+    out = np.full((shape[0] + 1, shape[1] + 5), 9.0, np.float32)
+    assert _fill.fill_rows(out, src, lengths, check_finite=True) == []  # control: clean
+    want = np.zeros_like(out)
+    for i, n in enumerate(lengths):
+        want[i, :n] = src[i, :n]
+    np.testing.assert_array_equal(out, want)  # the checked copy writes what the plain one does
+    last = shape[0] - 1
+    src[last, lengths[last] - 1] = np.nan  # a row's last real sample (the last span's end)
+    src[0, lengths[0] // 2] = -np.inf
+    if shape[0] > 2:
+        src[1, lengths[1]] = np.inf  # past row 1's length: padding, never read
+    assert _fill.fill_rows(out, src, lengths, check_finite=True) == sorted({0, last})
+    assert _fill.fill_rows(out, src, lengths) == []  # unchecked: nothing is reported
+
+
+def test_fill_rows_checked_sees_float32_overflow_and_takes_row_lists(rng):
+    rows = [rng.standard_normal(n) for n in (7, 0, 5)]  # float64 rows of a list, one empty
+    rows[2][4] = 1e39  # finite in float64, inf once cast into the float32 buffer
+    out = np.full((4, 9), 5.0, np.float32)
+    assert _fill.fill_rows(out, rows, [7, 0, 5], check_finite=True) == [2]
+    assert not out[1].any() and not out[3].any()  # the empty row and the row past src: zeros
+    rows[2][4] = 3.0
+    assert _fill.fill_rows(out, rows, [7, 0, 5], check_finite=True) == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_fill_padded_checked(rng, dtype):
+    data = rng.standard_normal((5, 7, 3)).astype(dtype)
+    out = np.empty((8, 11, 3), dtype)
+    assert _fill.fill_padded(out, data, check_finite=True)  # control: clean
+    data[4, 6, 2] = np.nan
+    assert not _fill.fill_padded(out, data, check_finite=True)
+    assert _fill.fill_padded(out, data)  # unchecked
+    ints = np.arange(6).reshape(2, 3)
+    assert _fill.fill_padded(np.empty((3, 3), np.int32), ints, check_finite=True)  # no floats
+
+
+def test_copy_into_checked_finds_a_bad_value_in_a_split_corner(rng, monkeypatch):
+    monkeypatch.setattr(_fill, "_WORKERS", 4)
+    monkeypatch.setattr(_fill, "_BLOCK_BYTES", 4096)  # many blocks per part
+    out = np.zeros((9, 4001, 128), np.float32)
+    src = rng.standard_normal((7, 3001, 128)).astype(np.float32)
+    corner = out[:7, :3001]
+    assert _fill.copy_into(corner, src, check_finite=True)
+    src[6, 3000, 127] = np.inf  # the very last element of the last block
+    assert not _fill.copy_into(corner, src, check_finite=True)

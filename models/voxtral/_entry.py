@@ -31,7 +31,7 @@ from jaxsync.models.voxtral._plan import (
     plan_log_mel,
     plan_waveform_chunks,
     resolve_floor,
-    upload_batch,
+    stage_batch,
 )
 
 
@@ -225,9 +225,17 @@ class VoxtralAudioEncoder:
             return _planned(plan, where)
 
         key = ("audio", lens.tobytes(), b_pad, width, where)
-        plan, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
-        if not on_device:
-            return self._run(upload_batch(x, lens, hop, self.placement), meta, layout)
+        if on_device:
+            plan, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
+        else:  # samples checked while staged, before a new plan's metadata goes up
+            ring = jaxsync.default_staging
+            staged = stage_batch(x, lens, hop, self.placement)
+            try:
+                plan, meta, layout = self._plans.get(key, build)
+            except BaseException:
+                ring.release(staged)
+                raise
+            return self._run(ring.upload(staged), meta, layout)
         run = self._prepared(meta, layout, "waveforms", batched=audio.ndim == 2)
         return self._audio_calls.keep(call_key, run)(audio)
 

@@ -47,7 +47,7 @@ from jaxsync.models.voxtral._plan import (
     host_buckets,
     plan_log_mel,
     resolve_floor,
-    upload_batch,
+    stage_batch,
 )
 from jaxsync.models.voxtral._spectrum import power_spectrum
 
@@ -244,7 +244,7 @@ def log_mel_spectrogram(
     if on_device:
         check_placement(x, placement, name="waveforms")
     else:
-        x = upload_batch(x, lens, config.hop_length, placement)
+        x = jaxsync.default_staging.upload(stage_batch(x, lens, config.hop_length, placement))
     meta = jaxsync.upload_packed(plan.fields, placement=jaxsync.replicated_near(x))
     spec = MelSpec(config, plan.frames, plan.floor_value)
     num_frames = plan.num_frames

@@ -46,8 +46,9 @@ def check_waveforms(
 ) -> tuple[np.ndarray | jax.Array, np.ndarray]:
     """Validates a `[B, W]` (or `[W]`) batch and its host lengths; returns `(batch, lengths)`.
 
-    Host data is converted (numpy, lists, torch CPU tensors) and refused when a real sample is
-    NaN or inf; device data is checked by shape and dtype only.
+    Host data is converted (numpy, lists, torch CPU tensors); its samples are checked for NaN
+    and inf as they are copied into their bucket (`stage_batch`), before any upload. Device
+    data is checked by shape and dtype only.
     """
     if sampling_rate is not None:
         sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
@@ -82,12 +83,6 @@ def check_waveforms(
         )
     if (lens > w).any():
         raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
-    # The whole buffer first (threaded); per row only when that fails: NaN past a row's
-    # length is padding, never read.
-    if not on_device and not jaxsync.all_finite(waveforms):
-        bad = [i for i in range(b) if not np.isfinite(waveforms[i, : lens[i]]).all()]
-        if bad:
-            raise ValueError(f"waveforms {bad} contain NaN or inf samples")
     return waveforms, lens
 
 
@@ -108,15 +103,24 @@ def host_batch(
     waveforms: np.ndarray, lens: np.ndarray, hop: int, out: np.ndarray | None = None
 ) -> np.ndarray:
     """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length),
-    in `out` (every element written) or a new buffer."""
+    in `out` (every element written) or a new buffer.
+
+    Raises:
+      ValueError: a real sample is NaN or inf (or too large for float32). Checked as it is
+        copied, in the same pass (rows on a thread pool when large); padding past a row's
+        length is never read.
+    """
     out = np.empty(host_buckets(lens, hop), np.float32) if out is None else out
-    jaxsync.fill_rows(out, waveforms, lens.tolist())  # rows on a thread pool when large
+    bad = jaxsync.fill_rows(out, waveforms, lens.tolist(), check_finite=True)
+    if bad:
+        raise ValueError(f"waveforms {bad} contain NaN or inf samples")
     return out
 
 
-def upload_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int, placement: Any) -> jax.Array:
-    """`host_batch` written straight into a pinned staging buffer and uploaded from there."""
-    return jaxsync.default_staging.stage(
+def stage_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int, placement: Any) -> np.ndarray:
+    """`host_batch` written (and checked) straight into a staging buffer, not yet uploaded:
+    the caller passes it to `default_staging.upload`, or to `release` if it stops."""
+    return jaxsync.default_staging.fill(
         host_buckets(lens, hop), np.float32,
         lambda out: host_batch(waveforms, lens, hop, out=out), placement=placement,
     )  # fmt: skip

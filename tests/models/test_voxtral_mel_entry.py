@@ -241,3 +241,13 @@ def test_repeated_device_call_is_kept_and_still_checked(monkeypatch):
     x.delete()
     with pytest.raises(ValueError, match="waveforms was deleted"):
         log_mel_spectrogram(x, [4000, 3001], config=cfg)
+
+
+def test_host_sample_too_large_for_float32_is_refused():
+    """A float64 sample beyond float32's range would become inf in the uploaded batch."""
+    cfg = MelConfig(num_mel_bins=80)
+    x = ref.padded_batch([ref.tone_audio(4000, 1), ref.tone_audio(4000, 2)]).astype(np.float64)
+    assert log_mel_spectrogram(x, [4000, 4000], config=cfg).num_frames.tolist() == [25, 25]
+    x[1, 123] = 1e39
+    with pytest.raises(ValueError, match=r"waveforms \[1\] contain NaN or inf"):
+        log_mel_spectrogram(x, [4000, 4000], config=cfg)
