@@ -4,8 +4,8 @@
 Pixels -> VQ codes -> BPE image-token ids in one jitted program per batch bucket (vLLM post-PR
 gathers through a cached device copy of `img2bpe`; pre-PR and HF read the codes back to the CPU
 for the lookup). The same object offers the image-token logit mask, logits with the mask, and the
-placeholder merge, each one jitted call with its tables from a `DeviceCache`. Nothing is read
-back. The pure functions behind them (`forward`, `img2bpe`, `mask_image_logits`,
+placeholder merge (`TextSidePaths`), each one jitted call with its tables from a `DeviceCache`.
+Nothing is read back. The pure functions behind them (`forward`, `img2bpe`, `mask_image_logits`,
 `compute_logits`, `merge_image_tokens`) are for a server's own jitted step.
 """
 
@@ -16,14 +16,11 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
-from jaxsync import replicated_near
-from jaxsync.models.chameleon import _logits, _merge
 from jaxsync.models.chameleon._config import ChameleonConfig
 from jaxsync.models.chameleon._modules import ChameleonVQVAE, forward
 from jaxsync.models.chameleon._placing import (
@@ -33,16 +30,15 @@ from jaxsync.models.chameleon._placing import (
     replicated_on,
     weights_devices,
 )
-from jaxsync.models.chameleon._plan import plan_images, plan_merge
-from jaxsync.models.chameleon._vocab import (
-    ImageVocabularyMapping,
-    check_device_array,
-    img2bpe,
+from jaxsync.models.chameleon._plan import (
+    bucket_batch_sizes,
+    check_pixels,
+    host_pixels,
+    plan_images,
 )
+from jaxsync.models.chameleon._text import TextSidePaths
+from jaxsync.models.chameleon._vocab import ImageVocabularyMapping, check_device_array, img2bpe
 from jaxsync.models.chameleon._weights import load_model
-
-
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
 def _tokens(model: ChameleonVQVAE, pixels, meta, table):  # -> ids [Bp*T], finite [Bp]
@@ -69,7 +65,7 @@ def _as_token_rows(enc, ids, finite, n: int, rows: int, layout) -> jax.Array:
     return _token_rows(ids, n, enc.tokens_per_image)
 
 
-class ChameleonImageEncoder:
+class ChameleonImageEncoder(TextSidePaths):
     """Image tokenizer, logit mask and embedding merge of one Chameleon model.
 
     Args:
@@ -86,6 +82,7 @@ class ChameleonImageEncoder:
     call of a bucket also compiles the tiny row slices (and row pads for device pixels) for every
     batch size of that bucket, so later calls in the bucket compile nothing.
 
+    >>> import jax.numpy as jnp
     >>> from jaxsync.paths.chameleon import reference as ref
     >>> enc = ChameleonImageEncoder(ChameleonConfig.from_hf_config(ref.tiny_hf_config()))
     >>> logits = enc.mask_image_logits(jnp.zeros((2, enc.cfg.vocab_size)))
@@ -188,25 +185,6 @@ class ChameleonImageEncoder:
         if self._program is None:
             raise ValueError("built without a VQ model: pass vq_model= to tokenize images")
 
-    def _host_pixels(self, pixel_values) -> np.ndarray:
-        x = jaxsync.host_array(pixel_values, name="pixel_values")
-        if x.dtype == np.float64:  # numpy's default float: narrowed exactly as the model would
-            x = x.astype(np.float32)
-        return x
-
-    def _check_pixels(self, x) -> int:
-        shape = tuple(x.shape)
-        if len(shape) != 4 or shape[1:] != self.image_shape:
-            raise ValueError(
-                f"pixel_values must have shape (B, {', '.join(map(str, self.image_shape))}), "
-                f"got {shape}"
-            )
-        if np.dtype(x.dtype) not in _FLOATS:
-            raise TypeError(f"pixel_values must be float32/float16/bfloat16, got {x.dtype}")
-        if shape[0] < 1:
-            raise ValueError("pixel_values holds no image")
-        return shape[0]
-
     def _run(self, pixel_values, calls: jaxsync.CallCache, finish):
         """`finish(self, ids, finite, n, rows, layout)` of the tokenized batch; a repeated call
         on device pixels runs the prepared call kept in `calls`."""
@@ -217,15 +195,15 @@ class ChameleonImageEncoder:
         on_device = isinstance(pixel_values, jax.Array)
         if on_device:
             check_device_array(pixel_values, "pixel_values")
-            n = self._check_pixels(pixel_values)
+            n = check_pixels(pixel_values, self.image_shape)
             traced = isinstance(pixel_values, jax.core.Tracer)  # static scans of jaxsync.check
             where = None if traced or not pixel_values.committed else pixel_values.sharding
             if where is not None:
                 check_same_devices(where, self._devices, "pixel_values")
             shards, near = self._placing(where, "pixel_values")
         else:
-            pixel_values = self._host_pixels(pixel_values)
-            n = self._check_pixels(pixel_values)
+            pixel_values = host_pixels(pixel_values)
+            n = check_pixels(pixel_values, self.image_shape)
             jaxsync.check_finite(pixel_values, name="pixel_values")
             where = self.placement
             shards, near = self._placing(where, "placement")
@@ -284,12 +262,7 @@ class ChameleonImageEncoder:
         if key in self._warm:
             return
         self._warm.add(key)
-        lo = rows
-        while lo > 1 and jaxsync.bucket(lo - 1, self.buckets, minimum=1) == rows:
-            lo -= 1
-        for n in range(lo, rows + 1):
-            if n % shards:
-                continue  # a batch split over `shards` devices always holds a multiple of them
+        for n in bucket_batch_sizes(rows, self.buckets, shards):
             _token_rows(ids, n, self.tokens_per_image)
             if n < rows:
                 _take_rows(finite, n)
@@ -298,77 +271,3 @@ class ChameleonImageEncoder:
                         np.zeros((n, *self.image_shape), pixel_values.dtype), where
                     )
                     pad_rows(where)(dummy, rows)
-
-    # ------------------------------------------------------------ tables for a server's step
-
-    def mask_column(self, vocab_size: int, placement=None) -> jax.Array:
-        """bool `[vocab_size]` device mask of the image columns (cached): `mask_image_logits`."""
-        return self.mapping.image_token_mask_on(vocab_size, placement)
-
-    def img2bpe_table(self, placement=None) -> jax.Array:
-        """int32 `[num_codes]` device VQ code -> BPE id table (cached), for `img2bpe`."""
-        return self.mapping.img2bpe_on(placement)
-
-    # ------------------------------------------------------------ logits and merge
-
-    @jaxsync.check.entry_point
-    def mask_image_logits(
-        self, logits: Float[Array, "*B T V"], *, donate: bool = False
-    ) -> Float[Array, "*B T V"]:
-        """Every image-token column of `[T, V]` / `[B, T, V]` logits set to `finfo.min`.
-
-        `donate=True` fills in place (the input is deleted; passing it again is a ValueError).
-        """
-        _logits.check_logits(logits, self.mapping.max_image_id)
-        mask = self.mask_column(logits.shape[-1], replicated_near(logits))
-        return (_logits.mask_jit_donated if donate else _logits.mask_jit)(logits, mask)
-
-    @jaxsync.check.entry_point
-    def compute_logits(
-        self, hidden: Float[Array, "*B T D"], lm_head_weight: Float[Array, "V D"]
-    ) -> Float[Array, "*B T V"]:
-        """`hidden @ lm_head_weight.T` with the image tokens masked, in one jitted program."""
-        _logits.check_lm_head(hidden, lm_head_weight, self.mapping.max_image_id)
-        mask = self.mask_column(lm_head_weight.shape[0], replicated_near(hidden))
-        return _logits.compute_logits_jit(hidden, lm_head_weight, mask)
-
-    @jaxsync.check.entry_point
-    def merge_image_embeddings(
-        self,
-        text_embeds: Float[Array, "*B S D"],
-        image_embeds: Float[Array, "*N T D"],
-        *,
-        input_ids=None,
-        positions=None,
-        num_image_tokens: int | None = None,
-        donate: bool = False,
-    ) -> Float[Array, "*B S D"]:
-        """Writes image-token embeddings, in order, at the `<image>` placeholders.
-
-        Args:
-          text_embeds: `[S, D]` or `[B, S, D]` device embeddings of the prompt.
-          image_embeds: `[N, T, D]` or `[M, D]` device image-token embeddings (may be padded).
-          input_ids: host ids shaped like `text_embeds.shape[:-1]`, or
-          positions: host flat row-major placeholder indices.
-          num_image_tokens: leading rows of `image_embeds` that are real (default: all).
-          donate: donate `text_embeds` so the merge happens in place.
-
-        Raises:
-          TypeError / ValueError: see `plan_merge`; device arrays that are not live.
-        """
-        _merge.check_embeds(text_embeds, image_embeds, input_ids, positions)
-        if input_ids is not None and self.mapping.image_token_id is None:
-            raise ValueError("the vocabulary has no <image> token; pass positions instead")
-        plan = plan_merge(
-            text_embeds.shape[:-1],
-            int(np.prod(image_embeds.shape[:-1])),
-            input_ids=input_ids,
-            image_token_id=self.mapping.image_token_id,
-            positions=positions,
-            num_image_tokens=num_image_tokens,
-        )
-        if plan.num_image_tokens == 0:
-            return text_embeds
-        pos = jaxsync.async_h2d(plan.fields["positions"], placement=replicated_near(text_embeds))
-        merge = _merge.merge_jit_donated if donate else _merge.merge_jit
-        return merge(text_embeds, image_embeds, pos)

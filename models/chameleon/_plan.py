@@ -4,6 +4,8 @@
 prompt's `<image>` placeholders into padded scatter positions. Both validate host metadata
 before anything is uploaded or compiled, and both return `fields` that go up in ONE
 `jaxsync.upload_packed` (a server may upload them inside its own packed transfer instead).
+`host_pixels` and `check_pixels` validate the tokenizer's input (device pixels by shape and
+dtype only); `bucket_batch_sizes` lists the batch sizes that share one bucket's program.
 """
 
 from __future__ import annotations
@@ -11,9 +13,39 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
+
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def host_pixels(pixel_values) -> np.ndarray:
+    """Host pixels (numpy or a torch CPU tensor) as numpy; float64 narrowed to float32."""
+    x = jaxsync.host_array(pixel_values, name="pixel_values")
+    if x.dtype == np.float64:  # numpy's default float: narrowed exactly as the model would
+        x = x.astype(np.float32)
+    return x
+
+
+def check_pixels(x, image_shape: tuple[int, int, int]) -> int:
+    """The number of images in `[B, *image_shape]` pixels (host or device: shape and dtype only).
+
+    Raises:
+      TypeError: a dtype other than float32/float16/bfloat16. ValueError: another shape, no image.
+    """
+    shape = tuple(x.shape)
+    if len(shape) != 4 or shape[1:] != image_shape:
+        raise ValueError(
+            f"pixel_values must have shape (B, {', '.join(map(str, image_shape))}), got {shape}"
+        )
+    if np.dtype(x.dtype) not in _FLOATS:
+        raise TypeError(f"pixel_values must be float32/float16/bfloat16, got {x.dtype}")
+    if shape[0] < 1:
+        raise ValueError("pixel_values holds no image")
+    return shape[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +77,15 @@ def plan_images(
     rows = jaxsync.bucket(n, buckets, minimum=1)
     rows = -(-rows // shards) * shards
     return ChameleonImagePlan(n, rows, {"valid": np.arange(rows) < n})
+
+
+def bucket_batch_sizes(rows: int, buckets: tuple[int, ...] | None, batch_shards: int) -> list[int]:
+    """The batch sizes, ascending, whose bucket is `rows` (they share its program), keeping
+    only multiples of `batch_shards` (a batch split over devices always holds a multiple)."""
+    lo = rows
+    while lo > 1 and jaxsync.bucket(lo - 1, buckets, minimum=1) == rows:
+        lo -= 1
+    return [n for n in range(lo, rows + 1) if n % batch_shards == 0]
 
 
 def placeholder_positions(input_ids: np.ndarray, image_token_id: int) -> np.ndarray:
