@@ -285,12 +285,19 @@ def copy_blocks(
         shares some but not all arrays with the source.
     """
     s_key, d_key = jaxsync.metadata_key(src_ids), jaxsync.metadata_key(dst_ids)
-    kept = _kept_key(src, dst, s_key, d_key, direction, buckets, impl)
-    if kept is not None:
+    signature = _signature(src, dst, direction, buckets, impl)
+    kept = None
+    if signature is not None and s_key is not None and d_key is not None:
+        kept = (signature, s_key, d_key)
         hit = _KEPT.peek(kept)
         if hit is not None:
             return _run_kept(*hit, src, dst)
-    program = _program(src, dst, direction, impl)
+    # New ids on known caches (a server's every step): the cache checks are a function of the
+    # signature, so only the ids are checked and uploaded.
+    if signature is None or any(x.is_deleted() for x in jax.tree.leaves((src, dst))):
+        program = _program(src, dst, direction, impl)  # refuses a donated cache by name
+    else:
+        program = _PROGRAMS.get(signature, lambda: _program(src, dst, direction, impl))
     s_leaves, d_leaves = jax.tree.leaves(src), jax.tree.leaves(dst)
     num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
     device_leaf = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
@@ -322,15 +329,19 @@ def copy_blocks(
 _KEPT: jaxsync.PlanCache[tuple[_Program, jaxsync.Packed]] = jaxsync.PlanCache(maxsize=256)
 
 
-def _kept_key(src, dst, s_key, d_key, direction, buckets, impl) -> tuple | None:
-    """The signature of a call every check of which is a function of it, or None.
+# The program each cache signature runs, chosen once by `_program`'s checks.
+_PROGRAMS: jaxsync.PlanCache[_Program] = jaxsync.PlanCache(maxsize=256)
+
+
+def _signature(src, dst, direction, buckets, impl) -> tuple | None:
+    """Everything `_program` checks, as a key: or None (checked every call).
 
     Each leaf's type, shape, dtype, sharding and commitment (`jaxsync.call_key`), both tree
-    structures, the identity pattern of src and dst (one cache or two), the ids' content, the
-    options and the kernel switches. None for traced or uncommitted caches, ids without a
-    content key, custom buckets and options of other types (checked every call).
+    structures, the identity pattern of src and dst (one cache or two; checked here every
+    call), the options and the kernel switches. None for traced or uncommitted caches, custom
+    buckets and options of other types.
     """
-    if s_key is None or d_key is None or buckets is not None:
+    if buckets is not None:
         return None
     if type(impl) is not str or not (direction is None or type(direction) is str):
         return None
@@ -342,7 +353,7 @@ def _kept_key(src, dst, s_key, d_key, direction, buckets, impl) -> tuple | None:
         return None
     within = _within(s_leaves, d_leaves) if s_leaves and d_leaves else False
     switches = (_pallas.INTERPRET, _pallas.ALLOW_COMPILED)  # what "auto" chooses by
-    return (s_def, d_def, s_sig, d_sig, within, s_key, d_key, direction, impl, switches)
+    return (s_def, d_def, s_sig, d_sig, within, direction, impl, switches)
 
 
 def _run_kept(program: _Program, ids: jaxsync.Packed, src: Cache, dst: Cache) -> Cache:

@@ -27,12 +27,16 @@ def host_ids(ids: Any, name: str) -> np.ndarray:
     if isinstance(ids, np.ndarray):
         arr = ids
     elif isinstance(ids, list | tuple | range):
-        types = set(map(type, ids))  # one C-level pass: bools would pass np.asarray as ints
-        if types <= {int}:
-            arr = np.asarray(ids)
+        arr = None
+        # One C-level pass (bools would pass numpy's conversion as ints), then a conversion
+        # that needs no type inference; ints beyond int64 take the checked path below.
+        if list(map(type, ids)).count(int) == len(ids):
+            try:
+                arr = np.fromiter(ids, np.int64, len(ids))
+            except OverflowError:
+                pass
         else:
-            _check_element_types(types, name)
-            arr = None
+            _check_element_types(set(map(type, ids)), name)
         if arr is None or (arr.size and arr.dtype.kind not in "iu"):
             # Python ints beyond int64 (object or float64 arrays), or numpy's promotion of mixed
             # integer scalars (uint64 with int64 gives float64): checked as Python ints.

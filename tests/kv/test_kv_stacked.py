@@ -231,6 +231,32 @@ def test_kept_copy_still_refuses_what_its_key_cannot_see():
     np.testing.assert_array_equal(_blocks(within, [2, 3]), before[[1, 5]])
 
 
+def test_new_ids_on_known_caches_check_only_the_ids(monkeypatch):
+    """A server's every step: new ids on the same caches. The cache checks run once per cache
+    signature; the ids are checked every call, and a donated cache is still refused."""
+    src, dst = _kept_pair()
+    for cache in ("_PROGRAMS", "_KEPT", "_ID_UPLOADS"):  # as in a fresh process
+        monkeypatch.setattr(_copy, cache, jaxsync.PlanCache(maxsize=256))
+    checks = []
+    program = _copy._program
+    monkeypatch.setattr(_copy, "_program", lambda *a: checks.append(1) or program(*a))
+    want = np.asarray(src.kv)
+    for s_ids, d_ids in (([1, 5], [2, 3]), ([7, 0, 4], [9, 10, 12]), ([3], [15])):
+        dst = copy_blocks(src, dst, s_ids, d_ids)
+        np.testing.assert_array_equal(_blocks(dst, d_ids), want[s_ids])
+    assert checks == [1]  # one program choice for three id contents
+    with pytest.raises(ValueError, match=r"must lie in \[0, 16\)"):
+        copy_blocks(src, dst, [1, 2], [3, 16])  # new ids: checked
+    with pytest.raises(ValueError, match="must be unique"):
+        copy_blocks(src, dst, [1, 2], [3, 3])
+    old = dst
+    dst = copy_blocks(src, dst, [2], [4])  # donates `old`
+    with pytest.raises(ValueError, match="deleted"):
+        copy_blocks(src, old, [6], [8])  # same signature, new ids, a donated cache
+    assert checks == [1, 1]  # control: the refusal came from the full checks
+    np.testing.assert_array_equal(_blocks(dst, [4]), want[[2]])
+
+
 def test_kept_copy_follows_the_kernel_switches(monkeypatch):
     from jaxsync.kv import _pallas
 

@@ -41,13 +41,13 @@ def test_tiny_bench_cases_run():
 
 
 @requires_torch  # its reference is torch
-def test_tiny_bench_layout_cases_run():
+def test_tiny_bench_layout_cases_run(monkeypatch):
     # d2d copies of the same blocks at each layer count, stacked next to per-layer, vLLM's
     # per-layer copy as baseline; the released size keeps its layer counts and block count
     from jaxsync.bench._programs import jax_executions_per_call
     from jaxsync.bench._timing import _Side, measure, same_args_floor
     from jaxsync.kv import StackedCache
-    from jaxsync.paths.kv.bench import SIZES
+    from jaxsync.paths.kv.bench import _FRESH, SIZES
 
     assert SIZES["released"]["stacked"] == {"layers": (4, 32), "count": 512, "blocks": 1024}
     assert SIZES["released"]["layout"].num_blocks == 4096
@@ -60,12 +60,29 @@ def test_tiny_bench_layout_cases_run():
         for tag in ("per-layer", "stacked")
     }
     numpy_ids = {f"{name} [numpy ids]" for name in want if "stacked" in name}
-    assert {c.name for c in cases} == want | numpy_ids
+    fresh_ids = {f"{name} [new numpy ids each call]" for name in want if "stacked" in name}
+    assert {c.name for c in cases} == want | numpy_ids | fresh_ids
     by_name = {c.name: c for c in cases}
     for name in numpy_ids:  # the same copies as its list-ids row, on int32 id arrays
         lists, arrays = by_name[name.removesuffix(" [numpy ids]")], by_name[name]
         copied = np.asarray(lists.jax_fn().kv)  # both rows copy into one donated chain
         assert np.array_equal(np.asarray(arrays.jax_fn().kv), copied)
+    from jaxsync.kv import _copy
+
+    for name in fresh_ids:  # ids no call has seen: every call misses the content caches
+        peek, seen = _copy._KEPT.peek, []
+
+        def counted(key, peek=peek, seen=seen):
+            seen.append(peek(key))
+            return seen[-1]
+
+        monkeypatch.setattr(_copy._KEPT, "peek", counted)
+        calls = _FRESH + 3  # past one whole rotation: a repeated set would hit by now
+        for _ in range(calls):
+            out = by_name[name].jax_fn()
+        jax.block_until_ready(out)
+        monkeypatch.undo()
+        assert seen == [None] * calls
     cases = [c for c in cases if c.name in want]
     side = _Side("jax")
     for case in cases:  # as `jaxsync bench` measures a row, its jit-argument count included

@@ -42,16 +42,19 @@ SIZES = {
                      host_blocks=2048, stacked=dict(layers=(4, 32), count=512, blocks=1024)),
 }  # fmt: skip
 _ROTATE = 4  # distinct id sets per count, all in one bucket
+_FRESH = 320  # more distinct id sets than kv's per-content caches keep (256)
 
 
-def _id_sets(count: int, num_src: int, num_dst: int, seed: int) -> list[tuple[list, list]]:
+def _id_sets(
+    count: int, num_src: int, num_dst: int, seed: int, sets: int = _ROTATE
+) -> list[tuple[list, list]]:
     rng = np.random.default_rng(seed)
     return [
         (
             rng.choice(num_src, count, replace=False).tolist(),
             rng.choice(num_dst, count, replace=False).tolist(),
         )
-        for _ in range(_ROTATE)
+        for _ in range(sets)
     ]
 
 
@@ -208,6 +211,24 @@ def _layout_cases(cfg, size, device, src, src_t, state, torch_cache) -> list[Ben
                 arrays = [tuple(np.asarray(i, np.int32) for i in pair) for pair in id_sets]
                 cases.append(_impl_case(name, "auto", s_cache, state, arrays, nbytes,
                                         f"{key} {tag}", label="numpy ids"))  # fmt: skip
+                # A server's steady state: other blocks every step, so no call finds its ids'
+                # content kept (more distinct sets than the content caches hold).
+                fresh = [
+                    tuple(np.asarray(i, np.int32) for i in pair)
+                    for pair in _id_sets(count, layout.num_blocks, layout.num_blocks, 7, _FRESH)
+                ]
+                cases.append(
+                    _impl_case(
+                        name,
+                        "auto",
+                        s_cache,
+                        state,
+                        fresh,
+                        nbytes,
+                        f"{key} {tag}",
+                        label="new numpy ids each call",
+                    )
+                )
     return cases
 
 
