@@ -12,16 +12,14 @@ Alias safety: a buffer goes back into service only once its last transfer's outp
 `is_ready()` (a non-blocking query; a transfer may read its source after returning). When every
 buffer of a key is busy and the bounds allow no more, or where pinned memory is not available
 (a backend without `pinned_host`, a placement that spans several devices, a trace), the batch
-goes up through the pageable `async_h2d` path instead: never a wait.
+goes up through the pageable `async_h2d` path instead: never a wait. The pinned-memory plumbing
+(which devices have it, the pinned->device transfer, views of a buffer) is `jaxsync._pinned`.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import ctypes
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,67 +27,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxsync import _compat
+from jaxsync import _compat, _pinned
 from jaxsync._fill import fill_padded
 from jaxsync._host import host_int
-from jaxsync._placement import Placement, resolve
+from jaxsync._placement import Placement
 from jaxsync._transfer import async_h2d
-
-
-def _is_ready(out: jax.Array) -> bool:
-    """Whether the transfer that produced `out` has finished reading its pinned source."""
-    return out.is_ready()
-
-
-_UNUSABLE: set[jax.Device] = set()  # devices whose pinned buffers failed to set up
-
-
-@functools.cache
-def _pinned_memory(device: jax.Device) -> jax.sharding.Sharding | None:
-    kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" not in kinds:
-        return None
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-
-
-def _pinned(device: jax.Device) -> jax.sharding.Sharding | None:
-    """The device's pinned host memory as a sharding, or None where it has none (or where
-    setting up a buffer there failed once)."""
-    return None if device in _UNUSABLE else _pinned_memory(device)
-
-
-def _single_device(placement: Placement) -> jax.sharding.Sharding | None:
-    """The sharding of a one-device placement in device memory, or None (several devices, or
-    host memory): those take the pageable path."""
-    target = resolve(placement)
-    if isinstance(target, jax.Device):
-        target = jax.sharding.SingleDeviceSharding(target)
-    if len(target.device_set) != 1 or target.memory_kind not in (None, "device"):
-        return None
-    # Named explicitly: a transfer out of pinned memory to an unnamed memory kind may stay in
-    # host memory on some runtimes.
-    return target.with_memory_kind("device")
-
-
-@functools.cache
-def _copy_program(target: jax.sharding.Sharding) -> Any:
-    # Identity with the device placement as its output: XLA emits the pinned->device DMA.
-    return jax.jit(lambda x: x, out_shardings=target)
-
-
-def transfer(stage: jax.Array, target: jax.sharding.Sharding, form: str | None = None) -> jax.Array:
-    """The pinned->device transfer of `stage`, in the form with the least host time per backend.
-
-    `form` "put" (the default): `jax.device_put` to device memory, the runtime's own
-    memory-kind transfer. "jit": a cached jitted identity with `out_shardings` (less host time
-    on a GPU, but it runs on the compute stream, behind the forwards). The transfer guard
-    accepts both; `upload` refuses any result that is not in device memory.
-    """
-    if form is None:
-        form = "put"
-    if form == "put":
-        return jax.device_put(stage, target)
-    return _copy_program(target)(stage)
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,25 +51,6 @@ def _shape(shape: Any) -> tuple[int, ...]:
 def _nbytes(key: tuple) -> int:
     shape, dtype, _ = key
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-
-
-_GROWER: list[concurrent.futures.ThreadPoolExecutor] = []
-_GROWER_LOCK = threading.Lock()
-
-
-def _grower() -> concurrent.futures.ThreadPoolExecutor:
-    """The one background thread that allocates pinned buffers."""
-    with _GROWER_LOCK:
-        if not _GROWER:
-            _GROWER.append(
-                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsync-staging")
-            )
-        return _GROWER[0]
-
-
-def _view(stage: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    raw = (ctypes.c_byte * stage.nbytes).from_address(stage.unsafe_buffer_pointer())
-    return np.frombuffer(raw, dtype).reshape(shape)
 
 
 class StagingRing:
@@ -171,11 +94,11 @@ class StagingRing:
         a fresh pageable one. Its contents are undefined: write every element, then `upload` it.
         """
         shape, dtype = _shape(shape), np.dtype(dtype)
-        target = _single_device(placement)
+        target = _pinned.single_device(placement)
         slot = None
         big = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize >= self.min_bytes
         if big and target is not None and not _compat.tracing():
-            if _pinned(next(iter(target.device_set))) is not None:
+            if _pinned.memory(next(iter(target.device_set))) is not None:
                 slot = self._claim((shape, dtype, target))
         if slot is None:
             view = np.empty(shape, dtype)
@@ -195,11 +118,11 @@ class StagingRing:
         if slot is None:
             return async_h2d(view, placement=where, copy=False)  # ours alone: no copy
         try:
-            out = transfer(slot.stage, where)
+            out = _pinned.transfer(slot.stage, where)
             if out.sharding.memory_kind != "device":  # host metadata: never a wait
                 raise RuntimeError(f"the transfer landed in {out.sharding.memory_kind} memory")
         except Exception:  # a runtime that lists pinned memory but cannot move it: pageable
-            _UNUSABLE.add(next(iter(where.device_set)))
+            _pinned.UNUSABLE.add(next(iter(where.device_set)))
             data = np.array(view)  # the buffer stays the ring's: upload a private copy
             with self._lock:
                 slot.filling = False
@@ -252,9 +175,9 @@ class StagingRing:
         """Allocates up to `count` pinned buffers of a key and waits until they are usable (a
         start-up call, like `jaxsync.precompile`). Returns how many the key holds."""
         shape, dtype = _shape(shape), np.dtype(dtype)
-        target = _single_device(placement)
+        target = _pinned.single_device(placement)
         small = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < self.min_bytes
-        if small or target is None or _pinned(next(iter(target.device_set))) is None:
+        if small or target is None or _pinned.memory(next(iter(target.device_set))) is None:
             return 0
         key = (shape, dtype, target)
         for _ in range(count):
@@ -282,7 +205,7 @@ class StagingRing:
             self._growing[key] += 1
         # Allocating pinned memory is slow (cudaHostAlloc): done off the caller's thread, while
         # this call goes pageable; the new buffer serves a later one.
-        _grower().submit(self._grow, key)
+        _pinned.grower().submit(self._grow, key)
         return None
 
     def _grow(self, key: tuple) -> None:
@@ -295,10 +218,10 @@ class StagingRing:
     def _hand_out(self, key: tuple, slot: _Slot) -> _Slot | None:
         if slot.view is None:
             try:
-                slot.view = _view(slot.stage, key[0], key[1])
+                slot.view = _pinned.view(slot.stage, key[0], key[1])
             except Exception:  # a backend without host pointers to pinned buffers
                 self._retire(key, slot)
-                _UNUSABLE.add(next(iter(key[2].device_set)))
+                _pinned.UNUSABLE.add(next(iter(key[2].device_set)))
                 return None
         slot.filling = True
         self.stats["pinned"] += 1
@@ -312,14 +235,15 @@ class StagingRing:
         if out.is_deleted():  # donated: whether its transfer finished is unknowable
             self._retire(key, slot)  # freed by the runtime once its readers are done
             return False
-        if not _is_ready(out):
+        if not _pinned.is_ready(out):
             return False
         slot.busy = None
         return True
 
     def _admit(self, key: tuple) -> bool:
         """Books the bytes of one more buffer of `key` (under the lock), or says it cannot."""
-        if _pinned(next(iter(key[2].device_set))) is None or not self._make_room(_nbytes(key)):
+        pinned = _pinned.memory(next(iter(key[2].device_set)))
+        if pinned is None or not self._make_room(_nbytes(key)):
             return False
         self.nbytes += _nbytes(key)
         return True
@@ -328,10 +252,10 @@ class StagingRing:
         """Allocates one booked buffer of `key` (outside the lock); None if the runtime fails."""
         shape, dtype, target = key
         device = next(iter(target.device_set))
-        try:
-            stage = jax.device_put(np.zeros(shape, dtype), _pinned(device))  # ready once copied
+        try:  # the buffer is ready once copied
+            stage = jax.device_put(np.zeros(shape, dtype), _pinned.memory(device))
         except Exception:  # pinned memory the runtime lists but cannot allocate: pageable
-            _UNUSABLE.add(device)
+            _pinned.UNUSABLE.add(device)
             with self._lock:
                 self.nbytes -= _nbytes(key)
             return None

@@ -315,9 +315,9 @@ def main_arg_count(lowered: Any) -> int:
 def watch_uploads(monkeypatch: Any, on_upload: Any = None) -> list:
     """Records every host->device transfer of host data while `monkeypatch` is active: the
     pageable uploads (`jaxsync._transfer._put`) and the staging ring's pinned transfers
-    (`jaxsync._staging.transfer`). `on_upload(*args)` runs first: raise there to refuse one.
+    (`jaxsync._pinned.transfer`). `on_upload(*args)` runs first: raise there to refuse one.
     Returns the list of recorded argument tuples."""
-    from jaxsync import _staging, _transfer
+    from jaxsync import _pinned, _transfer
 
     calls: list = []
 
@@ -330,6 +330,6 @@ def watch_uploads(monkeypatch: Any, on_upload: Any = None) -> list:
 
         return watched
 
-    for module, name in ((_transfer, "_put"), (_staging, "transfer")):
+    for module, name in ((_transfer, "_put"), (_pinned, "transfer")):
         monkeypatch.setattr(module, name, watch(getattr(module, name)))
     return calls

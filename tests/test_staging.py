@@ -9,7 +9,7 @@ import pytest
 
 import jaxsync
 import jaxsync.check
-from jaxsync import _staging
+from jaxsync import _pinned
 
 
 SHAPE = (37, 13)  # odd, prime-ish sizes
@@ -58,7 +58,7 @@ def test_back_to_back_uploads_never_share_a_buffer_in_flight():
 
 def _track(monkeypatch, ready):
     """Fakes the readiness query: a transfer output is ready only when `ready(out)` says so."""
-    monkeypatch.setattr(_staging, "_is_ready", ready)
+    monkeypatch.setattr(_pinned, "is_ready", ready)
 
 
 def _reused_while_busy(view, busy_pointers) -> bool:
@@ -173,21 +173,21 @@ def test_jitted_copy_form_passes_the_guard_without_recompiles():
     pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     target = jax.sharding.SingleDeviceSharding(device)
     stages = [jax.block_until_ready(jax.device_put(_data(i), pinned)) for i in range(3)]
-    _staging._copy_program(target)(stages[0])
+    _pinned.copy_program(target)(stages[0])
     with jaxsync.check.no_recompile(), jaxsync.check.sync_guard(), jax.transfer_guard("disallow"):
-        outs = [_staging._copy_program(target)(s) for s in stages]
+        outs = [_pinned.copy_program(target)(s) for s in stages]
     for i, out in enumerate(outs):
         assert out.sharding.memory_kind == "device"
         np.testing.assert_array_equal(np.asarray(out), _data(i))
 
 
 def test_backend_without_host_pointers_falls_back(monkeypatch):
-    monkeypatch.setattr(_staging, "_UNUSABLE", set())
+    monkeypatch.setattr(_pinned, "UNUSABLE", set())
 
     def no_pointer(*a):
         raise RuntimeError("no host pointer to this memory")
 
-    monkeypatch.setattr(_staging, "_view", no_pointer)
+    monkeypatch.setattr(_pinned, "view", no_pointer)
     ring = jaxsync.StagingRing(min_bytes=0)
     ring.reserve(SHAPE, np.float32)
     np.testing.assert_array_equal(np.asarray(ring.put(_data(13))), _data(13))
@@ -196,12 +196,12 @@ def test_backend_without_host_pointers_falls_back(monkeypatch):
 
 
 def test_failing_pinned_transfer_falls_back(monkeypatch):
-    monkeypatch.setattr(_staging, "_UNUSABLE", set())
+    monkeypatch.setattr(_pinned, "UNUSABLE", set())
 
     def broken(*a):
         raise RuntimeError("cannot move pinned memory here")
 
-    monkeypatch.setattr(_staging, "transfer", broken)
+    monkeypatch.setattr(_pinned, "transfer", broken)
     ring = _ring()
     data = _data(14)
     np.testing.assert_array_equal(np.asarray(ring.put(data)), data)
@@ -239,18 +239,19 @@ def test_a_transfer_that_stays_in_host_memory_is_refused(monkeypatch):
     # A runtime may return the pinned array itself (or a host-memory copy) for a transfer to an
     # unnamed memory kind; a device program then fails on the mixed memory spaces. The ring
     # checks where the result landed (host metadata) and takes the pageable path instead.
-    monkeypatch.setattr(_staging, "_UNUSABLE", set())
+    monkeypatch.setattr(_pinned, "UNUSABLE", set())
     ring = _ring()
     data = _data(15)
     assert ring.put(data).sharding.memory_kind == "device"  # control: a real transfer
-    monkeypatch.setattr(_staging, "transfer", lambda stage, target, form=None: stage)
+    monkeypatch.setattr(_pinned, "transfer", lambda stage, target, form=None: stage)
     out = ring.put(data * 3)
     assert out.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(out), data * 3)
     assert ring.stats["fallback"] == 0 and ring.stats["pinned"] == 2  # the pinned try, refused
+    assert ring.reserve(SHAPE, np.float32) == 0  # the device is off the pinned path now
 
 
 def test_the_target_names_device_memory():
     device = jax.devices()[0]
     for placement in (None, device, jax.sharding.SingleDeviceSharding(device)):
-        assert _staging._single_device(placement).memory_kind == "device"
+        assert _pinned.single_device(placement).memory_kind == "device"

@@ -9,7 +9,7 @@ the call returns and the end-to-end rate (call to last byte on the device) of:
 * `pad + async_h2d`: a fresh zero-padded buffer, filled, uploaded with `copy=False`;
 * `ring`: `StagingRing.put` (the padding copy into a pinned buffer, then the DMA);
 * `ring DMA`: the ring's pinned->device transfer alone, from a filled buffer, in both forms
-  (`jaxsync._staging.transfer`: a jitted copy, GPUs' default, and `device_put`);
+  (`jaxsync._pinned.transfer`: a jitted copy, GPUs' default, and `device_put`);
 * `torch pinned`: `tensor.to("cuda", non_blocking=True)` from pinned memory (torch + CUDA only).
 
 Then the voxtral entry on 8 x 30 s host waveforms (a one-layer tower with Whisper's 1500
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
-from jaxsync import _staging
+from jaxsync import _pinned
 
 
 CASES = {  # name: (bucket shape, dtype, real rows)
@@ -93,8 +93,8 @@ def bench_case(shape, dtype, rows: int, repeats: int) -> dict[str, tuple[float, 
         "async_h2d": lambda: jaxsync.async_h2d(full, placement=device),
         "pad + async_h2d": padded,
         "ring": lambda: ring.put(data, shape, placement=device),
-        "ring DMA (jitted copy)": lambda: _staging.transfer(stage, target, "jit"),
-        "ring DMA (device_put)": lambda: _staging.transfer(stage, target, "put"),
+        "ring DMA (jitted copy)": lambda: _pinned.transfer(stage, target, "jit"),
+        "ring DMA (device_put)": lambda: _pinned.transfer(stage, target, "put"),
     }
     results = {name: _measure(fn, jax.block_until_ready, nbytes, repeats)
                for name, fn in calls.items()}  # fmt: skip
