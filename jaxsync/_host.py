@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsync._fill import all_finite
@@ -98,5 +99,17 @@ def host_int(x: Any, *, name: str, minimum: int | None = None) -> int:
 def check_finite(arr: np.ndarray, *, name: str) -> None:
     """Refuses host floats holding NaN or inf (one item's NaN must never reach the batch)."""
     if not all_finite(arr):
-        bad = np.argwhere(~np.isfinite(arr))[0].tolist()
-        raise ValueError(f"{name} holds a non-finite value (first at index {bad})")
+        raise non_finite_error(arr, name=name)
+
+
+def non_finite_error(arr: np.ndarray, *, name: str, dtype: Any = None) -> ValueError:
+    """The error for host floats `arr` found non-finite as they are (or once cast to `dtype`:
+    a value beyond its range), naming the first bad index."""
+    bad = np.argwhere(~np.isfinite(arr))
+    if bad.size or dtype is None:
+        where = f" (first at index {bad[0].tolist()})" if bad.size else ""
+        return ValueError(f"{name} holds a non-finite value{where}")
+    limit = float(jnp.finfo(dtype).max)
+    big = np.argwhere(np.abs(arr.astype(np.float64)) > limit)
+    where = f" (first at index {big[0].tolist()})" if big.size else ""
+    return ValueError(f"{name} holds a value too large for {np.dtype(dtype).name}{where}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -74,10 +74,20 @@ class PlanCache(Generic[T]):
         self._items: collections.OrderedDict[Hashable, T] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: Hashable, build: Callable[[], T]) -> T:
+    def get(
+        self, key: Hashable, build: Callable[[], T], *, on_miss: Callable[[], Any] | None = None
+    ) -> T:
+        """The value kept for `key`, else `build()` (kept when it returns).
+
+        `on_miss` runs before `build` on a miss only: a check of this call's own data that must
+        come before the build's uploads (a hit uploads nothing, so the caller checks it later,
+        e.g. while copying it: `StagingRing.put(finite=...)`).
+        """
         hit = self.peek(key)
         if hit is not None:
             return hit
+        if on_miss is not None:
+            on_miss()
         value = build()
         self.put(key, value)  # kept unless built under a trace
         return value

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxsync import _compat, _pinned
 from jaxsync._fill import fill_padded
-from jaxsync._host import host_int
+from jaxsync._host import host_int, non_finite_error
 from jaxsync._placement import Placement
 from jaxsync._transfer import async_h2d
 
@@ -139,18 +139,28 @@ class StagingRing:
                 handed[1].filling = False
 
     def put(self, data: Any, shape: tuple[int, ...] | None = None, *, dtype: Any = None,
-            placement: Placement = None) -> jax.Array:  # fmt: skip
+            placement: Placement = None, finite: str | None = None) -> jax.Array:  # fmt: skip
         """Uploads host `data` zero padded at the end of each axis to `shape` (default: its own).
 
+        With `finite` (the data's name), NaN and inf are refused as `jaxsync.check_finite`
+        refuses them, checked while the data is copied (one pass over memory, not two) and
+        before anything is uploaded; so is a value that overflows `dtype`.
+
         Raises:
-          ValueError: `data` of another rank, or larger than `shape` along an axis.
+          ValueError: `data` of another rank, or larger than `shape` along an axis; a
+            non-finite value (with `finite`).
         """
         data = np.asarray(data)
         shape = data.shape if shape is None else tuple(shape)
         if len(shape) != data.ndim or any(n > m for n, m in zip(data.shape, shape, strict=True)):
             raise ValueError(f"data of shape {data.shape} does not fit in {shape}")
         dtype = data.dtype if dtype is None else dtype
-        return self.stage(shape, dtype, lambda out: fill_padded(out, data), placement=placement)
+
+        def write(out: np.ndarray) -> None:
+            if not fill_padded(out, data, check_finite=finite is not None):
+                raise non_finite_error(data, name=finite, dtype=out.dtype)
+
+        return self.stage(shape, dtype, write, placement=placement)
 
     def stage(self, shape: tuple[int, ...], dtype: Any, write: Callable[[np.ndarray], Any], *,
               placement: Placement = None) -> jax.Array:  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 
 import jaxsync
 import jaxsync.check
+import jaxsync.testing
 from jaxsync import _pinned
 
 
@@ -255,3 +256,21 @@ def test_the_target_names_device_memory():
     device = jax.devices()[0]
     for placement in (None, device, jax.sharding.SingleDeviceSharding(device)):
         assert _pinned.single_device(placement).memory_kind == "device"
+
+
+@pytest.mark.parametrize(("value", "dtype", "match"), [
+    (np.nan, np.float32, r"px holds a non-finite value \(first at index \[3, 4\]\)"),
+    (-np.inf, jnp.bfloat16, r"px holds a non-finite value \(first at index \[3, 4\]\)"),
+    (1e39, np.float32, r"px holds a value too large for float32 \(first at index \[3, 4\]\)"),
+])  # fmt: skip
+def test_put_refuses_non_finite_data_while_copying(monkeypatch, value, dtype, match):
+    ring = _ring()
+    data = _data(5).astype(np.float64)
+    want = np.asarray(ring.put(data, dtype=np.float32, finite="px"))  # control: clean data
+    np.testing.assert_array_equal(want, data.astype(np.float32))
+    data[3, 4] = value
+    uploads = jaxsync.testing.watch_uploads(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        ring.put(data, dtype=dtype, finite="px")
+    assert uploads == []
+    assert not any(s.filling for slots in ring._keys.values() for s in slots)  # given back

@@ -204,16 +204,20 @@ class ChameleonImageEncoder(TextSidePaths):
         else:
             pixel_values = host_pixels(pixel_values)
             n = check_pixels(pixel_values, self.image_shape)
-            jaxsync.check_finite(pixel_values, name="pixel_values")
             where = self.placement
             shards, near = self._placing(where, "placement")
+        # Host pixels: NaN / inf refused before a new plan's metadata goes up, or, on a known
+        # plan, as they are copied into their staging buffer (one pass over them).
+        check = None
+        if not on_device:
+            check = lambda: jaxsync.check_finite(pixel_values, name="pixel_values")  # noqa: E731
         plan, meta, table, layout = self._plans.get(
-            (n, shards, near), lambda: self._plan(n, shards, near)
+            (n, shards, near), lambda: self._plan(n, shards, near), on_miss=check
         )
         rows = plan.rows
         if not on_device:
             pixels = jaxsync.default_staging.put(
-                pixel_values, (rows, *self.image_shape), placement=where
+                pixel_values, (rows, *self.image_shape), placement=where, finite="pixel_values"
             )
             ids, finite = self._program(pixels, meta, table)
             self._warm_bucket(rows, shards, ids, finite, pixel_values, where)

@@ -128,16 +128,17 @@ class Gemma3nAudioEncoder:
             self._pads[key] = pad
         return pad
 
-    def _plan(self, key: Any, valid: Any, placement: Any, **buckets: Any):
+    def _plan(self, key: Any, valid: Any, placement: Any, on_miss: Any = None, **buckets: Any):
         """(plan, uploaded meta, row layout) cached per mask content, placement and buckets;
-        `valid()` gives the checked mask on a miss."""
+        `valid()` gives the checked mask on a miss, after `on_miss()`."""
 
         def build():
             plan = plan_audio(valid(), self.cfg, **buckets)
             meta = jaxsync.upload_packed(plan.fields, placement=placement)
             return plan, meta, jaxsync.Embeddings.layout(plan.lengths, plan.offsets)
 
-        return self.plans.get((key, placement, tuple(sorted(buckets.items()))), build)
+        key = (key, placement, tuple(sorted(buckets.items())))
+        return self.plans.get(key, build, on_miss=on_miss)
 
     @entry_point
     def __call__(self, input_features: Any, input_features_mask: Any = None) -> jaxsync.Embeddings:
@@ -183,14 +184,20 @@ class Gemma3nAudioEncoder:
                 frame_buckets=shape[1], batch_buckets=(shape[0],),
             )  # fmt: skip
         else:
-            host, valid = host_features(input_features, input_features_mask, cfg.input_feat_size)
+            host, valid = host_features(
+                input_features, input_features_mask, cfg.input_feat_size, check_finite=False
+            )
             placement = self._meta_placement()
             buckets = dict(frame_buckets=self.frame_buckets, batch_buckets=self.batch_buckets)
             key = (valid.shape, valid.tobytes())
-            plan, meta, layout = self._plan(key, lambda: valid, placement, **buckets)
+            # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
+            # the features are copied into their staging buffer (one pass over them).
+            check = lambda: jaxsync.check_finite(host, name=FEATURES)  # noqa: E731
+            plan, meta, layout = self._plan(key, lambda: valid, placement, check, **buckets)
             feats = jaxsync.default_staging.put(
-                host, padded_shape(host, plan), dtype=np.float32, placement=self.placement
-            )
+                host, padded_shape(host, plan), dtype=np.float32, placement=self.placement,
+                finite=FEATURES,
+            )  # fmt: skip
         if not on_device:
             return self._embed(feats, plan, meta, layout, placement, stacklevel=4)
         if plan.truncation or plan.num_clips != plan.batch:

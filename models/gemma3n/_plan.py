@@ -103,12 +103,17 @@ def _clip(f: Any, i: int, n_mel: int) -> np.ndarray:
     return c
 
 
-def host_features(features: Any, mask: Any, n_mel: int) -> tuple[np.ndarray, np.ndarray]:
+def host_features(
+    features: Any, mask: Any, n_mel: int, *, check_finite: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Host features in either upstream form -> `[B, S, F]` float32 and `[B, S]` bool (valid).
 
     `features` is `[B, S, F]` with its mask (transformers' processor output; numpy or torch CPU),
     or a list of `[S_i, F]` clips (vLLM's form; mask None = all valid, or a list of `[S_i]`),
     zero padded to the longest.
+
+    `check_finite=False` leaves the NaN / inf check to the caller (the encoder checks while it
+    copies the features into their staging buffer).
 
     Raises:
         TypeError: non-float features, non-integer masks.
@@ -141,7 +146,8 @@ def host_features(features: Any, mask: Any, n_mel: int) -> tuple[np.ndarray, np.
         _float_dtype(feats)
         valid = frame_mask(mask, feats.shape[:2])
         feats = feats.astype(np.float32, copy=False)
-    jaxsync.check_finite(feats, name=FEATURES)
+    if check_finite:
+        jaxsync.check_finite(feats, name=FEATURES)
     return feats, valid
 
 

@@ -61,6 +61,9 @@ def _home(table: jax.Array) -> jax.Device | jax.sharding.Sharding:
     return next(iter(sharding.device_set))
 
 
+PIXELS = "pixel_values"
+
+
 class Glm4vVisionEncoder:
     """Host entry around a `Glm4vVisionTower`: host plan, one packed upload, one dispatch.
 
@@ -136,11 +139,12 @@ class Glm4vVisionEncoder:
             attention_layout=self.attention_layout,
         )
 
-    def _planned(self, grid_thw, num_patches: int | None, placement):
+    def _planned(self, grid_thw, num_patches: int | None, placement, on_miss=None):
         """(plan, uploaded meta, output row layout), cached per grid content and placement.
 
         A grid of Python ints or a numpy array is keyed as given (a repeated call costs the
         key, not the checks); other host types are validated first and keyed as int64.
+        `on_miss` runs before a new plan is built (and its metadata uploaded).
         """
         key = jaxsync.metadata_key(grid_thw)
         if key is None:
@@ -152,7 +156,7 @@ class Glm4vVisionEncoder:
             meta = jaxsync.upload_packed(plan.fields, placement=placement)
             return plan, meta, jaxsync.Embeddings.layout(plan.tokens_per_item)
 
-        return self._plans.get((key, num_patches, placement), build)
+        return self._plans.get((key, num_patches, placement), build, on_miss=on_miss)
 
     def _device_placement(self, pixels: jax.Array):
         """Uploads beside device pixels; refuses pixels away from the weights."""
@@ -174,8 +178,8 @@ class Glm4vVisionEncoder:
 
     def _host_pixels(self, pixel_values, plan: VisionPlan) -> jax.Array:
         shape = (plan.padded_patches, self.cfg.patch_dim)  # padding patches are zero pixels
-        return jaxsync.default_staging.put(
-            pixel_values, shape, dtype=self.dtype, placement=self.placement
+        return jaxsync.default_staging.put(  # NaN / inf refused as they are copied
+            pixel_values, shape, dtype=self.dtype, placement=self.placement, finite=PIXELS
         )
 
     def _check_pixels(self, pixel_values) -> tuple[Any, bool]:
@@ -187,8 +191,6 @@ class Glm4vVisionEncoder:
             raise ValueError(f"pixel_values must be [P, {self.cfg.patch_dim}], got {shape}")
         if not np.issubdtype(dtype, np.floating) and dtype != np.dtype(self.dtype):
             raise TypeError(f"pixel_values must be floating point, got {dtype}")
-        if not is_device:
-            jaxsync.check_finite(pixel_values, name="pixel_values")
         return pixel_values, is_device
 
     @entry_point
@@ -217,8 +219,11 @@ class Glm4vVisionEncoder:
         if run is not None:
             return run(pixel_values)
         pixels, is_device = self._check_pixels(pixel_values)
-        if not is_device:
-            plan, meta, layout = self._planned(image_grid_thw, pixels.shape[0], self.placement)
+        if not is_device:  # finite: checked before a new plan's upload, or while staged
+            check = lambda: jaxsync.check_finite(pixels, name=PIXELS)  # noqa: E731
+            plan, meta, layout = self._planned(
+                image_grid_thw, pixels.shape[0], self.placement, on_miss=check
+            )
             return self._encode(self._host_pixels(pixels, plan), meta, layout)
         placement = self._device_placement(pixels)
         plan, meta, layout = self._planned(image_grid_thw, None, placement)

@@ -146,8 +146,9 @@ class Qwen3OmniAudioEncoder:
             return target
         return jaxsync.replicated_near(features)
 
-    def _planned(self, features: Any, feature_lens: Any) -> _Planned:
-        """`plan()` and its uploads, cached per (shape, dtype, placement, lengths).
+    def _planned(self, features: Any, feature_lens: Any, on_miss: Any = None) -> _Planned:
+        """`plan()` and its uploads, cached per (shape, dtype, placement, lengths); `on_miss()`
+        runs first when the plan is new.
 
         A list or tuple of ints (what a server passes) becomes the key without numpy; other
         lengths pass the type checks first. `type(n) is int` keeps floats and bools (equal to
@@ -159,7 +160,7 @@ class Qwen3OmniAudioEncoder:
             lens = tuple(check_feature_lens(feature_lens).tolist())  # the same key
         where = getattr(features, "sharding", None)
         key = (features.shape, features.dtype, where, lens)
-        return self.plans.get(key, lambda: self._build(features, lens))
+        return self.plans.get(key, lambda: self._build(features, lens), on_miss=on_miss)
 
     def _build(self, features: Any, lens: tuple[int, ...]) -> _Planned:
         if not jnp.issubdtype(features.dtype, jnp.floating):
@@ -202,7 +203,7 @@ class Qwen3OmniAudioEncoder:
           TypeError / ValueError: bad arguments, shapes, dtypes, lengths, placements or
             non-finite host features, before any upload or compile.
         """
-        key = None
+        key, name = None, "features"
         if input_features is None and feature_attention_mask is None:  # a kept call, if any
             run, key = self._calls.find(features, feature_lens)
             if run is not None:
@@ -215,7 +216,10 @@ class Qwen3OmniAudioEncoder:
                 )
             if input_features is None or feature_attention_mask is None:
                 raise TypeError("input_features and feature_attention_mask go together")
-            features, feature_lens = features_from_processor(input_features, feature_attention_mask)
+            features, feature_lens = features_from_processor(
+                input_features, feature_attention_mask, check_finite=False
+            )
+            name = "input_features"
         elif features is None or feature_lens is None:
             raise TypeError("features and feature_lens are required")
         on_host = not isinstance(features, jax.Array)
@@ -223,11 +227,13 @@ class Qwen3OmniAudioEncoder:
             features = jaxsync.host_array(features, name="features")
         elif not isinstance(features, jax.core.Tracer) and features.is_deleted():
             raise ValueError("features were deleted (donated to another program, or freed)")
-        planned = self._planned(features, feature_lens)
+        # Host features: NaN / inf refused before a new plan's metadata goes up, or, on a known
+        # plan, as they are copied into their staging buffer (one pass over them).
+        check = (lambda: jaxsync.check_finite(features, name=name)) if on_host else None
+        planned = self._planned(features, feature_lens, check)
         if on_host:
-            jaxsync.check_finite(features, name="features")
             features = jaxsync.default_staging.put(
-                features, dtype=np.float32, placement=planned.placement
+                features, dtype=np.float32, placement=planned.placement, finite=name
             )
             return self._encode(features, planned)
         finish = jaxsync.Embeddings.assembler(planned.layout, ("finite",))

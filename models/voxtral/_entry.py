@@ -276,13 +276,18 @@ class VoxtralAudioEncoder:
             b_pad = jaxsync.bucket(len(counts), minimum=1)
             return _planned(plan_chunks(counts, b_pad, c_pad, cfg), where)
 
-        if not on_device:  # this call's own data: checked every call, before any upload
-            jaxsync.check_finite(features, name="input_features")
-        plan, meta, layout = self._plans.get(("features", key, rows, on_device, where), build)
+        # Host features are refused when not finite before a new plan's metadata goes up,
+        # or, on a known plan, as they are copied into their staging buffer (one pass).
+        check = None
+        if not on_device:
+            check = lambda: jaxsync.check_finite(features, name="input_features")  # noqa: E731
+        key = ("features", key, rows, on_device, where)
+        plan, meta, layout = self._plans.get(key, build, on_miss=check)
         if not on_device:
             features = jaxsync.default_staging.put(
-                features, (plan.chunks, *want), dtype=np.float32, placement=self.placement
-            )
+                features, (plan.chunks, *want), dtype=np.float32, placement=self.placement,
+                finite="input_features",
+            )  # fmt: skip
             return self._run(features, meta, layout)
         run = self._prepared(meta, layout, "input_features", batched=given.ndim == 3)
         return self._feature_calls.keep(call_key, run)(given)
