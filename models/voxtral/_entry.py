@@ -24,6 +24,7 @@ from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
 from jaxsync.models.voxtral._plan import (
     VoxtralPlan,
+    check_audio_list,
     check_live,
     check_waveforms,
     host_buckets,
@@ -199,17 +200,12 @@ class VoxtralAudioEncoder:
     def _from_audio(
         self, audio: Any, lengths: Any, sampling_rate: Any, call_key: Any
     ) -> jaxsync.Embeddings:
-        if isinstance(audio, list | tuple):
+        if isinstance(audio, list | tuple):  # rows copied straight into their bucket
             if lengths is not None:
                 raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
-            rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
-            if not rows:
-                raise ValueError("empty batch: no audio")
-            lengths = [len(r) for r in rows]
-            audio = np.zeros((len(rows), max(lengths)), np.result_type(*rows))
-            for i, r in enumerate(rows):
-                audio[i, : len(r)] = r
-        x, lens = check_waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
+            x, lens = check_audio_list(audio, self.mel_config, sampling_rate=sampling_rate)
+        else:
+            x, lens = check_waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
         on_device = isinstance(x, jax.Array)
         hop = self.mel_config.hop_length
         b_pad, width = x.shape if on_device else host_buckets(lens, hop)

@@ -9,6 +9,7 @@ on-device `finite` flag).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -50,13 +51,7 @@ def check_waveforms(
     and inf as they are copied into their bucket (`stage_batch`), before any upload. Device
     data is checked by shape and dtype only.
     """
-    if sampling_rate is not None:
-        sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
-        if sr != config.sampling_rate:
-            raise ValueError(
-                f"waveforms are sampled at {sr} Hz but the front end expects "
-                f"{config.sampling_rate} Hz; resample first"
-            )
+    _check_rate(sampling_rate, config)
     on_device = isinstance(waveforms, jax.Array)
     if on_device:
         check_live(waveforms, name="waveforms")
@@ -77,13 +72,47 @@ def check_waveforms(
         lens = jaxsync.host_ints(lengths, name="lengths", minimum=None)
         if lens.shape != (b,):
             raise ValueError(f"lengths must be {b} host ints (one per waveform), got {lens!r}")
+    _check_lengths(lens)
+    if (lens > w).any():
+        raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
+    return waveforms, lens
+
+
+def check_audio_list(
+    audio: Sequence[Any], config: MelConfig, *, sampling_rate: int | None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Validates a list of 1-D host waveforms (vLLM's form); returns `(rows, lengths)`.
+
+    The rows stay as given: `stage_batch` copies them straight into their bucket (and checks
+    their samples there), with no padded copy of the whole batch first.
+    """
+    _check_rate(sampling_rate, config)
+    rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
+    if not rows:
+        raise ValueError("empty batch: no audio")
+    for i, r in enumerate(rows):
+        if not np.issubdtype(r.dtype, np.floating):
+            raise TypeError(f"waveforms must be floating point, got {r.dtype} in audio[{i}]")
+    lens = np.array([len(r) for r in rows], np.int64)
+    _check_lengths(lens)
+    return rows, lens
+
+
+def _check_rate(sampling_rate: Any, config: MelConfig) -> None:
+    if sampling_rate is not None:
+        sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
+        if sr != config.sampling_rate:
+            raise ValueError(
+                f"waveforms are sampled at {sr} Hz but the front end expects "
+                f"{config.sampling_rate} Hz; resample first"
+            )
+
+
+def _check_lengths(lens: np.ndarray) -> None:
     if (lens <= 0).any():
         raise ValueError(
             f"empty audio: waveforms {np.flatnonzero(lens <= 0).tolist()} have length <= 0"
         )
-    if (lens > w).any():
-        raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
-    return waveforms, lens
 
 
 def check_live(x: jax.Array, *, name: str) -> None:
@@ -100,10 +129,11 @@ def host_buckets(lens: np.ndarray, hop: int) -> tuple[int, int]:
 
 
 def host_batch(
-    waveforms: np.ndarray, lens: np.ndarray, hop: int, out: np.ndarray | None = None
-) -> np.ndarray:
-    """A host batch copied into its bucket `[B_pad, W_pad]` float32 (zeros after each length),
-    in `out` (every element written) or a new buffer.
+    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, hop: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
+    """A host batch (`[B, W]`, or a list of 1-D rows) copied into its bucket `[B_pad, W_pad]`
+    float32 (zeros after each length), in `out` (every element written) or a new buffer.
 
     Raises:
       ValueError: a real sample is NaN or inf (or too large for float32). Checked as it is
@@ -117,7 +147,9 @@ def host_batch(
     return out
 
 
-def stage_batch(waveforms: np.ndarray, lens: np.ndarray, hop: int, placement: Any) -> np.ndarray:
+def stage_batch(
+    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, hop: int, placement: Any
+) -> np.ndarray:
     """`host_batch` written (and checked) straight into a staging buffer, not yet uploaded:
     the caller passes it to `default_staging.upload`, or to `release` if it stops."""
     return jaxsync.default_staging.fill(

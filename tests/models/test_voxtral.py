@@ -199,6 +199,29 @@ def test_plans_are_cached_per_shape_mix(monkeypatch):
     assert len(uploads) == 1
 
 
+def test_audio_list_equals_its_padded_batch(monkeypatch):
+    """vLLM's form, a list of 1-D waveforms of mixed float dtypes, gives what the same audio as
+    a padded `[B, W]` batch with lengths gives; its rows go straight into their bucket."""
+    enc = VoxtralAudioEncoder(_tower())
+    rows = [_audio(7001, 0), _audio(300, 1).astype(np.float64), _audio(12800, 2)]
+    lens = [len(r) for r in rows]
+    want = enc(_batch(rows), lens)
+    uploads = jaxsync.testing.watch_uploads(monkeypatch)
+    got = enc(rows)
+    assert len(uploads) == 1  # the bucketed batch: no padded copy made and uploaded on the side
+    assert got.lengths == want.lengths and got.offsets == want.offsets
+    np.testing.assert_array_equal(np.asarray(got.embeddings), np.asarray(want.embeddings))
+    bad = [rows[0], rows[1].copy(), rows[2]]
+    bad[1][299] = np.inf  # the last real sample of a row
+    with pytest.raises(ValueError, match=r"waveforms \[1\] contain NaN or inf"):
+        enc(bad)
+    with pytest.raises(TypeError, match=r"floating point, got int16 in audio\[2\]"):
+        enc([rows[0], rows[1], (rows[2] * 1000).astype(np.int16)])
+    with pytest.raises(ValueError, match=r"empty audio: waveforms \[1\]"):
+        enc([rows[0], rows[0][:0]])
+    assert len(uploads) == 1  # refused before any upload
+
+
 @pytest.fixture(scope="module")
 def whisper_sized():
     """A narrow tower with Whisper's 1500 positions (3000-frame windows) and the extractor built
