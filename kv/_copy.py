@@ -39,12 +39,10 @@ import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas, _pool
 from jaxsync.kv._ids import checked_ids, padded_ids
-from jaxsync.kv._layout import (
-    Cache,
-    cache_leaves,
+from jaxsync.kv._layout import Cache, cache_leaves, check_same_structure
+from jaxsync.kv._placement import (
     check_placement,
     check_same_sharding,
-    check_same_structure,
     committed,
     memory_kind,
     upload_ids,

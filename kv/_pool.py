@@ -34,9 +34,8 @@ import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas
 from jaxsync.kv._ids import checked_ids, host_int, padded_ids
-from jaxsync.kv._layout import (
-    Cache,
-    cache_leaves,
+from jaxsync.kv._layout import Cache, cache_leaves
+from jaxsync.kv._placement import (
     check_placement,
     check_same_sharding,
     committed,

@@ -22,9 +22,8 @@ import numpy as np
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv._ids import check_range, check_unique, host_ids, host_int, padded_ids
-from jaxsync.kv._layout import (
-    Cache,
-    cache_leaves,
+from jaxsync.kv._layout import Cache, cache_leaves
+from jaxsync.kv._placement import (
     check_placement,
     committed,
     memory_kind,
