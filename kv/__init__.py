@@ -14,12 +14,8 @@ bodies as pure functions of device ids, planned on the host by `plan_slots` / `p
 entries' validation and padding, as fields for the step's one `jaxsync.upload_packed`).
 """
 
-from jaxsync.kv._copy import (
-    Direction as Direction,
-    copy_blocks as copy_blocks,
-    copy_pairs as copy_pairs,
-    plan_copy as plan_copy,
-)
+from jaxsync.kv._copy import copy_blocks as copy_blocks, copy_pairs as copy_pairs
+from jaxsync.kv._copy_plan import Direction as Direction, plan_copy as plan_copy
 from jaxsync.kv._layout import (
     Cache as Cache,
     KVLayout as KVLayout,
