@@ -132,3 +132,30 @@ def test_new_plan_checks_before_its_upload(entry, monkeypatch):
     assert uploads == [] and len(passes) == 1
     call(other)  # control: the clean input plans, checks and uploads
     assert len(passes) == 2 and len(uploads) >= 2
+
+
+def test_gemma3n_clip_list_goes_straight_into_its_bucket(monkeypatch):
+    """vLLM's form, a list of `[S_i, F]` clips: copied once, into the staging buffer, with the
+    check in the same pass; the same rows as the zero-padded batch with its mask."""
+    cfg = gemma3n_ref.tiny_config()
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg, frame_buckets=64)
+    lengths = [41, 7, 29]
+    rng = np.random.default_rng(8)
+    clips = [rng.standard_normal((n, cfg.input_feat_size)).astype(np.float32) for n in lengths]
+    padded = np.zeros((3, 41, cfg.input_feat_size), np.float32)
+    for i, c in enumerate(clips):
+        padded[i, : len(c)] = c
+    mask = np.arange(41)[None, :] < np.array(lengths)[:, None]
+    want = enc(padded, mask)  # the same real-frame mask: the same plan
+    passes, uploads = _checks(monkeypatch), jaxsync.testing.watch_uploads(monkeypatch)
+    got = enc(clips)
+    assert passes == [] and len(uploads) == 1
+    np.testing.assert_array_equal(np.asarray(got.embeddings), np.asarray(want.embeddings))
+    bad = [c.copy() for c in clips]
+    bad[2][28, 3] = np.nan  # the last frame of the last clip
+    with pytest.raises(ValueError, match=r"input_features\[2\] holds a non-finite value"):
+        enc(bad)
+    assert len(uploads) == 1 and passes == []  # refused in the copy, before any upload
+    with pytest.raises(ValueError, match=r"input_features\[1\] holds a non-finite value"):
+        enc(bad[1:])  # a new plan: checked first, clip by clip (the bad clip is now 1)
+    assert len(uploads) == 1 and len(passes) == 2

@@ -20,10 +20,12 @@ from jaxsync.models.gemma3n._modules import Gemma3nAudioModel, forward
 from jaxsync.models.gemma3n._plan import (
     FEATURES,
     AudioTruncationWarning,
+    check_host_finite,
     frame_mask,
+    host_clips,
     host_features,
-    padded_shape,
     plan_audio,
+    stage_features,
 )
 
 
@@ -184,20 +186,22 @@ class Gemma3nAudioEncoder:
                 frame_buckets=shape[1], batch_buckets=(shape[0],),
             )  # fmt: skip
         else:
-            host, valid = host_features(
-                input_features, input_features_mask, cfg.input_feat_size, check_finite=False
-            )
+            n_mel = cfg.input_feat_size
+            if isinstance(input_features, list | tuple):  # clips go straight into the bucket
+                host, valid = host_clips(input_features, input_features_mask, n_mel)
+            else:
+                host, valid = host_features(
+                    input_features, input_features_mask, n_mel, check_finite=False
+                )
             placement = self._meta_placement()
             buckets = dict(frame_buckets=self.frame_buckets, batch_buckets=self.batch_buckets)
             key = (valid.shape, valid.tobytes())
             # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
             # the features are copied into their staging buffer (one pass over them).
-            check = lambda: jaxsync.check_finite(host, name=FEATURES)  # noqa: E731
-            plan, meta, layout = self._plan(key, lambda: valid, placement, check, **buckets)
-            feats = jaxsync.default_staging.put(
-                host, padded_shape(host, plan), dtype=np.float32, placement=self.placement,
-                finite=FEATURES,
-            )  # fmt: skip
+            plan, meta, layout = self._plan(
+                key, lambda: valid, placement, lambda: check_host_finite(host), **buckets
+            )
+            feats = stage_features(host, (plan.batch, plan.frame_bucket, n_mel), self.placement)
         if not on_device:
             return self._embed(feats, plan, meta, layout, placement, stacklevel=4)
         if plan.truncation or plan.num_clips != plan.batch:

@@ -21,9 +21,11 @@ __all__ = [
     "AudioTruncationWarning",
     "Gemma3nAudioPlan",
     "frame_mask",
+    "check_host_finite",
+    "host_clips",
     "host_features",
-    "padded_shape",
     "plan_audio",
+    "stage_features",
 ]
 
 FEATURES = "input_features"
@@ -103,6 +105,28 @@ def _clip(f: Any, i: int, n_mel: int) -> np.ndarray:
     return c
 
 
+def host_clips(features: Any, mask: Any, n_mel: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """A list of `[S_i, F]` host clips (vLLM's form), validated and kept as given (the encoder
+    copies them straight into their bucket), and the `[B, S]` bool mask of their real frames
+    (mask None = all real, or a list of `[S_i]`). Their values are not checked here.
+    """
+    clips = [_clip(f, i, n_mel) for i, f in enumerate(features)]
+    if not clips:
+        raise ValueError(f"{FEATURES} holds no audio clip")
+    masks = [None] * len(clips) if mask is None else list(mask)
+    if len(masks) != len(clips):
+        raise ValueError(f"{len(clips)} feature clips but {len(masks)} masks")
+    valid = np.zeros((len(clips), max(len(c) for c in clips)), bool)
+    for i, (c, m) in enumerate(zip(clips, masks, strict=True)):
+        _float_dtype(c)
+        valid[i, : len(c)] = (
+            True
+            if m is None
+            else frame_mask(jaxsync.host_array(m, name=MASK)[None], (1, len(c)))[0]
+        )
+    return clips, valid
+
+
 def host_features(
     features: Any, mask: Any, n_mel: int, *, check_finite: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -120,23 +144,10 @@ def host_features(
         ValueError: wrong rank, mel-bin or mask shape, no clip, or a NaN / inf anywhere.
     """
     if isinstance(features, list | tuple):
-        clips = [_clip(f, i, n_mel) for i, f in enumerate(features)]
-        if not clips:
-            raise ValueError(f"{FEATURES} holds no audio clip")
-        masks = [None] * len(clips) if mask is None else list(mask)
-        if len(masks) != len(clips):
-            raise ValueError(f"{len(clips)} feature clips but {len(masks)} masks")
-        s = max(len(c) for c in clips)
-        feats = np.zeros((len(clips), s, n_mel), np.float32)
-        valid = np.zeros((len(clips), s), bool)
-        for i, (c, m) in enumerate(zip(clips, masks, strict=True)):
-            _float_dtype(c)
+        clips, valid = host_clips(features, mask, n_mel)
+        feats = np.zeros((len(clips), valid.shape[1], n_mel), np.float32)
+        for i, c in enumerate(clips):
             feats[i, : len(c)] = c
-            valid[i, : len(c)] = (
-                True
-                if m is None
-                else frame_mask(jaxsync.host_array(m, name=MASK)[None], (1, len(c)))[0]
-            )
     else:
         feats = jaxsync.host_array(features, name=FEATURES)
         if feats.ndim != 3:
@@ -220,6 +231,27 @@ def plan_audio(
     )
 
 
-def padded_shape(feats: np.ndarray, plan: Gemma3nAudioPlan) -> tuple[int, int, int]:
-    """The bucket `[batch, frame_bucket, F]` that `[B, S, F]` host features are zero padded to."""
-    return (plan.batch, plan.frame_bucket, feats.shape[2])
+def check_host_finite(host: np.ndarray | list[np.ndarray]) -> None:
+    """NaN / inf in host features (a `[B, S, F]` array, or each clip of a list) refused."""
+    if isinstance(host, np.ndarray):
+        jaxsync.check_finite(host, name=FEATURES)
+        return
+    for i, clip in enumerate(host):
+        jaxsync.check_finite(clip, name=f"{FEATURES}[{i}]")
+
+
+def stage_features(
+    host: np.ndarray | list[np.ndarray], shape: tuple[int, int, int], placement: Any
+):
+    """Host features zero padded into `shape` `[B_pad, S_pad, F]` float32 and uploaded, NaN /
+    inf refused as they are copied (one pass)."""
+    ring = jaxsync.default_staging
+    if isinstance(host, np.ndarray):
+        return ring.put(host, shape, dtype=np.float32, placement=placement, finite=FEATURES)
+
+    def write(out: np.ndarray) -> None:
+        bad = jaxsync.fill_rows(out, host, [len(c) for c in host], check_finite=True)
+        if bad:
+            raise ValueError(f"{FEATURES}[{bad[0]}] holds a non-finite value")
+
+    return ring.stage(shape, np.float32, write, placement=placement)
