@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A GPU run of jaxsync in phases, each short enough for one bounded remote command.
-# Usage: bash tools/gpu_session.sh OUT_DIR PHASE [FAMILY ...]
+# A GPU run of jaxsync in phases of a few minutes each.
+# Usage: bash tools/gpu_phases.sh OUT_DIR PHASE [FAMILY ...]
 #   check    - gpu-marked tests, then `jaxsync verify` under the default and the TFRT client
 #   bench    - `jaxsync bench --sizes released` per family (default: all), default client
 #   tfrt     - the same bench under the TFRT GPU client (host time per call)
@@ -10,8 +10,8 @@
 # Set SKIP_INSTALL=1 when the caller installed jaxsync already.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:?usage: gpu_session.sh OUT_DIR PHASE [FAMILY ...]}"
-phase="${2:?usage: gpu_session.sh OUT_DIR PHASE [FAMILY ...]}"
+out="${1:?usage: gpu_phases.sh OUT_DIR PHASE [FAMILY ...]}"
+phase="${2:?usage: gpu_phases.sh OUT_DIR PHASE [FAMILY ...]}"
 shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
