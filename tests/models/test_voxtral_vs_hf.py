@@ -39,21 +39,7 @@ def tiny(tmp_path_factory):
     return model, path, cfg, load_model(path)
 
 
-def _mel(c: int, cfg: VoxtralAudioConfig, seed: int) -> np.ndarray:
-    # (log10 + 4) / 4 features live roughly in [-1, 2].
-    return np.random.default_rng(seed).uniform(-1.0, 2.0, (c, 128, cfg.chunk_frames))
-
-
-def _audio(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (0.1 * rng.standard_normal(n) + 0.2 * np.sin(np.arange(n) * 0.3)).astype(np.float32)
-
-
-def _batch(audios, width=None):
-    x = np.zeros((len(audios), width or max(map(len, audios))), np.float32)
-    for i, a in enumerate(audios):
-        x[i, : len(a)] = a
-    return x
+_audio, _batch, _mel = ref.noisy_audio, ref.padded_batch, ref.window_features
 
 
 def test_hub_and_transformers_keys_load_identically(tiny, tmp_path):

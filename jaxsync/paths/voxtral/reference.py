@@ -102,6 +102,29 @@ def padded_batch(audios: list[np.ndarray], width: int | None = None, fill: float
     return x
 
 
+def noisy_audio(n: int, seed: int) -> np.ndarray:
+    """`[n]` float32 test audio: noise plus a fast sine."""
+    rng = np.random.default_rng(seed)
+    return (0.1 * rng.standard_normal(n) + 0.2 * np.sin(np.arange(n) * 0.3)).astype(np.float32)
+
+
+def window_features(c: int, cfg: VoxtralAudioConfig, seed: int) -> np.ndarray:
+    """`[c, 128, chunk_frames]` float64 log-mel windows: (log10 + 4) / 4 features live roughly
+    in [-1, 2]."""
+    return np.random.default_rng(seed).uniform(-1.0, 2.0, (c, 128, cfg.chunk_frames))
+
+
+def tiny_tower(seed: int = 0, **overrides: Any):
+    """The tiny encoder tower (`TINY_ENCODER` with `overrides`), random weights from `seed`."""
+    from flax import nnx
+
+    from jaxsync.models.voxtral import VoxtralAudioTower
+
+    return VoxtralAudioTower(
+        VoxtralAudioConfig(**{**TINY_ENCODER, **overrides}), rngs=nnx.Rngs(seed)
+    )
+
+
 def one_row_meta(n: int = 4000, frames: int = 25):
     """The packed metadata `log_mel_rows` reads for one waveform of `n` samples as one row."""
     import jaxsync
