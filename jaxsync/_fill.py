@@ -150,7 +150,8 @@ def fill_rows(
 ) -> list[int]:
     """`out[i, :n_i] = src[i][:n_i]`, zeros after each length and in rows past `src`.
 
-    `src` is a `[B, W]` array or a sequence of 1-D rows. A large batch is copied in spans of
+    `src` is a `[B, W, ...]` array or a sequence of rows whose leading axis is their length
+    (1-D waveforms, `[S_i, F]` feature clips). A large batch is copied in spans of
     about equal size on the pool (a long single row too). With `check_finite`, each row's
     copied samples are checked for NaN and inf as they are written (after the cast to
     `out`'s dtype); the rows that hold one are returned (empty: all finite). Samples past a

@@ -175,11 +175,11 @@ def copy_blocks(
             return _run_kept(*hit, src, dst)
     # New ids on known caches (a server's every step): the cache checks are a function of the
     # signature, so only the ids are checked and uploaded.
-    if signature is None or any(x.is_deleted() for x in jax.tree.leaves((src, dst))):
+    s_leaves, d_leaves = jax.tree.leaves(src), jax.tree.leaves(dst)
+    if signature is None or any(x.is_deleted() for x in s_leaves + d_leaves):
         program = _program(src, dst, direction, impl)  # refuses a donated cache by name
     else:
         program = _PROGRAMS.get(signature, lambda: _program(src, dst, direction, impl))
-    s_leaves, d_leaves = jax.tree.leaves(src), jax.tree.leaves(dst)
     num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
     device_leaf = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
 

@@ -1,9 +1,10 @@
 """Entry calls on the serving thread: few jit arguments at any depth, and kept calls.
 
-Every entry's main program (the one with the most work among those a call dispatches) takes at
-most 6 jit arguments, at two depths, counted from the entry call itself. A repeated device call
-is served by the entry's kept call: it skips the checks on a short hot path and gives the same
-answer, refuses a deleted or misplaced input, sees new weights, and keeps nothing traced.
+Every entry's main program (the one doing the most work of those a call dispatches) takes at
+most 6 jit arguments whatever the model's depth (a shallow and a deep model are compared). A
+repeated call on device inputs is served by the entry's kept call: it skips the checks on a
+short hot path and gives the same answer, refuses a deleted or misplaced input, sees new
+weights, and keeps nothing traced.
 """
 
 from __future__ import annotations
