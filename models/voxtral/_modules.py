@@ -39,7 +39,9 @@ class Attention(nnx.Module):
         d = cfg.hidden_size
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         # cuDNN flash attention on GPU for 16-bit weights: a 1500-frame window's [N, T, T] scores
-        # never reach HBM (the XLA form is several times slower on a GPU).
+        # never reach HBM (the XLA form is several times slower on a GPU). Padding the windows to
+        # whole 128-position tiles would need a key mask, and cuDNN's masked kernel is slower than
+        # its unpadded one (docs/benchmarks.md).
         self.impl = resolve_attention(attention, dtype, cfg.head_dim)
         self.q_proj = nnx.Linear(d, d, use_bias=True, **kw)
         self.k_proj = nnx.Linear(d, d, use_bias=False, **kw)
