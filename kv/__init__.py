@@ -29,13 +29,15 @@ from jaxsync.kv._pool import (
     swap_in as swap_in,
     swap_out as swap_out,
 )
+from jaxsync.kv._slot_plan import (
+    plan_slots as plan_slots,
+    row_sharding as row_sharding,
+    slot_mapping_for as slot_mapping_for,
+)
 from jaxsync.kv._slots import (
     extract_kv as extract_kv,
     inject_kv as inject_kv,
-    plan_slots as plan_slots,
     read_slots as read_slots,
-    row_sharding as row_sharding,
-    slot_mapping_for as slot_mapping_for,
     write_slots as write_slots,
 )
 from jaxsync.kv._storage import kv_folder as kv_folder, load_kv as load_kv, save_kv as save_kv

@@ -42,7 +42,7 @@ from jaxsync.kv._copy_plan import Direction, _fields, _Program, _program, _withi
 from jaxsync.kv._ids import checked_ids
 from jaxsync.kv._layout import Cache
 from jaxsync.kv._placement import committed, upload_ids
-from jaxsync.kv._slots import check_id_array
+from jaxsync.kv._slot_plan import check_id_array
 
 
 def copy_pairs(

@@ -27,14 +27,8 @@ import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.kv._ids import check_range, host_ids
 from jaxsync.kv._layout import Cache, StackedCache, cache_leaves
-from jaxsync.kv._slots import (
-    check_slots,
-    extract_kv,
-    inject_kv,
-    row_shape,
-    row_sharding,
-    slot_mapping_for,
-)
+from jaxsync.kv._slot_plan import check_slots, row_shape, row_sharding, slot_mapping_for
+from jaxsync.kv._slots import extract_kv, inject_kv
 
 
 # Cache dtypes a layer file can hold: safetensors' dtype set, by numpy name.

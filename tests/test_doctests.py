@@ -19,7 +19,7 @@ PUBLIC_MODULES = [
     "jaxsync.hfconfig",
     "jaxsync._placement",
     "jaxsync._packing",
-    "jaxsync.kv._slots",
+    "jaxsync.kv._slot_plan",
     "jaxsync.kv._storage",
 ]
 
