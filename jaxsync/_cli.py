@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxsync._verify_table import HEADER, format_row, path_listing, summary_line
+
 
 def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool) -> dict[str, Any]:
     from jaxsync._precompile import Target, precompile as run_precompile
@@ -71,65 +73,6 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
     return row
 
 
-_HEADER = (
-    f"{'path':<30} {'parity':<30} {'static':<7} {'guard':<6} {'recomp':<7} {'host/call':>10} "
-    f"{'blocked':>10}  status"
-)
-_STATUS = {"verified": "verified", "skipped": "skipped", "failed": "FAILED"}
-
-
-def _format_row(r: dict[str, Any]) -> str:
-    checks = {c["check"]: c["ok"] for c in r.get("checks", [])}
-    static = checks.get("jaxpr: no host callback") and checks.get("hlo: no host transfer")
-    p = r.get("parity", {})
-    if p.get("status") in ("pass", "fail") and "max_err" in p:
-        parity = f"{p['status']} {p['metric'][:4]} {p['max_err']:.1e}/{p['tol']:.0e}"
-    else:
-        parity = p.get("status", "-") + (" (no torch)" if p.get("status") == "skipped" else "")
-
-    def v(x):
-        return "-" if x is None else ("PASS" if x else "FAIL")
-
-    host = f"{r['host_ms']:.3f} ms" if "host_ms" in r else "-"
-    blocked = f"{r['blocked_ms']:.2f} ms" if "blocked_ms" in r else "-"
-    lines = [
-        f"{r['path']:<30} {parity:<30} {v(static):<7} "
-        f"{v(checks.get('runtime: sync_guard')):<6} "
-        f"{v(checks.get('no recompile')):<7} {host:>10} {blocked:>10}  "
-        f"{_STATUS[r.get('status', 'failed')]}"
-    ]
-    if "error" in r:
-        lines.append(f"    {r['error']}")
-    for c in r.get("checks", []):
-        if c["ok"] is False:
-            lines.append(f"    {c['check']}: {c['detail']}")
-    if p.get("status") == "fail":
-        lines.append(f"    parity: {p.get('detail')}")
-    if r.get("skipped") and r.get("ok"):
-        lines.append(f"    skipped: {', '.join(r['skipped'])}")
-    return "\n".join(lines)
-
-
-def _summary(rows: list[dict[str, Any]]) -> str:
-    by = {k: [r["path"] for r in rows if r.get("status") == k] for k in _STATUS}
-    line = f"{len(by['verified'])} of {len(rows)} paths verified"
-    if by["skipped"]:
-        line += f"; {len(by['skipped'])} passed with checks skipped: {', '.join(by['skipped'])}"
-    if by["failed"]:
-        line += f"; FAILED: {', '.join(by['failed'])}"
-    return line
-
-
-def _path_listing(specs: Sequence[Any]) -> str:
-    width = max([len(s.name) for s in specs] + [4])
-    lines = ["registered paths ([no checkpoint]: --checkpoint is refused):"]
-    for s in specs:
-        note = "" if s.checkpoints else " [no checkpoint]"
-        lines.append(f"  {s.name:<{width}}  {s.description}{note}")
-    lines.append("families: " + ", ".join(sorted({s.family for s in specs})))
-    return "\n".join(lines)
-
-
 def _select(ap: argparse.ArgumentParser, selected: Sequence[str] | None) -> list[Any]:
     """The registered paths named by `--paths` (all without it); unknown names are a usage error
     (exit 2) that lists the valid ones."""
@@ -139,7 +82,7 @@ def _select(ap: argparse.ArgumentParser, selected: Sequence[str] | None) -> list
     known = {s.name for s in specs} | {s.family for s in specs}
     unknown = [p for p in selected or () if p not in known]
     if unknown:
-        ap.error(f"unknown path(s) {', '.join(unknown)}\n{_path_listing(specs)}")
+        ap.error(f"unknown path(s) {', '.join(unknown)}\n{path_listing(specs)}")
     return registry.paths(selected)
 
 
@@ -169,7 +112,7 @@ def _verify_parser() -> argparse.ArgumentParser:
         description="Verify registered paths: parity against the reference, no host callback or "
         "transfer (static), no host read (runtime guard), no recompile within a bucket, and the "
         "dispatch probe. A path whose parity could not run (no torch) counts as skipped.",
-        epilog=_path_listing(registry.paths()),
+        epilog=path_listing(registry.paths()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
@@ -215,17 +158,17 @@ def verify(argv: Sequence[str]) -> int:
         return _lower_for(specs, args, backend)
     if not args.json:  # rows stream as they finish: a slow or killed run still shows its results
         print(f"jaxsync verify — backend: {backend}")
-        print(_HEADER)
-        print("-" * len(_HEADER), flush=True)
+        print(HEADER)
+        print("-" * len(HEADER), flush=True)
     rows = []
     for spec in specs:
         rows.append(_verify_one(spec, args.checkpoint, not args.no_probe, args.precompile))
         if not args.json:
-            print(_format_row(rows[-1]), flush=True)
+            print(format_row(rows[-1]), flush=True)
     if args.json:
         print(json.dumps({"backend": backend, "paths": rows}, indent=2, default=str))
     else:
-        print(_summary(rows))
+        print(summary_line(rows))
     failed = any(r["status"] == "failed" for r in rows)
     skipped = any(r["status"] == "skipped" for r in rows)
     return 1 if not rows or failed or (args.strict and skipped) else 0
