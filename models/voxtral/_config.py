@@ -81,7 +81,13 @@ class MelConfig:
         Raises:
           ValueError: on settings this front end does not implement (dither, a window shorter
             than n_fft, normalisation, a non-zero padding value, left padding).
+          TypeError: an object without the extractor's size fields.
         """
+        missing = [k for k in ("feature_size", "sampling_rate", "n_fft", "hop_length")
+                   if not hasattr(fe, k)]  # fmt: skip
+        if missing:
+            raise TypeError(f"expected a Whisper-style feature extractor, got {type(fe).__name__} "
+                            f"without {missing}")  # fmt: skip
         if getattr(fe, "dither", 0.0):
             raise ValueError(f"dither={fe.dither} is not supported (random noise is not parity)")
         # Audio is zero-padded at its end to whole windows (and to the batch width): another

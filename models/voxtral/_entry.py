@@ -71,6 +71,10 @@ class VoxtralAudioEncoder:
             raise TypeError(f"model must be a VoxtralAudioTower, got {type(model).__name__}")
         cfg = model.config
         mel_config = MelConfig(num_mel_bins=cfg.num_mel_bins) if mel_config is None else mel_config
+        if not isinstance(mel_config, MelConfig):
+            raise TypeError(
+                f"mel_config must be a MelConfig or None, got {type(mel_config).__name__}"
+            )
         if mel_config.num_mel_bins != cfg.num_mel_bins:
             raise ValueError(
                 f"mel_config has {mel_config.num_mel_bins} mel bins, the encoder expects "

@@ -17,6 +17,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
+from jaxsync.models.voxtral._filters import slaney_mel_filters
 
 
 FloorMode = Literal["global", "per_audio", "per_example"]
@@ -24,6 +25,8 @@ FloorMode = Literal["global", "per_audio", "per_example"]
 
 def resolve_floor(config: MelConfig, floor: FloorMode | None) -> FloorMode:
     """Default floor: the configured global max when set, else the per-audio max (vLLM)."""
+    if not isinstance(config, MelConfig):
+        raise TypeError(f"config must be a MelConfig, got {type(config).__name__}")
     if floor is None:
         return "global" if config.floor_value is not None else "per_audio"
     if floor not in ("global", "per_audio", "per_example"):
@@ -51,7 +54,7 @@ def check_waveforms(
     and inf as they are copied into their bucket (`stage_batch`), before any upload. Device
     data is checked by shape and dtype only.
     """
-    _check_rate(sampling_rate, config)
+    _check_front_end(sampling_rate, config)
     on_device = isinstance(waveforms, jax.Array)
     if on_device:
         check_live(waveforms, name="waveforms")
@@ -86,7 +89,7 @@ def check_audio_list(
     The rows stay as given: `stage_batch` copies them straight into their bucket (and checks
     their samples there), with no padded copy of the whole batch first.
     """
-    _check_rate(sampling_rate, config)
+    _check_front_end(sampling_rate, config)
     rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
     if not rows:
         raise ValueError("empty batch: no audio")
@@ -98,7 +101,10 @@ def check_audio_list(
     return rows, lens
 
 
-def _check_rate(sampling_rate: Any, config: MelConfig) -> None:
+def _check_front_end(sampling_rate: Any, config: MelConfig) -> None:
+    # The filter bank is a constant of the traced program: an all-zero filter (too many mel bins
+    # for n_fft) is refused here, on the host, not while tracing after the audio went up.
+    slaney_mel_filters(config)
     if sampling_rate is not None:
         sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
         if sr != config.sampling_rate:

@@ -166,6 +166,8 @@ def test_encoder_construction():
         VoxtralAudioEncoder(tower, chunk_buckets=[2.0, 4.0])
     with pytest.raises(TypeError, match="VoxtralAudioTower"):
         VoxtralAudioEncoder(tower.multi_modal_projector)
+    with pytest.raises(TypeError, match="mel_config must be a MelConfig or None, got dict"):
+        VoxtralAudioEncoder(tower, {"n_fft": 400})
 
 
 def test_load_state_refuses_another_model_and_keeps_serving(encoder):
@@ -189,6 +191,21 @@ def test_too_many_windows_fail_before_any_upload(uploads):
         enc(input_features=feats)
     assert enc(x[:, :6400], [6400, 6400]).lengths == (5, 5)  # within the buckets: fine
     assert len(uploads) == 2  # the plan's metadata and the waveforms
+
+
+def test_all_zero_mel_filters_fail_before_any_upload(uploads):
+    """400 filters over 201 FFT bins leave some all zero (transformers only warns): refused on
+    the host, not while tracing after the audio went up."""
+    mel = MelConfig(num_mel_bins=400)
+    with refused(uploads, ValueError, "are all zero", X):
+        log_mel_spectrogram(X, [5000, 3000], config=mel)
+    tower = VoxtralAudioTower(VoxtralAudioConfig(**{**TINY, "num_mel_bins": 400}),
+                              rngs=nnx.Rngs(0))  # fmt: skip
+    enc = VoxtralAudioEncoder(tower, mel)
+    with refused(uploads, ValueError, "are all zero", X):
+        enc(X, [5000, 3000])
+    with refused(uploads, ValueError, "are all zero"):
+        enc([X[0], X[1, :3000]])
 
 
 LOG_MEL_CASES = [
@@ -242,6 +259,10 @@ def test_log_mel_device_input_stale_or_misplaced(uploads):
         (lambda: VoxtralAudioConfig.from_hf_config({"head_dim": 99}), ValueError, "head_dim=99"),
         (lambda: VoxtralAudioConfig.from_hf_config(42), TypeError, "expected an HF config"),
         (lambda: log_mel_floor(np.zeros((2, 3)), global_log_mel_max=2), TypeError, "Python float"),
+        (lambda: log_mel_spectrogram(X, config={"n_fft": 400}), TypeError,
+         "config must be a MelConfig, got dict"),
+        (lambda: MelConfig.from_feature_extractor(None), TypeError,
+         "feature extractor, got NoneType"),
     ],
 )  # fmt: skip
 def test_bad_configs(make, exc, match):
