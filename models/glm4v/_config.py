@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import jaxsync
 from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
+from jaxsync.models._activations import ACTIVATION_NAMES, ActivationName
 
-
-Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
 
 # transformers' `Glm4vVisionConfig()` defaults (the released GLM-4.1V tower), kept here so the
 # product reads configs without importing transformers; a test pins them to the class.
@@ -89,7 +88,7 @@ class Glm4vVisionConfig:
     depth: int = 24
     hidden_size: int = 1536
     num_heads: int = 12
-    hidden_act: Activation = "silu"
+    hidden_act: ActivationName = "silu"
     attention_bias: bool = False
     in_channels: int = 3
     image_size: int = 336
@@ -110,8 +109,10 @@ class Glm4vVisionConfig:
             raise ValueError(f"hidden_size {self.hidden_size} % num_heads {self.num_heads} != 0")
         if self.head_dim % 4:
             raise ValueError(f"head dim {self.head_dim} must be a multiple of 4 (2-D rotary)")
-        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported")
+        if self.hidden_act not in ACTIVATION_NAMES:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported (supported: {ACTIVATION_NAMES})"
+            )
         if self.table_side < 1:
             raise ValueError(f"image_size {self.image_size} < patch_size {self.patch_size}")
 

@@ -14,19 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
-from jaxsync.models._activations import gelu
+from jaxsync.models._activations import activation, gelu
 from jaxsync.models._attention import AttentionImpl
 from jaxsync.models.glm4v._attention import Attention, RaggedSegments, linear, rotary_cos_sin
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._interp import interpolate_pos_embed
 from jaxsync.models.glm4v._plan import SEGMENT_GROUP
-
-
-_ACT = {
-    "silu": jax.nn.silu,
-    "gelu": gelu,  # HF "gelu" is the exact erf form
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-}
 
 
 class RMSNorm(nnx.Module):
@@ -52,7 +45,7 @@ class GatedMlp(nnx.Module):
         self.down_proj = linear(hidden, dim, False, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(_ACT[self.act](self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nnx.Module):

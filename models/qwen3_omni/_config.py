@@ -7,13 +7,12 @@ inert at inference are accepted, and anything else that differs from the HF defa
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 from jaxsync import host_int
 from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
+from jaxsync.models._activations import ACTIVATION_NAMES, ActivationName
 
-
-Activation = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"]
 
 # Inert at inference: dropouts are off in eval mode, `initializer_range` only matters for training,
 # and `conv_chunksize` only splits the conv batch into loops (same numbers, see `_modules.py`).
@@ -76,7 +75,7 @@ class Qwen3OmniAudioConfig:
     encoder_attention_heads: int = 20
     encoder_ffn_dim: int = 5120
     d_model: int = 1280
-    activation_function: Activation = "gelu"
+    activation_function: ActivationName = "gelu"
     max_source_positions: int = 1500
     n_window: int = 50
     n_window_infer: int = 800
@@ -112,10 +111,10 @@ class Qwen3OmniAudioConfig:
             )
         if self.max_source_positions < TOKENS_PER_FULL_CHUNK:
             raise ValueError(f"max_source_positions must be >= {TOKENS_PER_FULL_CHUNK}")
-        if self.activation_function not in Activation.__args__:
+        if self.activation_function not in ACTIVATION_NAMES:
             raise ValueError(
                 f"activation_function {self.activation_function!r} is not supported; "
-                f"one of {Activation.__args__}"
+                f"one of {ACTIVATION_NAMES}"
             )
 
     @property

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float
 
 import jaxsync
-from jaxsync.models._activations import gelu
+from jaxsync.models._activations import activation, gelu
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
 
 
@@ -26,20 +26,6 @@ _LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
 
 # Built once: a layer keeps its activation as a static attribute, and layers stack (scan) only
 # when those compare equal, i.e. are the same function object.
-_ACTIVATIONS = {
-    "gelu": gelu,
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
-
-
-def activation(name: str):
-    """The HF `ACT2FN[name]` function for the supported names (one object per name)."""
-    return _ACTIVATIONS[name]
-
-
 @functools.cache
 def sinusoid_table(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
     """[length, channels] `[sin | cos]` table, float32 like HF's `SinusoidsPositionEmbedding`."""

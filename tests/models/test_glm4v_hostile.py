@@ -184,7 +184,7 @@ def test_torch_tensors_off_cpu_and_bad_buckets():
         ({"num_heads": np.float32(4)}, TypeError, "num_heads must be an int"),
         ({"depth": 0}, ValueError, "depth must be >= 1"),
         ({"hidden_size": 30, "num_heads": 3}, ValueError, "multiple of 4"),
-        ({"hidden_act": "relu"}, ValueError, "hidden_act"),
+        ({"hidden_act": "mish"}, ValueError, "hidden_act"),
         ({"attention_bias": 1}, TypeError, "attention_bias"),
     ],
 )

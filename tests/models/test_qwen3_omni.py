@@ -173,7 +173,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="divisible"):
         q3.Qwen3OmniAudioConfig(d_model=100, encoder_attention_heads=3)
     with pytest.raises(ValueError, match="activation_function"):
-        q3.Qwen3OmniAudioConfig(activation_function="tanh")
+        q3.Qwen3OmniAudioConfig(activation_function="mish")
 
 
 def test_from_hf_config_dict_is_strict():
