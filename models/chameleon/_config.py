@@ -77,7 +77,9 @@ class ChameleonVQConfig:
       channel_multiplier: one multiplier per level; every level but the last halves the grid.
       num_res_blocks: residual blocks per level.
       attn_resolutions: grid sizes at which each residual block of a level is followed by a
-        self-attention block (empty: none; the mid block always has one).
+        self-attention block (empty: none).
+      attn_type: "vanilla" builds the attention blocks (those of `attn_resolutions` and the mid
+        block's); any other value builds none, as upstream (its mid attention is an identity).
     """
 
     embed_dim: int = 256
@@ -89,6 +91,7 @@ class ChameleonVQConfig:
     channel_multiplier: tuple[int, ...] = (1, 1, 2, 2, 4)
     num_res_blocks: int = 2
     attn_resolutions: tuple[int, ...] = ()
+    attn_type: str = "vanilla"
 
     def __post_init__(self) -> None:
         ints = ("embed_dim", "num_embeddings", "latent_channels", "resolution", "in_channels")
@@ -99,16 +102,25 @@ class ChameleonVQConfig:
                 jaxsync.host_int(v, name=f"ChameleonVQConfig.{name} entry", minimum=1)
         if not self.channel_multiplier:
             raise ValueError("channel_multiplier must be non-empty")
-        for width in self.level_channels:
+        if not isinstance(self.attn_type, str):
+            raise TypeError(f"ChameleonVQConfig.attn_type must be a str, got {self.attn_type!r}")
+        # conv_in's output (base_channels) is the first block's GroupNorm input too
+        for width in (self.base_channels, *self.level_channels):
             if width % GROUP_NORM_GROUPS:
                 raise ValueError(
                     f"every level's channel count must be divisible by {GROUP_NORM_GROUPS} "
-                    f"(GroupNorm groups); got {self.level_channels}"
+                    f"(GroupNorm groups); got base {self.base_channels} and levels "
+                    f"{self.level_channels}"
                 )
         if self.latent_grid < 1:
             raise ValueError(
                 f"resolution {self.resolution} is too small for {self.num_levels} levels"
             )
+
+    @property
+    def attention(self) -> bool:
+        """Whether the encoder has attention blocks (upstream builds them for "vanilla" only)."""
+        return self.attn_type == "vanilla"
 
     @property
     def num_levels(self) -> int:
@@ -146,9 +158,9 @@ class ChameleonVQConfig:
 
         Raises:
           TypeError: a non-integer for an integer field (`2.0`, `True`).
-          ValueError: `double_latent=True`, `attn_type != "vanilla"`, an unknown key, or the
-            config of another VQ model (its `model_type`; GLM-Image's VQ config has a subset of
-            these fields and another architecture).
+          ValueError: `double_latent=True`, an unknown key, or the config of another VQ model
+            (its `model_type`; GLM-Image's VQ config has a subset of these fields and another
+            architecture).
         """
         vq = as_dict(src)
         if "vq_config" in vq or vq.get("model_type") == "chameleon":
@@ -162,15 +174,9 @@ class ChameleonVQConfig:
             raise ValueError(
                 "vq_config.double_latent=True is not supported (HF cannot run it either)"
             )
-        if vq.get("attn_type", "vanilla") != "vanilla":
-            raise ValueError(
-                f"vq_config.attn_type={vq['attn_type']!r} is not supported (only 'vanilla')"
-            )
         # dropout is inactive at inference (the VQ model is frozen and in eval mode), so any value
         # computes the same tokens.
-        kwargs = {
-            k: vq[k] for k in _VQ_FIELDS - {"double_latent", "attn_type", "dropout"} if k in vq
-        }
+        kwargs = {k: vq[k] for k in _VQ_FIELDS - {"double_latent", "dropout"} if k in vq}
         if "channel_multiplier" in kwargs:
             kwargs["channel_multiplier"] = tuple(kwargs["channel_multiplier"])
         kwargs["attn_resolutions"] = tuple(kwargs.get("attn_resolutions") or ())

@@ -71,7 +71,8 @@ class ChameleonImageEncoder(TextSidePaths):
     Args:
       cfg: the model config.
       vq_model: the loaded VQ model (`load_model`); None builds the text-side paths only.
-      missing_code_id: see `ImageVocabularyMapping` (None: a VQ code without a name is an error).
+      missing_code_id: see `ImageVocabularyMapping` (None: with `vq_model`, a VQ code without a
+        name is an error).
       cache: the `DeviceCache` for the constant tables (default: the process-wide one).
       buckets: image batch buckets (default: powers of two).
       placement: where host pixels go (a device, or a sharding; one that splits the batch
@@ -107,11 +108,6 @@ class ChameleonImageEncoder(TextSidePaths):
             missing_code_id=missing_code_id,
             cache=cache,
         )
-        if self.mapping.num_codes < cfg.vq.num_embeddings:
-            raise ValueError(
-                f"img2bpe covers {self.mapping.num_codes} codes but the codebook has "
-                f"{cfg.vq.num_embeddings}"
-            )
         self.buckets = buckets
         self.placement = placement
         self.image_shape = (cfg.vq.in_channels, cfg.vq.resolution, cfg.vq.resolution)
@@ -125,6 +121,7 @@ class ChameleonImageEncoder(TextSidePaths):
         if vq_model is not None:
             if not isinstance(vq_model, ChameleonVQVAE) or vq_model.cfg != cfg.vq:
                 raise ValueError("vq_model was not built from this config's vq config")
+            self.mapping.check_code_table()  # the tokenizer needs every code named
             self._program = jaxsync.TowerProgram(vq_model, _tokens, layers=None)
             self._encode = jaxsync.TowerProgram(vq_model, lambda m, x: m(x), layers=None)
             self._devices, weights_at = weights_devices(vq_model)

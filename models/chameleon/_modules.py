@@ -116,16 +116,18 @@ class Level(nnx.Module):
 
 
 class Mid(nnx.Module):
-    """Residual block, attention, residual block at the lowest resolution."""
+    """Residual block, attention (an identity without `attention`), residual block at the
+    lowest resolution."""
 
-    def __init__(self, channels: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, channels: int, *, attention: bool, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.block_1 = ResnetBlock(channels, channels, **kw)
-        self.attn_1 = AttnBlock(channels, **kw)
+        self.attn_1 = AttnBlock(channels, **kw) if attention else None
         self.block_2 = ResnetBlock(channels, channels, **kw)
 
     def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B H W C"]:
-        return self.block_2(self.attn_1(self.block_1(x)))
+        x = self.block_1(x)
+        return self.block_2(x if self.attn_1 is None else self.attn_1(x))
 
 
 class Encoder(nnx.Module):
@@ -143,14 +145,14 @@ class Encoder(nnx.Module):
                     cin,
                     cout,
                     n_blocks=cfg.num_res_blocks,
-                    attn=res in cfg.attn_resolutions,
+                    attn=cfg.attention and res in cfg.attn_resolutions,
                     downsample=i != cfg.num_levels - 1,
                     **kw,
                 )
             )
             cin = cout
         self.down = nnx.List(levels)
-        self.mid = Mid(cin, **kw)
+        self.mid = Mid(cin, attention=cfg.attention, **kw)
         self.norm_out = _norm(cin, dtype, param_dtype, rngs)
         self.conv_out = _conv(cin, cfg.latent_channels, 3, **kw)
 

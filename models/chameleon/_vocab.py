@@ -79,23 +79,30 @@ class ImageVocabularyMapping:
     Args:
       vocab_map: tokenizer token -> id map (`ChameleonConfig.vocabulary_map`).
       num_embeddings: the VQ codebook size. Codes `0..num_embeddings-1` must all have a name
-        unless `missing_code_id` is given. None: the codebook is taken as `max(code) + 1`.
+        for the code table unless `missing_code_id` is given. None: `max(code) + 1`.
       missing_code_id: the BPE id a code without a name maps to. None (default) makes a missing
-        code an error. Upstream uses 0 silently; pass 0 to reproduce it, deliberately.
+        code an error where the code table is used. Upstream uses 0 silently; pass 0 to
+        reproduce it, deliberately.
       cache: where the device copies live.
 
     Attributes:
       image_token_ids: int32 `[K]`, the sorted BPE ids of every `IMGIMG` token.
-      img2bpe: int32 `[num_codes]`, VQ code -> BPE id.
+      img2bpe: int32 `[num_codes]`, VQ code -> BPE id (reading it raises `ValueError` while a
+        code has no name and `missing_code_id` is None).
       bpe2img: dict BPE id -> VQ code.
-      missing_codes: the codes that had no name (empty unless `missing_code_id` was given).
+      missing_codes: the codebook's codes that have no name.
       image_token_id: the `<image>` placeholder id, or None.
       max_image_id: the largest image BPE id (logits must be wider than this).
 
+    A name whose code lies outside the codebook is still an image token (masked and merged as
+    any other), but no VQ code produces it, so the code table leaves it out; upstream sizes its
+    table by the largest name instead, with the same entries for every code the VQ produces.
+    The logit mask and the merge need only the image token ids, so they work with a code table
+    that has gaps; the tokenizer and `img2bpe` refuse it.
+
     Raises:
       TypeError: a non-integer id.
-      ValueError: no `IMGIMG` token, an undecodable name, two names with one code, a code
-        outside the codebook, or a code without a name while `missing_code_id` is None.
+      ValueError: no `IMGIMG` token, an undecodable name, or two names with one code.
     """
 
     def __init__(
@@ -130,37 +137,47 @@ class ImageVocabularyMapping:
                 )
             owner[code] = name
             self.bpe2img[bpe] = code
-        max_code = max(owner)
-        num_codes = max_code + 1 if num_embeddings is None else num_embeddings
-        if max_code >= num_codes:
-            raise ValueError(
-                f"image token {owner[max_code]!r} decodes to code {max_code}, outside the "
-                f"codebook of {num_codes} codes"
-            )
+        if num_embeddings is None:
+            num_codes = max(owner) + 1
+        else:
+            num_codes = jaxsync.host_int(num_embeddings, name="num_embeddings", minimum=1)
         self.image_token_ids = np.array([b for b, _ in named], dtype=np.int32)
         self.max_image_id = int(self.image_token_ids[-1])
         table = np.full((num_codes,), -1, dtype=np.int64)
         for bpe, code in self.bpe2img.items():
-            table[code] = bpe
+            if code < num_codes:  # beyond the codebook: an image token no VQ code produces
+                table[code] = bpe
         self.missing_codes = np.flatnonzero(table < 0)
-        if self.missing_codes.size:
-            if missing_code_id is None:
-                shown = self.missing_codes[:8].tolist()
-                raise ValueError(
-                    f"{self.missing_codes.size} VQ codes have no {IMAGE_PREFIX} name (first: "
-                    f"{shown}); upstream maps them silently to BPE id 0. Pass missing_code_id "
-                    "to choose their id explicitly."
-                )
+        self._table_error = None
+        if self.missing_codes.size and missing_code_id is None:
+            shown = self.missing_codes[:8].tolist()
+            self._table_error = (
+                f"{self.missing_codes.size} VQ codes have no {IMAGE_PREFIX} name (first: "
+                f"{shown}); upstream maps them silently to BPE id 0. Pass missing_code_id "
+                "to choose their id explicitly."
+            )
+        elif self.missing_codes.size:
             table[self.missing_codes] = missing_code_id
-        self.img2bpe = table.astype(np.int32)
+        self._img2bpe = table.astype(np.int32)
         # Content-addressed names: two mappings with equal tables share one device copy.
-        digest = hashlib.sha1(self.img2bpe.tobytes() + self.image_token_ids.tobytes()).hexdigest()
-        self._key = digest[:16]
+        digest = hashlib.sha1(self._img2bpe.tobytes() + self.image_token_ids.tobytes())
+        self._key = digest.hexdigest()[:16]
+
+    def check_code_table(self) -> None:
+        """Raises ValueError when a codebook code has no name and `missing_code_id` is None."""
+        if self._table_error is not None:
+            raise ValueError(self._table_error)
+
+    @property
+    def img2bpe(self) -> np.ndarray:
+        """int32 `[num_codes]` VQ code -> BPE id (after `check_code_table`)."""
+        self.check_code_table()
+        return self._img2bpe
 
     @property
     def num_codes(self) -> int:
         """Length of the `img2bpe` table (the codebook size)."""
-        return int(self.img2bpe.shape[0])
+        return int(self._img2bpe.shape[0])
 
     def img2bpe_on(self, placement: Placement = None) -> jax.Array:
         """Device copy of `img2bpe` at `placement` (built once, then cached)."""

@@ -57,7 +57,8 @@ def test_config_from_transformers_object_and_released_defaults():
     "change, match",
     [
         (dict(vq_config=dict(double_latent=True)), "double_latent"),
-        (dict(vq_config=dict(attn_type="none")), "attn_type"),
+        # conv_in's width feeds the first GroupNorm even when every level is wider
+        (dict(vq_config=dict(base_channels=48, channel_multiplier=[2, 4])), "base 48"),
         (dict(vq_config=dict(mystery=1)), "vq_config fields"),
         (dict(new_field=1), "unsupported Chameleon config fields"),
         (dict(image_token_id=3), "disagrees"),
@@ -82,10 +83,29 @@ def test_vocabulary_bad_maps():
         ImageVocabularyMapping({"<image>": 1, "hello": 2})
     with pytest.raises(ValueError, match="does not decode"):
         ImageVocabularyMapping({"IMGIMGAZ": 1, "IMGIMGxyZ": 2})
-    with pytest.raises(ValueError, match="outside the codebook of 2"):
-        ImageVocabularyMapping({"IMGIMGAZ": 1, "IMGIMGBZ": 2, "IMGIMGCZ": 3}, num_embeddings=2)
+    gap = ImageVocabularyMapping({"IMGIMGAZ": 1}, num_embeddings=2)
     with pytest.raises(ValueError, match="1 VQ codes have no IMGIMG name"):
-        ImageVocabularyMapping({"IMGIMGAZ": 1}, num_embeddings=2)
+        gap.check_code_table()
+    with pytest.raises(ValueError, match="1 VQ codes have no IMGIMG name"):
+        gap.convert_img2bpe(jnp.zeros((3,), jnp.int32))
+
+
+def test_names_beyond_the_codebook_are_image_tokens_no_code_produces():
+    """transformers' own tiny Chameleon configs name codes 10.. with a 5-code book: the names
+    are image tokens (masked, merged), the code table covers the codebook as upstream's does
+    for every code the VQ can produce."""
+    vocab = {"<image>": 3, "IMGIMGBAZ": 9, "IMGIMGBBZ": 8, "IMGIMGAZ": 7, "IMGIMGBZ": 6}
+    m = ImageVocabularyMapping(vocab, num_embeddings=2)
+    assert m.image_token_ids.tolist() == [6, 7, 8, 9]
+    assert m.img2bpe.tolist() == [7, 6]
+    assert m.image_token_mask(10).nonzero()[0].tolist() == [6, 7, 8, 9]
+    missing = ImageVocabularyMapping({"IMGIMGBAZ": 4, "IMGIMGBBZ": 5}, num_embeddings=3)
+    assert missing.missing_codes.tolist() == [0, 1, 2]
+    assert missing.image_token_mask(6).nonzero()[0].tolist() == [4, 5]  # the mask works
+    with pytest.raises(ValueError, match="3 VQ codes have no IMGIMG name"):
+        missing.check_code_table()  # the code table does not
+    explicit = ImageVocabularyMapping({"IMGIMGBAZ": 4}, num_embeddings=3, missing_code_id=0)
+    assert explicit.img2bpe.tolist() == [0, 0, 0]
 
 
 def test_tables_are_cached_per_placement():
@@ -317,3 +337,18 @@ def test_mask_on_logits_sharded_over_the_vocab(enc):
     assert out.sharding.is_equivalent_to(split.sharding, 2)
     np.testing.assert_array_equal(np.asarray(out), want)
     assert (want[:, enc.mapping.image_token_ids] == np.finfo(np.float32).min).all()
+
+
+def test_text_side_paths_work_with_a_gapped_code_table_the_tokenizer_refuses():
+    """A vocabulary shaped like transformers' own tiny Chameleon test config (names for codes
+    10.. only): the logit mask and merge work; building the tokenizer is refused on the host."""
+    vocab = {"<image>": 1, "IMGIMGBAZ": 3, "IMGIMGBBZ": 4, "IMGIMGBCZ": 5}
+    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config(vocab))
+    enc = chameleon.ChameleonImageEncoder(cfg)
+    logits = enc.mask_image_logits(jnp.zeros((2, cfg.vocab_size)))
+    masked = np.flatnonzero(np.asarray(logits[0]) == np.finfo(np.float32).min)
+    assert masked.tolist() == [3, 4, 5]
+    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="VQ codes have no IMGIMG name"):
+        chameleon.ChameleonImageEncoder(cfg, vq)
+    chameleon.ChameleonImageEncoder(cfg, vq, missing_code_id=0)  # upstream's choice, made explicit

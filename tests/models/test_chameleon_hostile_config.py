@@ -26,6 +26,7 @@ from jaxsync.weights import WeightError
         (dict(hidden_size="32"), TypeError, "hidden_size"),
         (dict(vocabulary_map={"IMGIMGAZ": 4.0}), TypeError, "vocabulary_map"),
         (dict(vq_config=dict(double_latent=True)), ValueError, "double_latent"),
+        (dict(vq_config=dict(attn_type=None)), TypeError, "attn_type must be a str"),
         (dict(model_type="llama"), ValueError, "not a Chameleon config"),
     ],
 )

@@ -72,7 +72,7 @@ def test_mapping_with_gaps_matches_hf_only_when_made_explicit():
     vocab = ref.synth_vocab_map(50, seed=1, skip_codes=(0, 7, 31))
     hf = HFMapping(vocab)
     with pytest.raises(ValueError, match=r"3 VQ codes have no IMGIMG name \(first: \[0, 7, 31\]\)"):
-        ImageVocabularyMapping(vocab)
+        ImageVocabularyMapping(vocab).check_code_table()
     ours = ImageVocabularyMapping(vocab, missing_code_id=0)  # upstream's silent choice, explicit
     np.testing.assert_array_equal(ours.img2bpe, hf.img2bpe_mapping_tensor.numpy())
     assert ours.missing_codes.tolist() == [0, 7, 31]
