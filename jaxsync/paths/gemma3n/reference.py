@@ -5,6 +5,7 @@ torch/transformers are imported inside the functions so that importing this modu
 
 import copy
 import dataclasses
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,18 @@ def tiny_config() -> Gemma3nAudioConfig:
     return from_hf_config({"audio_config": t["audio"], "text_config": t["text"], **t["top"]})
 
 
-def hf_config(size: str = "tiny") -> Any:
-    """A transformers `Gemma3nConfig`: "tiny" (above) or "released" (defaults = gemma-3n-E4B)."""
+def hf_config(size: str = "tiny", variant: dict[str, dict] | None = None) -> Any:
+    """A transformers `Gemma3nConfig`: "tiny" (above) or "released" (defaults = gemma-3n-E4B).
+
+    `variant` ({"audio": ..., "text": ..., "top": ...}, each optional) replaces tiny fields.
+    """
     import transformers
 
     if size == "released":
         return transformers.Gemma3nConfig()
+    parts = {k: {**v, **(variant or {}).get(k, {})} for k, v in TINY_HF.items()}
     return transformers.Gemma3nConfig(
-        text_config=TINY_HF["text"], audio_config=TINY_HF["audio"], **TINY_HF["top"]
+        text_config=parts["text"], audio_config=parts["audio"], **parts["top"]
     )
 
 
@@ -104,25 +109,34 @@ def _randomise(module: Any, seed: int) -> None:
 
 
 def build_reference(
-    directory: str | Path, *, size: str = "tiny", seed: int = 0, save: bool = True, **overrides: Any
+    directory: str | Path,
+    *,
+    size: str = "tiny",
+    seed: int = 0,
+    save: bool = True,
+    variant: dict[str, dict] | None = None,
+    **overrides: Any,
 ) -> Reference:
     """Builds random-weight HF audio modules (float32) and saves them as a Gemma3n checkpoint.
 
     The state dict is written under `model.audio_tower.*` / `model.embed_audio.*`, the keys of
     `Gemma3nForConditionalGeneration` (building that whole model needs timm for its vision tower).
+    `variant` changes the tiny HF config (see `hf_config`); `overrides` our config.
     """
     import torch
     import transformers.models.gemma3n.modeling_gemma3n as m
 
     from jaxsync.testing import save_torch_state
 
-    hf_cfg = hf_config(size)
+    hf_cfg = hf_config(size, variant)
     torch.manual_seed(seed)
     tower = m.Gemma3nAudioEncoder(hf_cfg.audio_config).eval()
     embedder = m.Gemma3nMultimodalEmbedder(hf_cfg.audio_config, hf_cfg.text_config).eval()
     _randomise(tower, seed)
     _randomise(embedder, seed + 1)
-    path = str(Path(directory) / f"gemma3n_audio_{size}_{seed}.safetensors")
+    # one file per variant: several references may share a directory
+    tag = f"{size}_{seed}" + ("" if variant is None else f"_{zlib.crc32(repr(variant).encode())}")
+    path = str(Path(directory) / f"gemma3n_audio_{tag}.safetensors")
     if save:
         state = {f"model.audio_tower.{k}": v for k, v in tower.state_dict().items()}
         state |= {f"model.embed_audio.{k}": v for k, v in embedder.state_dict().items()}
