@@ -2,7 +2,8 @@
 
 Three layers, as every model family:
 * Planner (`_plan.py`, NumPy only): `plan_chunks` / `plan_waveform_chunks` -> `VoxtralPlan`
-  (`.fields` for one `jaxsync.upload_packed`, plus host chunk counts, token counts, offsets).
+  (`.fields` for one `jaxsync.upload_packed`, plus host chunk counts, token counts, offsets);
+  the front end's waveform checks and `plan_log_mel` are in `_mel_plan.py`.
 * Pure forward: `forward(tower, features, meta)` (log-mel windows -> embeddings, per-item finite
   flag) and `forward_waveforms(tower, waveforms, meta, mel=MelSpec(...))`, callable inside a
   server's own jit with the weights as arguments; `log_mel_rows` and `log_mel_floor` (vLLM's
@@ -33,18 +34,20 @@ from jaxsync.models.voxtral._mel import (
     log_mel_rows as log_mel_rows,
     log_mel_spectrogram as log_mel_spectrogram,
 )
+from jaxsync.models.voxtral._mel_plan import (
+    FloorMode as FloorMode,
+    MelPlan as MelPlan,
+    num_stft_frames as num_stft_frames,
+    plan_log_mel as plan_log_mel,
+)
 from jaxsync.models.voxtral._modules import (
     VoxtralAudioTower as VoxtralAudioTower,
     forward as forward,
     forward_waveforms as forward_waveforms,
 )
 from jaxsync.models.voxtral._plan import (
-    FloorMode as FloorMode,
-    MelPlan as MelPlan,
     VoxtralPlan as VoxtralPlan,
-    num_stft_frames as num_stft_frames,
     plan_chunks as plan_chunks,
-    plan_log_mel as plan_log_mel,
     plan_waveform_chunks as plan_waveform_chunks,
 )
 from jaxsync.models.voxtral._weights import (

@@ -21,19 +21,17 @@ import jaxsync
 import jaxsync.check
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
-from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
-from jaxsync.models.voxtral._plan import (
-    VoxtralPlan,
+from jaxsync.models.voxtral._mel_plan import (
     check_audio_list,
     check_live,
     check_waveforms,
     host_buckets,
-    plan_chunks,
     plan_log_mel,
-    plan_waveform_chunks,
     resolve_floor,
     stage_batch,
 )
+from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
+from jaxsync.models.voxtral._plan import VoxtralPlan, plan_chunks, plan_waveform_chunks
 
 
 def _replicated(placement: Any) -> Any:

@@ -41,7 +41,7 @@ import jaxsync
 import jaxsync.check
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._filters import periodic_hann, slaney_mel_filters
-from jaxsync.models.voxtral._plan import (
+from jaxsync.models.voxtral._mel_plan import (
     FloorMode,
     check_waveforms,
     host_buckets,

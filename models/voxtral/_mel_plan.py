@@ -1,0 +1,243 @@
+"""Host side of the log-mel front end: waveform checks, staging and the per-call plan (NumPy
+only).
+
+A plan's `fields` go up in one `jaxsync.upload_packed`; lengths and frame counts stay on the
+host. Device waveforms are checked by shape and dtype only (their values are reported by the
+on-device `finite` flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+import jaxsync
+from jaxsync.models.voxtral._config import MelConfig
+from jaxsync.models.voxtral._filters import slaney_mel_filters
+
+
+FloorMode = Literal["global", "per_audio", "per_example"]
+
+
+def resolve_floor(config: MelConfig, floor: FloorMode | None) -> FloorMode:
+    """Default floor: the configured global max when set, else the per-audio max (vLLM)."""
+    if not isinstance(config, MelConfig):
+        raise TypeError(f"config must be a MelConfig, got {type(config).__name__}")
+    if floor is None:
+        return "global" if config.floor_value is not None else "per_audio"
+    if floor not in ("global", "per_audio", "per_example"):
+        raise ValueError(f"floor must be 'global', 'per_audio' or 'per_example', got {floor!r}")
+    if floor == "global" and config.floor_value is None:
+        raise ValueError("floor='global' needs a truthy float config.global_log_mel_max")
+    return floor
+
+
+def num_stft_frames(signal: np.ndarray | int, config: MelConfig) -> np.ndarray | int:
+    """Frames of `torch.stft(center=True)` on `signal` samples, less the dropped last one.
+
+    `1 + (signal + 2 * (n_fft // 2) - n_fft) // hop - 1`: `signal // hop` for an even n_fft,
+    `(signal - 1) // hop` for an odd one.
+    """
+    return (signal - config.n_fft % 2) // config.hop_length
+
+
+def check_waveforms(
+    waveforms: Any, lengths: Any, config: MelConfig, *, sampling_rate: int | None
+) -> tuple[np.ndarray | jax.Array, np.ndarray]:
+    """Validates a `[B, W]` (or `[W]`) batch and its host lengths; returns `(batch, lengths)`.
+
+    Host data is converted (numpy, lists, torch CPU tensors); its samples are checked for NaN
+    and inf as they are copied into their bucket (`stage_batch`), before any upload. Device
+    data is checked by shape and dtype only.
+    """
+    _check_front_end(sampling_rate, config)
+    on_device = isinstance(waveforms, jax.Array)
+    if on_device:
+        check_live(waveforms, name="waveforms")
+    else:
+        waveforms = jaxsync.host_array(waveforms, name="waveforms")
+    if not np.issubdtype(waveforms.dtype, np.floating):
+        raise TypeError(f"waveforms must be floating point, got {waveforms.dtype}")
+    if waveforms.ndim == 1:
+        waveforms = waveforms[None, :]
+    if waveforms.ndim != 2:
+        raise ValueError(f"waveforms must be [B, W] (mono), got shape {waveforms.shape}")
+    b, w = waveforms.shape
+    if b == 0:
+        raise ValueError("empty batch: no waveforms")
+    if lengths is None:
+        lens = np.full(b, w, np.int64)
+    else:
+        lens = jaxsync.host_ints(lengths, name="lengths", minimum=None)
+        if lens.shape != (b,):
+            raise ValueError(f"lengths must be {b} host ints (one per waveform), got {lens!r}")
+    _check_lengths(lens)
+    if (lens > w).any():
+        raise ValueError(f"lengths {lens.tolist()} exceed the buffer width {w}")
+    return waveforms, lens
+
+
+def check_audio_list(
+    audio: Sequence[Any], config: MelConfig, *, sampling_rate: int | None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Validates a list of 1-D host waveforms (vLLM's form); returns `(rows, lengths)`.
+
+    The rows stay as given: `stage_batch` copies them straight into their bucket (and checks
+    their samples there), with no padded copy of the whole batch first.
+    """
+    _check_front_end(sampling_rate, config)
+    rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
+    if not rows:
+        raise ValueError("empty batch: no audio")
+    for i, r in enumerate(rows):
+        if not np.issubdtype(r.dtype, np.floating):
+            raise TypeError(f"waveforms must be floating point, got {r.dtype} in audio[{i}]")
+    lens = np.array([len(r) for r in rows], np.int64)
+    _check_lengths(lens)
+    return rows, lens
+
+
+def _check_front_end(sampling_rate: Any, config: MelConfig) -> None:
+    # The filter bank is a constant of the traced program: an all-zero filter (too many mel bins
+    # for n_fft) is refused here, on the host, not while tracing after the audio went up.
+    slaney_mel_filters(config)
+    if sampling_rate is not None:
+        sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
+        if sr != config.sampling_rate:
+            raise ValueError(
+                f"waveforms are sampled at {sr} Hz but the front end expects "
+                f"{config.sampling_rate} Hz; resample first"
+            )
+
+
+def _check_lengths(lens: np.ndarray) -> None:
+    if (lens <= 0).any():
+        raise ValueError(
+            f"empty audio: waveforms {np.flatnonzero(lens <= 0).tolist()} have length <= 0"
+        )
+
+
+def check_live(x: jax.Array, *, name: str) -> None:
+    """A deleted (e.g. donated) device array is refused by name (host metadata: no sync)."""
+    if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(f"{name} was deleted (donated to another program?): pass a live array")
+
+
+def host_buckets(lens: np.ndarray, hop: int) -> tuple[int, int]:
+    """`(B_pad, W_pad)` of a host batch: power-of-two batch, power-of-two hops (>= 16)."""
+    return jaxsync.bucket(len(lens), minimum=1), jaxsync.bucket(
+        -(-int(lens.max()) // hop), minimum=16
+    ) * hop
+
+
+def host_batch(
+    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, hop: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
+    """A host batch (`[B, W]`, or a list of 1-D rows) copied into its bucket `[B_pad, W_pad]`
+    float32 (zeros after each length), in `out` (every element written) or a new buffer.
+
+    Raises:
+      ValueError: a real sample is NaN or inf (or too large for float32). Checked as it is
+        copied, in the same pass (rows on a thread pool when large); padding past a row's
+        length is never read.
+    """
+    out = np.empty(host_buckets(lens, hop), np.float32) if out is None else out
+    bad = jaxsync.fill_rows(out, waveforms, lens.tolist(), check_finite=True)
+    if bad:
+        raise ValueError(f"waveforms {bad} contain NaN or inf samples")
+    return out
+
+
+def stage_batch(
+    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, hop: int, placement: Any
+) -> np.ndarray:
+    """`host_batch` written (and checked) straight into a staging buffer, not yet uploaded:
+    the caller passes it to `default_staging.upload`, or to `release` if it stops."""
+    return jaxsync.default_staging.fill(
+        host_buckets(lens, hop), np.float32,
+        lambda out: host_batch(waveforms, lens, hop, out=out), placement=placement,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class MelPlan:
+    """Host plan of one padded waveform batch.
+
+    Attributes:
+      fields: packed int32 metadata for `log_mel_rows` (`length`, `signal` [B_pad]; `row_audio`,
+        `row_frame0`, `row_frames` [R]).
+      lengths: real samples per waveform `[B]` (after truncation for per_example).
+      signal: signal samples per waveform `[B]`.
+      num_frames: valid frames per waveform `[B]`.
+      frames: static frames T per output row.
+      floor_value: `g - 8.0` for the global floor, else None (dynamic max).
+    """
+
+    fields: dict[str, np.ndarray]
+    lengths: np.ndarray
+    signal: np.ndarray
+    num_frames: np.ndarray
+    frames: int
+    floor_value: float | None
+
+
+def plan_log_mel(
+    lens: np.ndarray,
+    width: int,
+    batch_pad: int,
+    config: MelConfig,
+    *,
+    floor: FloorMode,
+    pad_to_multiple_of: int | None = None,
+    max_length: int | None = None,
+) -> MelPlan:
+    """Signals, frame counts and one row per waveform of a `[batch_pad, width]` buffer."""
+    b = len(lens)
+    half = config.n_fft // 2
+    if pad_to_multiple_of is not None:
+        pad_to_multiple_of = jaxsync.host_int(pad_to_multiple_of, name="pad_to_multiple_of")
+        if pad_to_multiple_of <= 0:
+            raise ValueError(f"pad_to_multiple_of must be positive, got {pad_to_multiple_of}")
+    if floor == "per_example":
+        if pad_to_multiple_of is not None:
+            raise ValueError("pad_to_multiple_of does not apply to floor='per_example'")
+        max_length = config.n_samples if max_length is None else max_length
+        max_length = jaxsync.host_int(max_length, name="max_length")
+        if max_length <= half:
+            raise ValueError(f"max_length {max_length} must exceed n_fft // 2 = {half}")
+        lens = np.minimum(lens, max_length)  # HF truncation=True
+        signal = np.full(b, max_length, np.int64)
+        frames = num_stft_frames(max_length, config)
+    else:
+        if max_length is not None:
+            raise ValueError("max_length applies to floor='per_example' only")
+        signal, span = lens.copy(), width
+        if pad_to_multiple_of is not None:
+            signal = -(-lens // pad_to_multiple_of) * pad_to_multiple_of
+            span = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        short = np.flatnonzero(signal <= half)
+        if short.size:
+            raise ValueError(
+                f"waveforms {short.tolist()} are shorter than n_fft // 2 + 1 = {half + 1} "
+                "samples: centre reflect padding is undefined (torch.stft raises too); pad "
+                "them or use floor='per_example'"
+            )
+        frames = num_stft_frames(span, config)
+    num_frames = num_stft_frames(signal, config)
+    pad = batch_pad - b
+    fields = {
+        "length": np.concatenate([lens, np.zeros(pad, np.int64)]),
+        # Padding waveforms: silent signals long enough to reflect (never read: length 0).
+        "signal": np.concatenate([signal, np.full(pad, 1 << 12, np.int64)]),
+        "row_audio": np.arange(batch_pad),
+        "row_frame0": np.zeros(batch_pad, np.int64),
+        "row_frames": np.concatenate([num_frames, np.zeros(pad, np.int64)]),
+    }
+    fields = {k: v.astype(np.int32) for k, v in fields.items()}
+    floor_value = config.floor_value if floor == "global" else None
+    return MelPlan(fields, lens, signal, num_frames, int(frames), floor_value)
