@@ -63,6 +63,11 @@ class MelConfig:
                 f"max_frequency {self.max_frequency} Hz is above the Nyquist frequency of "
                 f"sampling_rate={self.sampling_rate} Hz: the top mel filters would be all zero"
             )
+        # Too many mel bins for n_fft also leaves a filter all zero: refused here, so no plan,
+        # upload or trace ever sees such a config (the bank is cached per config).
+        from jaxsync.models.voxtral._filters import slaney_mel_filters
+
+        slaney_mel_filters(self)
 
     @property
     def floor_value(self) -> float | None:

@@ -17,7 +17,6 @@ import numpy as np
 
 import jaxsync
 from jaxsync.models.voxtral._config import MelConfig
-from jaxsync.models.voxtral._filters import slaney_mel_filters
 
 
 FloorMode = Literal["global", "per_audio", "per_example"]
@@ -54,7 +53,7 @@ def check_waveforms(
     and inf as they are copied into their bucket (`stage_batch`), before any upload. Device
     data is checked by shape and dtype only.
     """
-    _check_front_end(sampling_rate, config)
+    _check_rate(sampling_rate, config)
     on_device = isinstance(waveforms, jax.Array)
     if on_device:
         check_live(waveforms, name="waveforms")
@@ -89,7 +88,7 @@ def check_audio_list(
     The rows stay as given: `stage_batch` copies them straight into their bucket (and checks
     their samples there), with no padded copy of the whole batch first.
     """
-    _check_front_end(sampling_rate, config)
+    _check_rate(sampling_rate, config)
     rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
     if not rows:
         raise ValueError("empty batch: no audio")
@@ -101,10 +100,7 @@ def check_audio_list(
     return rows, lens
 
 
-def _check_front_end(sampling_rate: Any, config: MelConfig) -> None:
-    # The filter bank is a constant of the traced program: an all-zero filter (too many mel bins
-    # for n_fft) is refused here, on the host, not while tracing after the audio went up.
-    slaney_mel_filters(config)
+def _check_rate(sampling_rate: Any, config: MelConfig) -> None:
     if sampling_rate is not None:
         sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
         if sr != config.sampling_rate:
