@@ -203,3 +203,71 @@ def test_entry_point_env_switch(monkeypatch):
     monkeypatch.setenv("JAXSYNC_SYNC_CHECK", "loud")
     with pytest.raises(ValueError, match="JAXSYNC_SYNC_CHECK"):
         reads(x)
+
+
+def _implicit_upload_allowed() -> bool:
+    """Whether this thread's JAX host->device guard lets an implicit upload through."""
+    try:
+        jnp.asarray(np.ones(3, np.float32)) + 1
+        return True
+    except Exception:  # JAX's transfer-guard error
+        return False
+
+
+async def _hold(scope, entered: asyncio.Event, leave: asyncio.Event) -> None:
+    with scope:
+        entered.set()
+        await leave.wait()
+
+
+def _interleave(first_scope, second_scope, first_exits_first: bool) -> bool:
+    """Task A enters `first_scope`, task B `second_scope`, both hold it across an await, and they
+    exit in the given order; returns whether the thread's implicit uploads pass afterwards."""
+
+    async def main():
+        a_in, b_in, a_go, b_go = (asyncio.Event() for _ in range(4))
+        a = asyncio.create_task(_hold(first_scope, a_in, a_go))
+        await a_in.wait()
+        b = asyncio.create_task(_hold(second_scope, b_in, b_go))
+        await b_in.wait()
+        first, second = (a_go, b_go) if first_exits_first else (b_go, a_go)
+        first.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        second.set()
+        await asyncio.gather(a, b)
+        return _implicit_upload_allowed()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("first_exits_first", [True, False])
+def test_two_task_guards_restore_jax_levels_in_any_exit_order(first_exits_first):
+    assert _implicit_upload_allowed()
+    ok = _interleave(check.sync_guard(), check.sync_guard(), first_exits_first)
+    assert ok, "JAX's transfer guard stayed 'disallow' after both tasks left their guards"
+    assert _implicit_upload_allowed()
+
+
+def test_allow_sync_outliving_another_tasks_guard_restores_jax_levels():
+    ok = _interleave(check.sync_guard(), check.allow_sync(), first_exits_first=True)
+    assert ok and _implicit_upload_allowed()
+
+
+def test_jax_levels_follow_the_innermost_open_scope():
+    # Negative control for the checks above: inside a guard the upload is refused, inside a nested
+    # allow_sync it passes, and after the allow_sync the guard refuses again.
+    with check.sync_guard():
+        assert not _implicit_upload_allowed()
+        with check.allow_sync():
+            assert _implicit_upload_allowed()
+        assert not _implicit_upload_allowed()
+    assert _implicit_upload_allowed()
+
+
+def test_guard_entered_before_an_outer_jax_level_restores_that_level():
+    with jax.transfer_guard_host_to_device("disallow"):
+        with check.sync_guard(), check.allow_sync():
+            assert _implicit_upload_allowed()
+        assert not _implicit_upload_allowed()
+    assert _implicit_upload_allowed()

@@ -23,7 +23,9 @@ arming one asyncio task leaves its siblings alone, even while it holds the guard
 `await` (a task copies its creator's context when it is created, so a task created inside the
 guard is guarded too). `allow_sync()` only opens the current context. JAX's layer is per thread:
 on GPU/TPU a sibling task that runs while a guarded task waits at an `await` is under JAX's
-transfer guard as well, so an implicit transfer there raises JAX's error.
+transfer guard as well, so an implicit transfer there raises JAX's error. Tasks may leave their
+guards in any order: the thread's JAX levels follow the most recently entered guard or
+`allow_sync` still open, and return to what they were once none is (`_jax_guard`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import jax
 import numpy as np
 
 from jaxsync import _compat
+from jaxsync.check._jax_guard import held
 
 
 Mode = Literal["error", "warn"]
@@ -163,7 +166,7 @@ def sync_guard(mode: Mode = "error") -> Iterator[None]:
     prev = _scope.get()
     _scope.set((mode, 0))
     try:
-        with jax.transfer_guard_device_to_host(level), jax.transfer_guard_host_to_device(level):
+        with held(h2d=level, d2h=level):  # restored correctly whatever order tasks exit in
             yield
     finally:
         _scope.set(prev)
@@ -182,7 +185,7 @@ def allow_sync() -> Iterator[None]:
     prev = _scope.get()
     _scope.set((prev[0], prev[1] + 1))
     try:
-        with jax.transfer_guard("allow"):
+        with held(h2d="allow", d2h="allow", d2d="allow"):
             yield
     finally:
         _scope.set(prev)
