@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxsync._host import check_fits, refuse_masked, upload_dtype
 from jaxsync._placement import Placement, resolve
 
 
@@ -85,6 +86,11 @@ class DeviceCache:
 
         Returns:
           A committed `jax.Array` at `placement`.
+
+        Raises:
+          TypeError: the table is a numpy masked array (its mask would be dropped).
+          ValueError: a value does not fit in the device dtype (an int64 beyond int32 or a
+            float64 beyond float32's range with x64 off, or beyond `dtype`'s range).
         """
         target = resolve(placement)
         key = (name, target, None if dtype is None else np.dtype(dtype))
@@ -99,8 +105,11 @@ class DeviceCache:
             if hit is not None:
                 return hit
             host = build() if callable(build) else build
+            refuse_masked(host, name=f"table {name!r}")
+            src = np.asarray(host)
+            check_fits(src, upload_dtype(src, dtype), name=f"table {name!r}")
             # A private copy: the caller may reuse its buffer, and device_put may alias ours.
-            host = np.array(host, dtype=dtype, copy=True)
+            host = np.array(src, dtype=dtype, copy=True)
             # Safe under tracing: the cache must hold a concrete array, never a tracer.
             with jax.ensure_compile_time_eval():
                 value = jax.device_put(host, target)

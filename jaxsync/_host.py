@@ -113,3 +113,68 @@ def non_finite_error(arr: np.ndarray, *, name: str, dtype: Any = None) -> ValueE
     big = np.argwhere(np.abs(arr.astype(np.float64)) > limit)
     where = f" (first at index {big[0].tolist()})" if big.size else ""
     return ValueError(f"{name} holds a value too large for {np.dtype(dtype).name}{where}")
+
+
+def refuse_masked(x: Any, *, name: str) -> None:
+    """Refuses a numpy masked array: every upload would drop its mask and send the hidden values.
+
+    Raises:
+      TypeError: `x` is a `np.ma.MaskedArray`.
+    """
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} is a numpy masked array; an upload would drop the mask and send the masked "
+            "values: fill them first (x.filled(value)) and pass a plain array"
+        )
+
+
+def upload_dtype(arr: np.ndarray, dtype: Any = None) -> np.dtype:
+    """The dtype a device array of host data `arr` gets (`dtype` if given): with x64 off, JAX
+    stores 64-bit integers and floats in 32 bits."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype if dtype is None else dtype))
+
+
+def check_fits(arr: np.ndarray, target: Any, *, name: str) -> None:
+    """Refuses host numbers that would change when stored as `target`, before any upload.
+
+    Integers beyond an integer target's range (int64 into int32 wraps) and finite numbers beyond
+    a float target's finite range (float64 1e300 into float32 becomes inf) are refused; values
+    that fit, and NaN or inf already present, pass unchanged. Costs nothing when `target` holds
+    every value of `arr`'s dtype.
+
+    Raises:
+      ValueError: a value does not fit, naming the first one's index.
+    """
+    src, target = arr.dtype, np.dtype(target)
+    if not arr.size or src == target or src == np.bool_:
+        return
+    flat = arr.reshape(-1)
+    if np.issubdtype(target, np.integer) and np.issubdtype(src, np.integer):
+        lo, hi = np.iinfo(target).min, np.iinfo(target).max
+        if np.iinfo(src).min >= lo and np.iinfo(src).max <= hi:
+            return
+        if flat.min() >= lo and flat.max() <= hi:
+            return
+        bad = (flat < lo) | (flat > hi)
+    elif jnp.issubdtype(target, jnp.floating) and src.kind in "iuf":
+        limit = float(jnp.finfo(target).max)
+        widest = np.iinfo(src).max if np.issubdtype(src, np.integer) else jnp.finfo(src).max
+        if float(widest) <= limit:
+            return
+        magnitude = np.abs(flat.astype(np.float64, copy=False))
+        if not float(np.fmax.reduce(magnitude)) > limit:  # fmax skips NaN
+            return
+        bad = np.isfinite(magnitude) & (magnitude > limit)  # inf already present stays inf
+    else:
+        return
+    found = np.flatnonzero(bad)
+    if not found.size:
+        return
+    i = int(found[0])
+    where = [int(j) for j in np.unravel_index(i, arr.shape)]
+    x64_off = target == upload_dtype(arr)  # the narrowing is JAX's own, not a dtype asked for
+    raise ValueError(
+        f"{name} holds {flat[i].item()!r} (first at index {where}), which does not fit in "
+        f"{target.name}, the dtype it would be stored as on the device"
+        + (" (jax_enable_x64 is off)" if x64_off else "")
+    )

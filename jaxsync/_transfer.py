@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsync import _compat
+from jaxsync._host import check_fits, refuse_masked, upload_dtype
 from jaxsync._placement import Placement, resolve
 
 
@@ -77,6 +78,11 @@ def async_h2d(
     Returns:
       A `jax.Array` whose value is independent of later mutation of `data` (with `copy=True`).
 
+    Raises:
+      TypeError: `data` is a `jax.Array` or a numpy masked array (its mask would be dropped).
+      ValueError: a value does not fit in the device dtype (an int64 beyond int32 or a float64
+        beyond float32's range with x64 off, or beyond `dtype`'s range): never wrapped or inf.
+
     >>> import numpy as np
     >>> ids = np.array([3, 1, 2], dtype=np.int32)
     >>> x = async_h2d(ids)
@@ -86,7 +92,10 @@ def async_h2d(
     """
     if isinstance(data, jax.Array):
         raise TypeError("async_h2d takes host data; got a jax.Array (already on a device)")
-    host = np.array(data, dtype=dtype, copy=True) if copy else np.asarray(data, dtype=dtype)
+    refuse_masked(data, name="async_h2d data")
+    src = np.asarray(data)
+    check_fits(src, upload_dtype(src, dtype), name="async_h2d data")  # never wrapped, never inf
+    host = np.array(src, dtype=dtype, copy=True) if copy else np.asarray(src, dtype=dtype)
     return _put(host, placement)  # a private buffer: see the module docstring
 
 
@@ -161,6 +170,16 @@ class Packed:
                 return words.reshape(f.shape)
         raise KeyError(f"{name!r} is not in this upload; fields: {self.names}")
 
+    def __getattr__(self, name: str) -> jax.Array:
+        """`packed.name`: the field `name`, typed access for a plan's fields (a static slice
+        inside jit); a name the upload lacks is an `AttributeError` at trace time."""
+        if name.startswith("_") or name in ("buffer", "layout", "names"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as e:
+            raise AttributeError(e.args[0]) from None
+
     def unpack(self) -> dict[str, jax.Array]:
         """All fields as a dict (call inside jit: each is a static slice)."""
         return {f.name: self[f.name] for f in self.layout}
@@ -174,8 +193,16 @@ class Packed:
 jax.tree_util.register_dataclass(Packed, data_fields=["buffer"], meta_fields=["_layout"])
 
 
-def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> Packed:
+def upload_packed(fields: Mapping[str, Any] | Any, *, placement: Placement = None) -> Packed:
     """Packs host arrays (int32/uint32/float32/bool) into one buffer and uploads it once.
+
+    `fields` is a mapping of names to arrays, or a family's plan (a NamedTuple whose `meta` is
+    a NamedTuple of host arrays): the plan's `meta` goes up, read back in the forward as
+    `meta.<name>`.
+
+    int64 / uint64 fields are stored as int32 and float64 fields as float32; a value that does
+    not fit is a `ValueError` (never wrapped or turned into inf); a masked array is a
+    `TypeError` (its mask would be dropped).
 
     >>> import jax, numpy as np
     >>> p = upload_packed({"ids": np.array([4, 5], np.int32), "w": np.array([0.5], np.float32)})
@@ -185,18 +212,19 @@ def upload_packed(fields: Mapping[str, Any], *, placement: Placement = None) -> 
     >>> [a.tolist() for a in f(p)]
     [[8, 10], [1.5]]
     """
+    if hasattr(fields, "meta") and hasattr(fields.meta, "_asdict"):  # a family's plan
+        fields = fields.meta._asdict()
     layout, chunks, offset = [], [], 0
     for name, value in fields.items():
         if isinstance(value, jax.Array):
             raise TypeError(f"field {name!r} is a jax.Array; upload_packed takes host data")
+        refuse_masked(value, name=f"field {name!r}")
         arr = np.asarray(value)
         if arr.dtype == np.int64 or arr.dtype == np.uint64:
-            if arr.size and (
-                arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max
-            ):
-                raise ValueError(f"field {name!r} does not fit in int32")
+            check_fits(arr, np.int32, name=f"field {name!r}")
             arr = arr.astype(np.int32)
         elif arr.dtype == np.float64:
+            check_fits(arr, np.float32, name=f"field {name!r}")
             arr = arr.astype(np.float32)
         if arr.dtype not in _PACKABLE:
             raise TypeError(
