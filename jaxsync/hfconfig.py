@@ -2,7 +2,13 @@
 
 Every family's `from_hf_config` diffs the HF config against the HF class default and raises on any
 non-default field it does not handle, so an unsupported checkpoint variant fails loudly instead of
-loading into the wrong computation.
+loading into the wrong computation. Keys that cannot change a family's result (the text model's
+token ids, dropout probabilities, training-only flags, attributes the upstream module never reads)
+are listed once per family, each with the reason, and passed here as `ignored`.
+
+A config read from disk (`as_dict` of a path) fails as `jaxsync.weights.WeightError` naming the
+path the caller gave: a path that does not exist (a Hub id is not downloaded), a folder without
+`config.json`, a `config.json` that is not a JSON object.
 """
 
 from __future__ import annotations
@@ -10,7 +16,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
+
+from jaxsync.weights._checkpoint import HUB_HINT, WeightError
 
 
 # Bookkeeping fields every `PreTrainedConfig` carries; they never change a forward pass.
@@ -39,22 +48,68 @@ GENERIC_FIELDS = frozenset(
 )
 
 
-def as_dict(cfg: Any) -> dict[str, Any]:
-    """A config as a plain dict: a Mapping, an object with `to_dict()`, or a path to
-    `config.json` (or to the directory holding it)."""
+class MissingConfigError(WeightError, FileNotFoundError):
+    """No `config.json` where one was asked for (also a `FileNotFoundError`, as `open` raises)."""
+
+
+class BrokenConfigError(WeightError, json.JSONDecodeError):
+    """A `config.json` that is not JSON (also a `json.JSONDecodeError`, as `json.load` raises)."""
+
+    def __init__(self, message: str, doc: str, pos: int):
+        json.JSONDecodeError.__init__(self, message, doc, pos)
+        self.args = (message,)
+
+
+def as_dict(cfg: Any, *, what: str = "Hugging Face") -> dict[str, Any]:
+    """A config as a plain dict: a Mapping, an object with `to_dict()`, or a path: a folder
+    holding `config.json`, the `config.json` itself, or a checkpoint file or index beside one.
+
+    Raises:
+      jaxsync.weights.WeightError: a path that does not exist, no `config.json` there, or one
+        that is not a JSON object; the message names the path given and the `what` config.
+      TypeError: `cfg` is none of these.
+    """
     if isinstance(cfg, Mapping):
         return dict(cfg)
     if isinstance(cfg, str | os.PathLike):
-        path = os.fspath(cfg)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path) as f:
-            return json.load(f)
+        return _read_config(os.fspath(cfg), what)
     if hasattr(cfg, "to_dict"):
         return cfg.to_dict()
     raise TypeError(
         f"expected an HF config, a dict or a config.json path, got {type(cfg).__name__}"
     )
+
+
+def _read_config(given: str, what: str) -> dict[str, Any]:
+    where = f"cannot read a {what} config from {given!r}"
+    path = Path(given)
+    if path.is_dir():
+        file = path / "config.json"
+    elif path.name.endswith(".json") and not path.name.endswith(".index.json"):
+        file = path
+    else:  # a safetensors file or a sharded index: the config.json beside it
+        file = path.parent / "config.json"
+    if not path.exists():
+        raise MissingConfigError(f"{where}: it does not exist. {HUB_HINT}")
+    if not file.is_file():
+        raise MissingConfigError(f"{where}: no config.json in {str(file.parent)!r}")
+    try:
+        text = file.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise BrokenConfigError(f"{where}: {str(file)!r} is not UTF-8 text", "", e.start) from None
+    except json.JSONDecodeError as e:
+        msg = (
+            f"{where}: {str(file)!r} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+        )
+        raise BrokenConfigError(msg, e.doc, e.pos) from None
+    except OSError as e:
+        raise WeightError(f"{where}: {str(file)!r} is unreadable ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise WeightError(
+            f"{where}: {str(file)!r} holds a JSON {type(data).__name__}, not an object"
+        )
+    return data
 
 
 def _canonical(value: Any) -> Any:

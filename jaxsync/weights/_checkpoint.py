@@ -27,6 +27,13 @@ class WeightError(ValueError):
     """A checkpoint does not fit the module, or is unreadable; the message names the key or file."""
 
 
+HUB_HINT = (
+    "Hub ids are not downloaded: pass a local folder (e.g. the one "
+    "huggingface_hub.snapshot_download(repo_id) returns)"
+)
+"""Said by every error about a checkpoint path that does not exist."""
+
+
 _DTYPES = {
     "BOOL": np.bool_,
     "U8": np.uint8,
@@ -81,6 +88,7 @@ def checkpoint_keys(checkpoint: str | Path) -> list[str]:
 
 def _resolve(checkpoint: str | Path) -> tuple[dict[str, Path] | None, list[Path]]:
     """(key -> shard file from the index, or None; the files when there is no index)."""
+    given = str(checkpoint)
     path = Path(checkpoint)
     if path.is_dir():
         index = sorted(path.glob("*.safetensors.index.json"))
@@ -89,16 +97,19 @@ def _resolve(checkpoint: str | Path) -> tuple[dict[str, Path] | None, list[Path]
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
-                raise WeightError(f"no *.safetensors files in {path}")
+                raise WeightError(
+                    f"no *.safetensors files in checkpoint folder {given!r} (nor a "
+                    "*.safetensors.index.json)"
+                )
             return None, files
     if not path.exists():
-        raise WeightError(f"checkpoint {path} does not exist")
+        raise WeightError(f"checkpoint {given!r} does not exist. {HUB_HINT}")
     if path.name.endswith(".index.json"):
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
             return {str(k): path.parent / str(f) for k, f in weight_map.items()}, []
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise WeightError(f"unreadable checkpoint index {path}: {e!r}") from e
+            raise WeightError(f"unreadable checkpoint index {path}: {e!r}") from None
     return None, [path]
 
 

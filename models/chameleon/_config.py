@@ -2,47 +2,42 @@
 
 Only the fields these paths read are modelled. `from_hf_config` is strict: a VQ-VAE field that
 changes the tokenizer's behaviour and that we do not implement raises, and so does any key it
-does not know. The text decoder is not part of these paths; its architecture fields are accepted
-and ignored (listed in `_DECODER_FIELDS`).
+does not know. Keys that cannot change these paths' results (the text decoder's architecture,
+which they never run, token ids, dropouts) are accepted at any value: `IGNORED_FIELDS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jaxsync
-from jaxsync.hfconfig import GENERIC_FIELDS, as_dict, check_model_type
+from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 
 
-# Bookkeeping beyond jaxsync.hfconfig.GENERIC_FIELDS: training and generation settings.
-_GENERIC_FIELDS = GENERIC_FIELDS | {
-    "initializer_range",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-}
-# Text-decoder architecture: outside the image-token paths, so any value is accepted.
-_DECODER_FIELDS = frozenset(
-    {
-        "attention_bias",
-        "attention_dropout",
-        "hidden_act",
-        "intermediate_size",
-        "max_position_embeddings",
-        "mlp_bias",
-        "model_parallel_size",
-        "num_attention_heads",
-        "num_hidden_layers",
-        "num_key_value_heads",
-        "rms_norm_eps",
-        "rope_parameters",
-        "rope_theta",
-        "rope_scaling",
-        "swin_norm",
-    }
+class _Ignored(NamedTuple):
+    config: frozenset[str]
+    vq_config: frozenset[str]
+
+
+IGNORED_FIELDS = _Ignored(
+    # `ChameleonConfig`: the text decoder's architecture (outside the image-token paths, which
+    # never run the decoder); its token ids and `initializer_range` (training-only); and keys
+    # no Chameleon module reads at all, which transformers' own tester config passes
+    # (`hidden_dropout_prob`, `attention_probs_dropout_prob`, `type_vocab_size`, `is_decoder`).
+    config=frozenset(
+        "attention_bias attention_dropout hidden_act intermediate_size max_position_embeddings "
+        "mlp_bias model_parallel_size num_attention_heads num_hidden_layers num_key_value_heads "
+        "rms_norm_eps rope_parameters rope_theta rope_scaling swin_norm "
+        "bos_token_id eos_token_id pad_token_id initializer_range "
+        "hidden_dropout_prob attention_probs_dropout_prob type_vocab_size is_decoder".split()
+    ),
+    # `ChameleonVQVAEConfig`: dropout acts in training only (the VQ model is frozen, in eval
+    # mode); `initializer_range` only draws fresh weights.
+    vq_config=frozenset({"dropout", "initializer_range"}),
 )
+"""Keys accepted at any value because they cannot change image tokens, masks or merges."""
 _VQ_FIELDS = frozenset(
     {
         "embed_dim",
@@ -55,7 +50,6 @@ _VQ_FIELDS = frozenset(
         "channel_multiplier",
         "num_res_blocks",
         "attn_resolutions",
-        "dropout",
         "attn_type",
     }
 )
@@ -162,21 +156,19 @@ class ChameleonVQConfig:
             (its `model_type`; GLM-Image's VQ config has a subset of these fields and another
             architecture).
         """
-        vq = as_dict(src)
+        vq = as_dict(src, what="Chameleon")
         if "vq_config" in vq or vq.get("model_type") == "chameleon":
             check_model_type(vq, "chameleon", what="Chameleon")
             vq = as_dict(vq.get("vq_config") or {})
         check_model_type(vq, "chameleon_vqgan", what="Chameleon VQ")
-        unknown = set(vq) - _VQ_FIELDS - _GENERIC_FIELDS
+        unknown = unhandled_fields(vq, {}, _VQ_FIELDS, ignored=IGNORED_FIELDS.vq_config)
         if unknown:
             raise ValueError(f"unsupported Chameleon vq_config fields: {sorted(unknown)}")
         if vq.get("double_latent", False):
             raise ValueError(
                 "vq_config.double_latent=True is not supported (HF cannot run it either)"
             )
-        # dropout is inactive at inference (the VQ model is frozen and in eval mode), so any value
-        # computes the same tokens.
-        kwargs = {k: vq[k] for k in _VQ_FIELDS - {"double_latent", "dropout"} if k in vq}
+        kwargs = {k: vq[k] for k in _VQ_FIELDS - {"double_latent"} if k in vq}
         if "channel_multiplier" in kwargs:
             kwargs["channel_multiplier"] = tuple(kwargs["channel_multiplier"])
         kwargs["attn_resolutions"] = tuple(kwargs.get("attn_resolutions") or ())
@@ -225,21 +217,11 @@ class ChameleonConfig:
           TypeError: a non-integer for an integer field or a vocabulary id.
           ValueError: unknown or unsupported fields, or an inconsistent `image_token_id`.
         """
-        d = as_dict(hf_cfg)
+        d = as_dict(hf_cfg, what="Chameleon")
         if d.get("model_type", "chameleon") != "chameleon":
             raise ValueError(f"not a Chameleon config: model_type={d['model_type']!r}")
-        known = (
-            _GENERIC_FIELDS
-            | _DECODER_FIELDS
-            | {
-                "vocab_size",
-                "hidden_size",
-                "vocabulary_map",
-                "vq_config",
-                "image_token_id",
-            }
-        )
-        unknown = set(d) - known
+        known = ("vocab_size", "hidden_size", "vocabulary_map", "vq_config", "image_token_id")
+        unknown = unhandled_fields(d, {}, known, ignored=IGNORED_FIELDS.config)
         if unknown:
             raise ValueError(f"unsupported Chameleon config fields: {sorted(unknown)}")
         vocab_map = {str(k): v for k, v in (d.get("vocabulary_map") or {}).items()}

@@ -11,8 +11,9 @@ from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 
 __all__ = ["Gemma3nAudioConfig", "from_hf_config"]
 
-# Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that never change inference.
-_IGNORED_HF_FIELDS = frozenset({"initializer_range"})
+# `Gemma3nAudioConfig` keys accepted at any value beyond jaxsync.hfconfig.GENERIC_FIELDS:
+# `initializer_range` only draws fresh weights (training), never a loaded checkpoint's result.
+IGNORED_FIELDS = frozenset({"initializer_range"})
 
 # HF audio-config names that differ from ours.
 _HF_TO_OURS = {"vocab_size": "audio_vocab_size", "vocab_offset": "audio_vocab_offset"}
@@ -200,7 +201,7 @@ def from_hf_config(src: Any, **overrides: Any) -> Gemma3nAudioConfig:
             or the config of another model (its `model_type`).
         TypeError: a non-integer (float, bool) for an integer field.
     """
-    cfg = as_dict(src)
+    cfg = as_dict(src, what="Gemma 3n")
     if "audio_config" not in cfg:
         raise ValueError(
             "expected a full Gemma 3n config with an 'audio_config' (and 'text_config'); "
@@ -211,7 +212,7 @@ def from_hf_config(src: Any, **overrides: Any) -> Gemma3nAudioConfig:
     audio = _sub(cfg, "audio_config")
     check_model_type(audio, "gemma3n_audio", what="Gemma 3n audio")
     defaults = {f: getattr(Gemma3nAudioConfig, _HF_TO_OURS.get(f, f)) for f in _AUDIO_FIELDS}
-    bad = unhandled_fields(audio, defaults, _AUDIO_FIELDS, ignored=_IGNORED_HF_FIELDS)
+    bad = unhandled_fields(audio, defaults, _AUDIO_FIELDS, ignored=IGNORED_FIELDS)
     if bad:
         raise ValueError(f"unsupported non-default Gemma3nAudioConfig fields: {sorted(bad)}")
     kwargs = {_HF_TO_OURS.get(f, f): _tuplify(audio[f]) for f in _AUDIO_FIELDS if f in audio}

@@ -32,10 +32,13 @@ HF_DEFAULTS: dict[str, Any] = {
 # tower is the same module). Other GLM vision configs reuse these field names for other math
 # (GLM-OCR adds q/k norms and MLP biases), so their `model_type` is refused.
 _MODEL_TYPES = ("glm4v_vision", "glm4v_moe_vision")
-# Beyond jaxsync.hfconfig.GENERIC_FIELDS: training-only knobs that cannot change inference.
-_IGNORED = (
-    "attention_dropout",  # dropout is off at inference
-    "initializer_range",
+# `Glm4vVisionConfig` keys accepted at any value beyond jaxsync.hfconfig.GENERIC_FIELDS:
+# training-only knobs that cannot change inference.
+IGNORED_FIELDS = frozenset(
+    {
+        "attention_dropout",  # dropout is off at inference (the tower runs in eval mode)
+        "initializer_range",  # only draws fresh weights
+    }
 )
 _INT_FIELDS = (
     "depth",
@@ -141,12 +144,12 @@ class Glm4vVisionConfig:
           ValueError: a field this port does not implement has a non-default value, or the
             config is of another vision tower (its `model_type`).
         """
-        got = as_dict(src)
+        got = as_dict(src, what="GLM-4.1V vision")
         if "vision_config" in got:
             got = as_dict(got["vision_config"])
         check_model_type(got, _MODEL_TYPES, what="GLM-4.1V / GLM-4.5V vision tower")
         # every modelled field is read below; anything else must be absent or generic
-        unknown = unhandled_fields(got, {}, HF_DEFAULTS, ignored=_IGNORED)
+        unknown = unhandled_fields(got, {}, HF_DEFAULTS, ignored=IGNORED_FIELDS)
         if unknown:
             raise ValueError(f"unsupported Glm4vVisionConfig field(s): {unknown}")
         field = lambda k: got.get(k, HF_DEFAULTS[k])  # noqa: E731

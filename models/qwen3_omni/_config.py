@@ -14,9 +14,11 @@ from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 from jaxsync.models._activations import ACTIVATION_NAMES, ActivationName
 
 
-# Inert at inference: dropouts are off in eval mode, `initializer_range` only matters for training,
-# and `conv_chunksize` only splits the conv batch into loops (same numbers, see `_modules.py`).
-_INERT_FIELDS = frozenset(
+# `Qwen3OmniMoeAudioEncoderConfig` keys accepted at any value beyond
+# jaxsync.hfconfig.GENERIC_FIELDS, inert at inference: dropouts are off in eval mode,
+# `initializer_range` only draws fresh weights, and `conv_chunksize` only splits the conv batch
+# into loops (same numbers, see `_modules.py`).
+IGNORED_FIELDS = frozenset(
     {"dropout", "attention_dropout", "activation_dropout", "initializer_range", "conv_chunksize"}
 )
 _MODELLED_FIELDS = (
@@ -155,7 +157,7 @@ class Qwen3OmniAudioConfig:
             `model_type`).
           TypeError: a non-integer (a bool, a float such as 2.0) where an integer is expected.
         """
-        cfg = as_dict(src)
+        cfg = as_dict(src, what="Qwen3-Omni audio")
         if "thinker_config" in cfg:
             check_model_type(cfg, "qwen3_omni_moe", what="Qwen3-Omni")
             cfg = as_dict(cfg["thinker_config"])
@@ -164,7 +166,7 @@ class Qwen3OmniAudioConfig:
             cfg = as_dict(cfg["audio_config"])
         # Qwen2.5-Omni's audio encoder shares these field names but not the downsampling.
         check_model_type(cfg, "qwen3_omni_moe_audio_encoder", what="Qwen3-Omni audio encoder")
-        ignored = _INERT_FIELDS | set(_REJECTED_DEFAULTS)
+        ignored = IGNORED_FIELDS | set(_REJECTED_DEFAULTS)
         bad = unhandled_fields(cfg, _hf_defaults(), _MODELLED_FIELDS, ignored=ignored)
         bad.update({k: cfg[k] for k, v in _REJECTED_DEFAULTS.items() if k in cfg and cfg[k] != v})
         if bad:

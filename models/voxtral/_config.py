@@ -4,12 +4,50 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxsync.hfconfig import as_dict, check_model_type, reject_unhandled
 
 
 _GELU_ACTS = ("gelu",)  # transformers ACT2FN["gelu"] is the exact (erf) GELU
+
+
+class _Ignored(NamedTuple):
+    outer: frozenset[str]
+    audio: frozenset[str]
+    feature_extractor: frozenset[str]
+
+
+IGNORED_FIELDS = _Ignored(
+    # `VoxtralConfig` keys that `VoxtralForConditionalGeneration` never reads: the language
+    # model takes its vocabulary from `text_config`, and the padding id and the loss's
+    # `ignore_index` only concern text tokens and training.
+    outer=frozenset({"vocab_size", "pad_token_id", "ignore_index"}),
+    # `VoxtralEncoderConfig`: dropouts and layerdrop act in training only (the encoder runs in
+    # eval mode); `initializer_range` only draws fresh weights; `vocab_size` is the Whisper
+    # decoder's, which Voxtral does not have; `scale_embedding` sets an `embed_scale` that
+    # `VoxtralEncoder.forward` never applies (we match that).
+    audio=frozenset(
+        "dropout attention_dropout activation_dropout layerdrop initializer_range vocab_size "
+        "scale_embedding".split()
+    ),
+    # Feature-extractor attributes: `WhisperFeatureExtractor.__call__` normalises the waveform
+    # only when its `do_normalize` *argument* is true, never from the attribute a saved
+    # `preprocessor_config.json` sets (and `VoxtralProcessor` does not pass it);
+    # `return_attention_mask` adds a mask output beside the same features; the class and
+    # processor names are bookkeeping.
+    feature_extractor=frozenset(
+        "do_normalize return_attention_mask feature_extractor_type processor_class".split()
+    ),
+)
+"""Keys accepted at any value because they cannot change the features or embeddings."""
+
+# Feature-extractor attributes `MelConfig.from_feature_extractor` reads or checks; any other
+# attribute (beyond `IGNORED_FIELDS.feature_extractor`) is refused.
+_FE_READ = frozenset({
+    "feature_size", "sampling_rate", "n_fft", "hop_length", "chunk_length", "global_log_mel_max",
+    "win_length", "dither", "padding_value", "padding_side", "n_samples", "nb_max_frames",
+})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +123,9 @@ class MelConfig:
 
         Raises:
           ValueError: on settings this front end does not implement (dither, a window shorter
-            than n_fft, normalisation, a non-zero padding value, left padding).
+            than n_fft, a non-zero padding value, left padding, a window width other than Whisper
+            derives) or an attribute it does not know. Attributes in
+            `IGNORED_FIELDS.feature_extractor` are accepted at any value.
           TypeError: an object without the extractor's size fields.
         """
         missing = [k for k in ("feature_size", "sampling_rate", "n_fft", "hop_length")
@@ -106,16 +146,23 @@ class MelConfig:
         win = getattr(fe, "win_length", fe.n_fft)
         if win != fe.n_fft:
             raise ValueError(f"win_length {win} != n_fft {fe.n_fft} is not supported")
-        if getattr(fe, "do_normalize", False):
-            raise ValueError("do_normalize=True is not supported")
-        g = getattr(fe, "global_log_mel_max", None)
+        saved = fe.to_dict() if hasattr(fe, "to_dict") else {}
+        unknown = sorted(set(saved) - _FE_READ - IGNORED_FIELDS.feature_extractor)
+        if unknown:
+            raise ValueError(f"unsupported feature-extractor attribute(s): {unknown}")
+        chunk = getattr(fe, "chunk_length", 30)
+        # Whisper derives these from the fields above; a changed one would pad to another width.
+        n_samples = chunk * fe.sampling_rate
+        for name, want in (("n_samples", n_samples), ("nb_max_frames", n_samples // fe.hop_length)):
+            if getattr(fe, name, want) != want:
+                raise ValueError(f"{name}={getattr(fe, name)!r} is not supported (need {want})")
         return cls(
             num_mel_bins=fe.feature_size,
             sampling_rate=fe.sampling_rate,
             n_fft=fe.n_fft,
             hop_length=fe.hop_length,
-            chunk_length=getattr(fe, "chunk_length", 30),
-            global_log_mel_max=g,
+            chunk_length=chunk,
+            global_log_mel_max=getattr(fe, "global_log_mel_max", None),
         )
 
 
@@ -199,25 +246,24 @@ class VoxtralAudioConfig:
         directory (its `config.json`); a full Voxtral config gives its `audio_config` plus the
         projector fields.
 
-        Dropouts and layerdrop are inference no-ops; `scale_embedding` is ignored because
-        transformers' VoxtralEncoder computes `embed_scale` but never applies it (we match that).
+        The keys of `IGNORED_FIELDS` (dropouts, the text model's token ids, ...) are accepted at
+        any value: they cannot change the result.
 
         Raises:
           ValueError: on a non-default HF field this port does not implement, or a config of
             another model (its `model_type`: e.g. AudioFlamingo3's encoder has the same fields
             but pools its output).
-          ValueError: also for a directory without a readable `config.json`.
+          jaxsync.weights.WeightError: a path without a readable `config.json` (a `ValueError`).
           TypeError: a non-integer where an integer is expected, or a source of another type.
         """
-        try:
-            d = as_dict(src)
-        except (OSError, ValueError) as e:  # a missing / unreadable config.json
-            raise ValueError(f"cannot read a Voxtral config from {src!r}: {e}") from None
+        d = as_dict(src, what="Voxtral")
         if "audio_config" in d or d.get("model_type") == "voxtral":
             audio = as_dict(d.get("audio_config") or {})
             text = as_dict(d.get("text_config") or {})
             outer = {k: v for k, v in d.items() if k not in ("audio_config", "text_config")}
-            _reject_unhandled(outer, _OUTER_DEFAULTS, {"audio_token_id", "hidden_size"})
+            _reject_unhandled(
+                outer, _OUTER_DEFAULTS, {"audio_token_id", "hidden_size"}, IGNORED_FIELDS.outer
+            )
             act = outer.get("projector_hidden_act", "gelu")
             text_hidden = text.get("hidden_size", outer.get("hidden_size", cls.text_hidden_size))
             check_model_type(outer, "voxtral", what="Voxtral")
@@ -226,12 +272,10 @@ class VoxtralAudioConfig:
         check_model_type(audio, "voxtral_encoder", what="Voxtral encoder")
         handled = {
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_mel_bins", "max_source_positions", "activation_function", "scale_embedding",
-            "dropout", "attention_dropout", "activation_dropout", "layerdrop", "initializer_range",
-            "vocab_size",  # Whisper decoder vocabulary: unused by the encoder
+            "num_mel_bins", "max_source_positions", "activation_function",
             "head_dim", "num_key_value_heads",  # checked for consistency below
         }  # fmt: skip
-        _reject_unhandled(audio, _ENCODER_DEFAULTS, handled)
+        _reject_unhandled(audio, _ENCODER_DEFAULTS, handled, IGNORED_FIELDS.audio)
         get = lambda k: audio.get(k, _ENCODER_DEFAULTS[k])  # noqa: E731
         cfg = cls(
             num_mel_bins=get("num_mel_bins"),
@@ -268,5 +312,5 @@ def _positive_int(name: str, v: Any) -> None:
         raise ValueError(f"{name} must be positive, got {v}")
 
 
-def _reject_unhandled(got: dict, default: dict, handled: set[str]) -> None:
-    reject_unhandled(got, default, handled, what="Voxtral")
+def _reject_unhandled(got: dict, default: dict, handled: set[str], ignored: frozenset) -> None:
+    reject_unhandled(got, default, handled, what="Voxtral", ignored=ignored)
