@@ -10,14 +10,13 @@ Core API:
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
   flat_state                  - a module's state as a flat array list for jit, and its merge.
-  stack_layers, scan_layers   - identical layers as one stacked state, run with lax.scan.
   PackedLeaves                - state arrays as one buffer per dtype, flat or per layer in rows
                                 (fewer jit arguments).
   PackedTower                 - a module's layer rows and other leaves in one buffer per dtype.
-  split_layers, SplitLayers   - a module split into its non-layer state and stacked layers.
   precompile                  - compile every bucket of every path ahead of serving.
-  TowerProgram, run_layers    - a family's pure forward compiled with packed state and one
-                                layer scan (the calling convention of every model path).
+  LayerStack                  - a tower's repeated layers stored stacked [L, ...], run as one scan.
+  TowerProgram                - a family's pure forward compiled over the model's state leaves:
+                                the same program a server's own jit compiles.
   Embeddings                  - the output of every model path: padded rows + host lengths.
   PlanCache, metadata_key     - host plans and their packed uploads cached per shape mix,
                                 keyed by the exact content of the caller's host metadata.
@@ -52,13 +51,7 @@ from jaxsync._jit import (
     flat_state as flat_state,
     jit_method as jit_method,
 )
-from jaxsync._layers import (
-    SplitLayers as SplitLayers,
-    scan_layers as scan_layers,
-    split_layers as split_layers,
-    stack_layers as stack_layers,
-)
-from jaxsync._outputs import Embeddings as Embeddings
+from jaxsync._outputs import Embeddings as Embeddings, Encoded as Encoded
 from jaxsync._packing import PackedLeaves as PackedLeaves, PackedTower as PackedTower
 from jaxsync._placement import replicated_near as replicated_near
 from jaxsync._plans import PlanCache as PlanCache, metadata_key as metadata_key
@@ -67,6 +60,7 @@ from jaxsync._precompile import (
     Target as Target,
     precompile as precompile,
 )
+from jaxsync._stack import LayerStack as LayerStack
 from jaxsync._staging import (
     StagingRing as StagingRing,
     default_staging as default_staging,

@@ -1,12 +1,40 @@
-"""The one output container of every model path: padded device rows plus host bookkeeping."""
+"""The one output contract of every model path.
+
+Inside any jit, every family's `forward` returns an `Encoded`: rows `[R, D]` in the model's dtype
+(the items' rows first, contiguous and in item order, padding after them), per-item finite
+flags, and named extras. On the host, the family's plan says how many rows each item owns
+(`plan.lengths`), and `Embeddings.of(encoded, plan)` is that result with its host offsets: what
+every entry returns. A server can swap an entry for a forward in its own jit (or back) with no
+family-specific glue.
+"""
 
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
+
+
+class Encoded(NamedTuple):
+    """What every family's pure `forward` returns (a pytree: it leaves any jit as is).
+
+    Attributes:
+      rows: [R, D] in the model's dtype; item i's rows are `rows[o_i : o_i + n_i]` with `n_i =
+        plan.lengths[i]` and `o_i` their running sum (contiguous, item order); later rows are
+        padding.
+      finite: [I] bool, I >= the item count (a bucket): entry i < items is True when item i's
+        input and every one of its rows are finite; entries past the items are padding.
+      extras: named device arrays a family also offers (e.g. glm4v's rows before the patch
+        merger, chameleon's image-token ids), laid out as its docstring says; None for none.
+    """
+
+    rows: jax.Array
+    finite: jax.Array
+    extras: dict[str, jax.Array] | None = None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -26,15 +54,40 @@ def row_layout(
 
     Python ints: a numpy integer offset would make `Embeddings.split()` upload a dynamic
     slice index.
+
+    Raises:
+      TypeError: a length or offset that is not an integer (a bool, a float such as 2.7).
+      ValueError: a negative length or offset, or offsets of another count than lengths.
     """
-    lengths = tuple(int(n) for n in lengths)
+    lengths = _counts(lengths, "lengths")
     if offsets is None:
         starts, total = [], 0
         for n in lengths:
             starts.append(total)
             total += n
         offsets = starts
-    return lengths, tuple(int(o) for o in offsets)
+    offsets = _counts(offsets, "offsets")
+    if len(offsets) != len(lengths):
+        raise ValueError(f"{len(offsets)} offsets for {len(lengths)} lengths")
+    return lengths, offsets
+
+
+def _counts(values: Sequence[int], name: str) -> tuple[int, ...]:
+    """Host row counts as Python ints, refusing what would be silently truncated."""
+    if isinstance(values, jax.Array):
+        raise TypeError(f"{name} must be host integers, got a device array")
+    out = []
+    for v in (
+        np.asarray(values, dtype=object).reshape(-1).tolist()
+        if not isinstance(values, tuple | list)
+        else values
+    ):
+        if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must hold integers, got {v!r}")
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+        out.append(int(v))
+    return tuple(out)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -62,6 +115,37 @@ class Embeddings:
         self.embeddings = embeddings
         self.lengths, self.offsets = row_layout(lengths, offsets)
         self.extras = {} if extras is None else dict(extras)
+        rows = embeddings.shape[0] if getattr(embeddings, "ndim", 0) else 0
+        past = [
+            i
+            for i, (o, n) in enumerate(zip(self.offsets, self.lengths, strict=True))
+            if o + n > rows
+        ]
+        if past:
+            raise ValueError(
+                f"items {past[:8]} end past the {rows} rows (offsets {self.offsets}, lengths "
+                f"{self.lengths})"
+            )
+
+    @classmethod
+    def of(cls, encoded: Encoded, plan: Any) -> Embeddings:
+        """A forward's `Encoded` result with the host layout of the plan it ran on
+        (`plan.lengths`, contiguous from row 0): what the family's entry returns.
+
+        `extras` holds "finite" and the forward's own extras.
+        """
+        extras = {"finite": encoded.finite, **(encoded.extras or {})}
+        return cls(encoded.rows, plan.lengths, extras=extras)
+
+    @property
+    def rows(self) -> jax.Array:
+        """The [R, D] device rows (the same array as `embeddings`)."""
+        return self.embeddings
+
+    @property
+    def finite(self) -> jax.Array | None:
+        """Per-item finite flags ([I] bool, item i at entry i), when the path computes them."""
+        return self.extras.get("finite")
 
     @classmethod
     def from_layout(

@@ -248,3 +248,53 @@ def kv_call(fn: Any, *args: Any, impl: str, **kwargs: Any) -> Any:
 
     with _pallas.interpreted("gpu"):
         return fn(*args, impl="auto", **kwargs)
+
+
+def assert_layers_run(model: Any, forward: Any, *inputs: Any, rtol: float = 1e-6) -> None:
+    """Asserts that every `jaxsync.LayerStack` in `model` reaches `forward`'s output.
+
+    For each stack, its first and last layers' weights are replaced by other values (every
+    weight scaled by 2 and shifted by 0.5), and the forward's rows must change: a forward that
+    loops over nothing, returns its input, or skips a run of layers is caught. Runs the forward
+    under `jax.jit` as a server would (the module merged inside the trace).
+
+    Raises:
+      AssertionError: a stack whose layers do not change the output, or a model with no stack.
+    """
+    import jax
+    from flax import nnx
+
+    from jaxsync._stack import LayerStack
+
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, *a: forward(nnx.merge(graphdef, s), *a))
+    base = _rows(step(state, *inputs))
+    stacks = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LayerStack)]
+    if not stacks:
+        raise AssertionError("the model holds no jaxsync.LayerStack")
+    for path, stack in stacks:
+        if not stack.num_layers:
+            continue
+        for layer in {0, stack.num_layers - 1}:
+            changed = nnx.clone(model)
+            target = changed
+            for p in path:
+                target = target[p] if isinstance(p, int) else getattr(target, p)
+            for var in jax.tree.leaves(target.layer, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+                if isinstance(var, nnx.Variable) and np.issubdtype(var[...].dtype, np.floating):
+                    var[...] = var[...].at[layer].set(var[...][layer] * 2 + 0.5)
+            out = _rows(step(nnx.state(changed), *inputs))
+            if np.allclose(out, base, rtol=rtol, atol=0):
+                name = ".".join(str(p) for p in path)
+                raise AssertionError(
+                    f"changing layer {layer} of {name!r} does not change the output: the forward "
+                    "does not run that stack's layers"
+                )
+
+
+def _rows(out: Any) -> np.ndarray:
+    """The rows of a forward's output (an `Encoded`, a tuple whose first item is rows, or rows)."""
+    rows = getattr(out, "rows", None)
+    if rows is None:
+        rows = out[0] if isinstance(out, tuple) else out
+    return np.asarray(rows, np.float64)

@@ -1,4 +1,4 @@
-"""TowerProgram: one shared forward, a loop outside, a packed scan inside; few jit arguments."""
+"""TowerProgram: the entry compiles the very function a server jits over its state leaves."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxsync
+import jaxsync.testing
 from jaxsync.check import no_recompile
 
 
@@ -15,20 +16,18 @@ class Layer(nnx.Module):
         self.lin = nnx.Linear(d, d, rngs=rngs)
 
     def __call__(self, x, scale):
-        return jnp.tanh(self.lin(x)) * scale[0]
+        return x + jnp.tanh(self.lin(x)) * scale[0]
 
 
 class Tower(nnx.Module):
     def __init__(self, d=7, depth=5, *, rngs):
         self.inp = nnx.Linear(3, d, rngs=rngs)
-        self.blocks = nnx.List([Layer(d, rngs) for _ in range(depth)])
+        self.blocks = jaxsync.LayerStack(lambda r: Layer(d, r), depth, rngs=rngs)
         self.out = nnx.Linear(d, 2, rngs=rngs)
 
 
 def forward(model, x, meta):
-    h = model.inp(x)
-    h = jaxsync.run_layers(model.blocks, h, meta["scale"])
-    return model.out(h)
+    return model.out(model.blocks(model.inp(x), meta.scale))
 
 
 def _inputs():
@@ -36,119 +35,90 @@ def _inputs():
     return x, jaxsync.upload_packed({"scale": np.full((1,), 0.5, np.float32)})
 
 
-@pytest.mark.parametrize("depth", [1, 5, 13])
-def test_program_matches_the_pure_forward_with_constant_argument_count(depth):
-    model = Tower(depth=depth, rngs=nnx.Rngs(0))
-    x, meta = _inputs()
-    prog = jaxsync.TowerProgram(model, forward, layers="blocks")
-    np.testing.assert_allclose(prog(x, meta), forward(model, x, meta), rtol=1e-6, atol=1e-6)
-    # one state buffer (one dtype) + x + the packed meta, however deep
-    assert prog.num_state_args == 1
-    assert len(jax.tree.leaves(prog.lower(x, meta).args_info)) == 3
-    x2 = x * 2
-    with no_recompile():
-        prog(x2, meta)
-
-
-def test_pure_forward_inside_a_server_jit_takes_weights_as_arguments():
-    model = Tower(rngs=nnx.Rngs(0))
+def _server_step(model):
     graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    step = jax.jit(
+        lambda leaves, *a: forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *a)
+    )
+    return step, leaves
+
+
+@pytest.mark.parametrize("depth", [1, 5, 13])
+def test_program_equals_the_server_form_bit_for_bit_at_a_constant_argument_count(depth):
+    model = Tower(depth=depth, rngs=nnx.Rngs(depth))
+    program = jaxsync.TowerProgram(model, forward)
     x, meta = _inputs()
+    step, leaves = _server_step(model)
+    np.testing.assert_array_equal(program(x, meta), step(leaves, x, meta))
+    assert program.num_state_args == 6  # inp (2), the stack (2), out (2): at any depth
+    assert len(jax.tree.leaves(program.lower(x, meta).args_info)) == 6 + 2
 
-    @jax.jit
-    def step(state, x, meta):
-        return forward(nnx.merge(graphdef, state), x, meta)
 
-    first = step(state, x, meta)
-    # every weight is a program argument: state leaves + x + the packed meta buffer
-    state_args = step.lower(state, x, meta).args_info[0][0]
-    assert len(jax.tree.leaves(state_args)) == len(jax.tree.leaves(state))
-    halved = jax.tree.map(lambda w: w * 0.5, state)
+def test_programs_of_one_structure_share_their_compile_and_hold_their_own_weights():
+    a, b = Tower(rngs=nnx.Rngs(0)), Tower(rngs=nnx.Rngs(1))
+    x, meta = _inputs()
+    out_a = jaxsync.TowerProgram(a, forward)(x, meta)
     with no_recompile():
-        second = step(halved, x, meta)
-    assert not np.allclose(first, second)  # the new weights were used, not baked constants
+        out_b = jaxsync.TowerProgram(b, forward)(x, meta)
+    assert not np.allclose(out_a, out_b)
+    np.testing.assert_array_equal(out_b, _server_step(b)[0](_server_step(b)[1], x, meta))
 
 
-def test_load_state_takes_new_weights_without_recompiling():
+def test_load_state_takes_new_weights_without_recompiling_and_refuses_another_shape():
     model = Tower(rngs=nnx.Rngs(0))
+    program = jaxsync.TowerProgram(model, forward)
     x, meta = _inputs()
-    prog = jaxsync.TowerProgram(model, forward, layers="blocks")
-    before = prog(x, meta)
-    _, state = nnx.split(model)
-    nnx.update(model, jax.tree.map(lambda w: w * 0.5, state))
-    np.testing.assert_array_equal(prog(x, meta), before)  # a snapshot until load_state
+    before = program(x, meta)
+    nnx.update(model, nnx.state(Tower(rngs=nnx.Rngs(5))))
+    np.testing.assert_array_equal(program(x, meta), before)  # a snapshot until load_state
     with no_recompile():
-        prog.load_state(model)
-        after = prog(x, meta)
-    np.testing.assert_allclose(after, forward(model, x, meta), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="same parameter structure"):
-        prog.load_state(Tower(d=5, rngs=nnx.Rngs(1)))
-    np.testing.assert_array_equal(prog(x, meta), after)  # a refused state changes nothing
+        program.load_state(model)
+        after = program(x, meta)
+    assert not np.allclose(before, after)
+    with pytest.raises(ValueError, match="same structure"):
+        program.load_state(Tower(depth=4, rngs=nnx.Rngs(0)))
 
 
-def test_model_without_layers_packs_flat():
-    model = Tower(depth=0, rngs=nnx.Rngs(0))
+def test_a_kept_call_refuses_a_deleted_input_before_any_launch():
+    program = jaxsync.TowerProgram(Tower(rngs=nnx.Rngs(0)), forward)
     x, meta = _inputs()
-    prog = jaxsync.TowerProgram(model, forward, layers=None)
-    np.testing.assert_allclose(prog(x, meta), forward(model, x, meta), rtol=1e-6)
-    assert prog.num_state_args == 1
+    run = program.prepared(meta, finish=lambda out: out, name="features")
+    run(x)
+    x.delete()
+    with pytest.raises(ValueError, match="features was deleted"):
+        run(x)
 
 
-def test_sharded_state_passes_leaf_by_leaf():
-    mesh = jax.make_mesh((len(jax.devices()),), ("model",), (jax.sharding.AxisType.Auto,))
-    model = Tower(d=8, depth=3, rngs=nnx.Rngs(0))
+def test_layers_run_detector_and_its_negative_control():
+    model = Tower(depth=3, rngs=nnx.Rngs(0))
     x, meta = _inputs()
-    expected = forward(model, x, meta)
-    _, state = nnx.split(model)
+    jaxsync.testing.assert_layers_run(model, forward, x, meta)
+
+    def skips(model, x, meta):  # loops over nothing: the layers never run
+        return model.out(model.inp(x))
+
+    with pytest.raises(AssertionError, match="does not change the output"):
+        jaxsync.testing.assert_layers_run(model, skips, x, meta)
+
+    def first_only(model, x, meta):
+        return model.out(model.blocks(model.inp(x), meta.scale, span=(0, 1)))
+
+    with pytest.raises(AssertionError, match="layer 2 of 'blocks'"):
+        jaxsync.testing.assert_layers_run(model, first_only, x, meta)
+
+
+def test_sharded_state_stays_sharded_inside_the_program():
+    mesh = jaxsync.testing.device_mesh("model", auto=True)
+    model = Tower(d=8, rngs=nnx.Rngs(0))
+    for var in jax.tree.leaves(model, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        var.set_value(jax.device_put(var.get_value(), jax.NamedSharding(mesh, jax.P())))
+    kernel = model.blocks.layer.lin.kernel
+    kernel[...] = jax.device_put(kernel[...], jax.NamedSharding(mesh, jax.P(None, None, "model")))
+    program = jaxsync.TowerProgram(model, forward)
     replicated = jax.NamedSharding(mesh, jax.P())
-    nnx.update(model, jax.tree.map(lambda w: jax.device_put(w, replicated), state))
-    for layer in model.blocks:  # the layer kernels split over the model axis
-        k = layer.lin.kernel
-        k.set_value(jax.device_put(k[...], jax.NamedSharding(mesh, jax.P(None, "model"))))
-    x = jax.device_put(x, replicated)
+    x = jax.device_put(_inputs()[0], replicated)
     meta = jaxsync.upload_packed({"scale": np.full((1,), 0.5, np.float32)}, placement=replicated)
-    prog = jaxsync.TowerProgram(model, forward, layers="blocks")
-    assert prog.num_state_args > 1  # not packed: packing would reshard
-    np.testing.assert_allclose(prog(x, meta), expected, rtol=1e-5, atol=1e-6)
-
-
-def test_cublas_matmuls_option_applies_only_on_a_gpu():
-    from jaxsync._tower import CUBLAS_MATMULS, jit_options
-
-    assert jit_options("cublas", "gpu", {})["compiler_options"] == CUBLAS_MATMULS
-    mine = {"compiler_options": {"xla_gpu_enable_triton_gemm": True}, "donate_argnums": (1,)}
-    assert jit_options("cublas", "gpu", mine) == mine  # the caller's own option wins
-    assert jit_options("cublas", "cpu", {}) == {} and jit_options("cublas", "tpu", {}) == {}
-    assert jit_options("xla", "gpu", {}) == {}
-    model = Tower(rngs=nnx.Rngs(0))
-    x, meta = _inputs()
-    prog = jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="cublas")
-    assert prog.platform == jax.devices()[0].platform
-    np.testing.assert_array_equal(
-        prog(x, meta), jaxsync.TowerProgram(model, forward, layers="blocks")(x, meta)
-    )
-    with pytest.raises(ValueError, match="matmuls"):
-        jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="triton")
-
-
-def test_program_with_compiler_options_runs_inside_another_jit(monkeypatch):
-    # JAX refuses compiler options on a nested jit; a "cublas" program traced inside a server's
-    # step (or a checker's trace) takes the same function without them.
-    from jaxsync import _tower
-
-    monkeypatch.setattr(_tower, "jit_options", lambda m, p, kw: _tower.CUBLAS_MATMULS_KW)
-    monkeypatch.setattr(
-        _tower, "CUBLAS_MATMULS_KW", {"compiler_options": _tower.CUBLAS_MATMULS}, raising=False
-    )
-    model = Tower(rngs=nnx.Rngs(0))
-    x, meta = _inputs()
-    prog = jaxsync.TowerProgram(model, forward, layers="blocks", matmuls="cublas")
-    want = np.asarray(prog(x, meta))
-    np.testing.assert_array_equal(jax.jit(lambda x: prog(x, meta))(x), want)
-    call = prog.prepared(meta, finish=lambda out: out, name="x")
-    np.testing.assert_array_equal(call(x), want)
-    np.testing.assert_array_equal(jax.jit(call)(x), want)
-    # control: the plain jit with the options fails when nested
-    opts = jax.jit(lambda x: x + 1, compiler_options=_tower.CUBLAS_MATMULS)
-    with pytest.raises(ValueError, match="compiler_options"):
-        jax.jit(lambda x: opts(x))(x)
+    step, leaves = _server_step(model)
+    np.testing.assert_allclose(program(x, meta), step(leaves, x, meta), rtol=1e-6)
+    assert program.leaves[2].sharding.spec == jax.P(None, None, "model")

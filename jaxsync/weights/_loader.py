@@ -10,6 +10,7 @@ about the largest tensor, not the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxsync._stack import stacks
 from jaxsync.weights import _progress
 from jaxsync.weights._checkpoint import (
     TensorInfo,
@@ -38,14 +40,31 @@ class _Load:
     """One checked tensor: where it goes and how it gets there."""
 
     info: TensorInfo
-    variable: nnx.Variable
+    target: str  # the parameter's dotted path
+    index: int | None  # its layer in a stacked (`jaxsync.LayerStack`) parameter, else None
     transform: Callable | None
     cast: jnp.dtype | None
-    place: Placement
 
 
 def _path_str(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path)
+
+
+def _stacked_slot(target: str, stacked: dict[str, int]) -> tuple[str, int | None]:
+    """`blocks.3.attn.qkv.kernel` -> (`blocks.layer.attn.qkv.kernel`, 3) when `blocks` is a
+    `jaxsync.LayerStack`; other targets unchanged, with no layer."""
+    for prefix, num_layers in stacked.items():
+        head = prefix + "."
+        if not target.startswith(head):
+            continue
+        index, _, rest = target[len(head) :].partition(".")
+        if index.isdigit() and rest:
+            if int(index) >= num_layers:
+                raise WeightError(
+                    f"{target!r} names layer {index} of {prefix!r}, which has {num_layers} layers"
+                )
+            return f"{head}layer.{rest}", int(index)
+    return target, None
 
 
 def load_weights(
@@ -69,6 +88,12 @@ def load_weights(
     float tensor to it and stores it so. `allow_cast=True` (legacy) casts floats to each
     parameter's declared dtype.
 
+    Layers stored stacked (`jaxsync.LayerStack` at path `blocks`) take the checkpoint's per-layer
+    keys: a rule target `blocks.3.attn.kernel` fills slice 3 of `blocks.layer.attn.kernel`. A
+    stacked parameter is assembled on the host from its L slices and placed once, so host memory
+    peaks at about one stacked parameter; other tensors are placed as they are read. Transforms
+    and casts run in numpy on the host: no device program is compiled per tensor.
+
     Args:
       factory: zero-argument callable building the module (run under `nnx.eval_shape`).
       checkpoint: a `.safetensors` file, a sharded `*.index.json`, or a directory.
@@ -84,9 +109,11 @@ def load_weights(
       mesh: with `partition_rules`, the mesh parameters are sharded over; parameters no rule
         matches are replicated over it.
       partition_rules: `[(regex, axes), ...]`; the first regex that `re.search`es a parameter's
-        dotted path places it with `NamedSharding(mesh, PartitionSpec(*axes))`. Axis names the
-        mesh lacks are ignored and a dimension the mesh axes do not divide is replicated, so one
-        table serves any mesh. Without a mesh, parameters go to the default device.
+        dotted path places it with `NamedSharding(mesh, PartitionSpec(*axes))`. For a stacked
+        parameter the axes describe one layer and the layer axis is prepended unsharded. Axis
+        names the mesh lacks are ignored and a dimension the mesh axes do not divide is
+        replicated, so one table serves any mesh. Without a mesh, parameters go to the default
+        device.
       progress: draw a progress bar on stderr once the load has run for 2 s; None draws it only
         when stderr is a terminal.
 
@@ -95,66 +122,136 @@ def load_weights(
 
     Raises:
       WeightError: before any tensor is read, for a selected key no rule matches, a target that
-        is not a parameter, a key mapped twice, a parameter left unassigned, a stored shape the
-        rule's transform does not expect, a dtype mismatch, a placement that does not fit, or an
-        unreadable file (missing, truncated, bad header, an index naming a key its shard lacks).
+        is not a parameter, a key mapped twice, a parameter (or a layer of a stacked one) left
+        unassigned, a stored shape the rule's transform does not expect, a dtype mismatch, a
+        placement that does not fit, or an unreadable file (missing, truncated, bad header, an
+        index naming a key its shard lacks).
     """
     abstract = nnx.eval_shape(factory)
+    stacked = stacks(abstract)
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     targets = {_path_str(p): p for p in flat}
     default = jax.config.jax_default_device or jax.devices()[0]
     cast_to = None if dtype is None else jnp.dtype(dtype)
 
-    plan: list[_Load] = []
-    assigned: dict[str, str] = {}
+    groups: dict[str, list[_Load]] = {}  # parameter -> its tensors (one, or one per layer)
+    places: dict[str, Placement] = {}
+    assigned: dict[tuple[str, int | None], str] = {}
     for key, info in selected_tensors(checkpoint, select, strip).items():
         short = key[len(strip) :]
-        rule, target = next(
+        rule, mapped = next(
             ((r, t) for r in rules if (t := r.match(short)) is not None), (None, None)
         )
         if rule is None:
             raise WeightError(f"checkpoint key {key!r} matches no mapping rule")
+        target, index = _stacked_slot(mapped, stacked)
         if target not in targets:
-            raise WeightError(f"checkpoint key {key!r} maps to {target!r}, not a module parameter")
-        if target in assigned:
-            raise WeightError(f"keys {assigned[target]!r} and {key!r} both map to {target!r}")
-        variable = flat[targets[target]]
-        expected = variable.get_value()
-        out_dtype = _check_shape(info, rule, target, expected)
-        cast = _cast(info, target, out_dtype, expected.dtype, cast_to, allow_cast)
-        place = placement(
-            target,
-            tuple(expected.shape),
-            sharding=sharding,
-            mesh=mesh,
-            partition_rules=partition_rules,
-            default=default,
+            raise WeightError(f"checkpoint key {key!r} maps to {mapped!r}, not a module parameter")
+        if (target, index) in assigned:
+            raise WeightError(
+                f"keys {assigned[target, index]!r} and {key!r} both map to {mapped!r}"
+            )
+        expected = flat[targets[target]].get_value()
+        if target in groups and (index is None) != (groups[target][0].index is None):
+            raise WeightError(f"key {key!r} maps to {mapped!r}, which another key fills whole")
+        layer_shape = tuple(expected.shape[1:] if index is not None else expected.shape)
+        out_dtype = _check_shape(
+            info, rule, mapped, jax.ShapeDtypeStruct(layer_shape, expected.dtype)
         )
-        plan.append(_Load(info, variable, rule.transform, cast, place))
-        assigned[target] = key
-    _check_complete(flat, targets, assigned)
+        cast = _cast(info, mapped, out_dtype, expected.dtype, cast_to, allow_cast)
+        if target not in places:
+            places[target] = _placement_of(
+                target,
+                tuple(expected.shape),
+                index is not None,
+                sharding,
+                mesh,
+                partition_rules,
+                default,
+            )
+        groups.setdefault(target, []).append(_Load(info, target, index, rule.transform, cast))
+        assigned[target, index] = key
+    _check_complete(flat, targets, assigned, stacked)
 
-    bar = _progress.Progress(sum(item.info.nbytes for item in plan), progress)
+    bar = _progress.Progress(sum(i.info.nbytes for g in groups.values() for i in g), progress)
     try:
-        for file in dict.fromkeys(item.info.file for item in plan):
-            with open_shard(file) as handle:
-                for item in (i for i in plan if i.info.file == file):
-                    _place(item, read_tensor(handle, item.info))
-                    bar.update(item.info.nbytes)
+        with contextlib.ExitStack() as files:
+            handles: dict[Path, Any] = {}
+
+            def read(item: _Load) -> np.ndarray:
+                if item.info.file not in handles:
+                    handles[item.info.file] = files.enter_context(open_shard(item.info.file))
+                value = _host_value(item, read_tensor(handles[item.info.file], item.info))
+                bar.update(item.info.nbytes)
+                return value
+
+            for target, items in groups.items():
+                variable = flat[targets[target]]
+                if items[0].index is None:
+                    host = read(items[0])
+                else:  # one host buffer for the L slices, placed once
+                    expected = variable.get_value()
+                    host = np.empty(expected.shape, expected.dtype)
+                    for item in sorted(items, key=lambda i: (str(i.info.file), i.index)):
+                        host[item.index] = read(item)
+                variable.set_value(jax.device_put(host, places[target]))
+                del host
     finally:
         bar.close()
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _place(item: _Load, value: jax.Array) -> None:
-    """Transforms and casts one tensor on the host CPU device and places it; the host copies go
-    when this returns, before the next tensor is read."""
+def _host_value(item: _Load, value: Any) -> np.ndarray:
+    """One tensor transformed and cast in numpy on the host (no device program per tensor)."""
+    value = np.asarray(value)
     if item.transform is not None:
-        value = item.transform(value)
+        value = np.asarray(item.transform(value))
     if item.cast is not None:
         value = value.astype(item.cast)
-    item.variable.set_value(jax.device_put(value, item.place))
+    return value
+
+
+def _placement_of(
+    target: str,
+    shape: tuple[int, ...],
+    layered: bool,
+    sharding: ShardingFn | None,
+    mesh: Mesh | None,
+    partition_rules: PartitionRules | None,
+    default: jax.Device,
+) -> Placement:
+    """Where parameter `target` goes; a stacked one is placed by its rule for one layer, with
+    the layer axis unsharded in front."""
+    if not layered:
+        return placement(
+            target,
+            shape,
+            sharding=sharding,
+            mesh=mesh,
+            partition_rules=partition_rules,
+            default=default,
+        )
+    if sharding is not None and (chosen := sharding(target, shape)) is not None:
+        return placement(
+            target,
+            shape,
+            sharding=lambda *_: chosen,
+            mesh=None,
+            partition_rules=None,
+            default=default,
+        )
+    layer = placement(
+        target,
+        shape[1:],
+        sharding=None,
+        mesh=mesh,
+        partition_rules=partition_rules,
+        default=default,
+    )
+    if isinstance(layer, NamedSharding):
+        return NamedSharding(layer.mesh, PartitionSpec(None, *layer.spec))
+    return layer
 
 
 def _check_shape(info: TensorInfo, rule: Rule, target: str, expected: Any) -> jnp.dtype:
@@ -211,12 +308,25 @@ def _cast(
     )
 
 
-def _check_complete(flat: dict, targets: dict[str, Any], assigned: dict[str, str]) -> None:
-    missing = [t for t in targets if t not in assigned and isinstance(flat[targets[t]], nnx.Param)]
+def _check_complete(
+    flat: dict, targets: dict[str, Any], assigned: dict[tuple[str, int | None], str], stacked: dict
+) -> None:
+    filled = {t for t, _ in assigned}
+    missing = [t for t in targets if t not in filled and isinstance(flat[targets[t]], nnx.Param)]
     if missing:
         raise WeightError(f"{len(missing)} parameter(s) not in the checkpoint: {missing[:8]}")
+    for t in filled:
+        layers = sorted(i for u, i in assigned if u == t and i is not None)
+        if layers:
+            total = flat[targets[t]].get_value().shape[0]
+            gaps = sorted(set(range(total)) - set(layers))
+            if gaps:
+                raise WeightError(
+                    f"{len(gaps)} layer(s) of stacked parameter {t!r} not in the checkpoint: "
+                    f"layers {gaps[:8]}"
+                )
     for t in targets:  # non-parameter state (e.g. buffers computed in __init__) is materialised
-        if t not in assigned and isinstance(flat[targets[t]].get_value(), jax.ShapeDtypeStruct):
+        if t not in filled and isinstance(flat[targets[t]].get_value(), jax.ShapeDtypeStruct):
             raise WeightError(
                 f"state {t!r} is not a parameter and not in the checkpoint; derive such constants "
                 "from the config (numpy / DeviceCache) instead of storing them as nnx state"

@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 
 Shape = tuple[int, ...]
@@ -83,7 +82,9 @@ def _linear_stored(target: Shape) -> Shape:
     return (target[1], target[0])
 
 
-linear = Transform(jnp.transpose, _linear_stored, "linear")
+# Transforms use array methods, so the loader applies them to host numpy arrays (no device
+# program per tensor) and checks them abstractly on `jax.ShapeDtypeStruct`s alike.
+linear = Transform(lambda w: w.T, _linear_stored, "linear")
 """torch Linear weight [O, I] -> nnx.Linear kernel [I, O]."""
 
 
@@ -95,7 +96,7 @@ def conv(ndim: int) -> Transform:
         _ndim(name, target, ndim + 2)
         return (target[-1], target[-2], *target[:-2])
 
-    return Transform(lambda w: jnp.transpose(w, (*range(2, ndim + 2), 1, 0)), stored, name)
+    return Transform(lambda w: w.transpose((*range(2, ndim + 2), 1, 0)), stored, name)
 
 
 def transpose(*axes: int) -> Transform:
@@ -111,7 +112,7 @@ def transpose(*axes: int) -> Transform:
             out[a] = target[i]
         return tuple(out)
 
-    return Transform(lambda w: jnp.transpose(w, axes), stored, name)
+    return Transform(lambda w: w.transpose(axes), stored, name)
 
 
 def reshape(*shape: int, stored: Shape | None = None) -> Transform:
@@ -131,7 +132,7 @@ def reshape(*shape: int, stored: Shape | None = None) -> Transform:
             raise ValueError(f"{name} maps onto parameters of shape {shape}, not {target}")
         return None if stored is None else tuple(stored)
 
-    return Transform(lambda w: jnp.reshape(w, shape), stored_shape, name)
+    return Transform(lambda w: w.reshape(shape), stored_shape, name)
 
 
 def compose(*fs: Transform | Callable) -> Transform:

@@ -122,8 +122,8 @@ class ChameleonImageEncoder(TextSidePaths):
             if not isinstance(vq_model, ChameleonVQVAE) or vq_model.cfg != cfg.vq:
                 raise ValueError("vq_model was not built from this config's vq config")
             self.mapping.check_code_table()  # the tokenizer needs every code named
-            self._program = jaxsync.TowerProgram(vq_model, _tokens, layers=None)
-            self._encode = jaxsync.TowerProgram(vq_model, lambda m, x: m(x), layers=None)
+            self._program = jaxsync.TowerProgram(vq_model, _tokens)
+            self._encode = jaxsync.TowerProgram(vq_model, lambda m, x: m(x))
             self._devices, weights_at = weights_devices(vq_model)
             if placement is None and len(self._devices) > 1:  # host pixels go to the weights
                 self.placement = replicated_on(weights_at)

@@ -84,7 +84,7 @@ class Gemma3nAudioEncoder:
             if batch_buckets is None
             else tuple(jaxsync.host_ints(batch_buckets, name="batch_buckets", minimum=1).tolist())
         )
-        self.program = jaxsync.TowerProgram(model, forward, layers="layers")
+        self.program = jaxsync.TowerProgram(model, forward)
         # The padding embedding needs the embedder only: its state as plain jit arguments.
         graphdef = nnx.split(model.embed_audio)[0]
         pad_id, dtype = model.pad_id, model.dtype

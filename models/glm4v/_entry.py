@@ -41,7 +41,7 @@ def _program_for(model: Glm4vVisionTower) -> jaxsync.TowerProgram:
     with _PROGRAMS_LOCK:
         shared = _PROGRAMS.get(key)
     if shared is None:
-        program = jaxsync.TowerProgram(model, forward, layers="blocks")
+        program = jaxsync.TowerProgram(model, forward)
     else:  # same compiled function, this model's weights
         program = copy.copy(shared)
         program.load_state(model)

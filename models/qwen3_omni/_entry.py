@@ -86,7 +86,7 @@ class Qwen3OmniAudioEncoder:
         self.cfg: Qwen3OmniAudioConfig = tower.cfg
         self.placement = placement
         self.window_buckets = window_buckets
-        self.program = jaxsync.TowerProgram(tower, forward, layers="layers")
+        self.program = jaxsync.TowerProgram(tower, forward)
         self._weights_at(tower)
         self.plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
         self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device features

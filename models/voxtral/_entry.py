@@ -93,9 +93,7 @@ class VoxtralAudioEncoder:
         self.chunk_samples = cfg.chunk_frames * mel_config.hop_length
         self.chunk_buckets = chunk_buckets
         self._floor = resolve_floor(mel_config, None)
-        self._program = jaxsync.TowerProgram(
-            model, self._forward, layers="layers", matmuls="cublas"
-        )
+        self._program = jaxsync.TowerProgram(model, self._forward)
         self._devices = self._weight_devices(model)
         if placement is None:
             leaf = jax.tree.leaves(nnx.state(model))[0]
