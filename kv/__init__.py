@@ -16,6 +16,7 @@ entries' validation and padding, as fields for the step's one `jaxsync.upload_pa
 
 from jaxsync.kv._copy import copy_blocks as copy_blocks, copy_pairs as copy_pairs
 from jaxsync.kv._copy_plan import Direction as Direction, plan_copy as plan_copy
+from jaxsync.kv._geometry import PlanGeometryError as PlanGeometryError
 from jaxsync.kv._layout import (
     Cache as Cache,
     KVLayout as KVLayout,

@@ -32,6 +32,7 @@ import functools as ft
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 import jaxsync
 from jaxsync.check import entry_point
@@ -39,6 +40,7 @@ from jaxsync.kv import _pallas, _pool
 
 # Read as this module's globals at call time: tests patch `_copy._program` to count the checks.
 from jaxsync.kv._copy_plan import Direction, _fields, _Program, _program, _within
+from jaxsync.kv._geometry import planned_ids
 from jaxsync.kv._ids import checked_ids
 from jaxsync.kv._layout import Cache
 from jaxsync.kv._placement import committed, upload_ids
@@ -46,7 +48,12 @@ from jaxsync.kv._slot_plan import check_id_array
 
 
 def copy_pairs(
-    cache: Cache, src: jax.Array, dst: jax.Array, *, source: Cache | None = None
+    cache: Cache,
+    src: jax.Array | jaxsync.Packed,
+    dst: jax.Array | None = None,
+    *,
+    source: Cache | None = None,
+    keys: tuple[str, str] = ("src", "dst"),
 ) -> Cache:
     """Copies blocks `src[k]` -> `dst[k]` in every layer: pure and traceable, for a server's own
     jit; donate the cache there (it is updated in place).
@@ -56,21 +63,36 @@ def copy_pairs(
 
     Args:
       cache: `{layer: [P, ...] | (k, v)}` or a `StackedCache` (`[P, L, ...]`), device memory.
-      src: int32 `[N]` source block ids on the device (`plan_copy(...)["src"]`).
-      dst: int32 `[N]` unique destination block ids; padding ids (>= P) are dropped.
+      src: the uploaded plan of `plan_copy` (its fields `keys` are read, after checking that it
+        was planned for this cache and `source`: `PlanGeometryError` otherwise), with `dst`
+        None; or int `[N]` source block ids on the device.
+      dst: with bare `src` ids, int `[N]` unique destination block ids; padding (-1, or any id
+        outside [0, P)) writes nothing.
       source: another cache of the same layers and block shapes to copy from (default: `cache`).
+      keys: the plan's fields of source and destination ids.
 
     Returns:
       The updated cache; what `copy_blocks(source, cache, ...)` returns for the same ids.
     """
+    source = cache if source is None else source
+    if isinstance(src, jaxsync.Packed):
+        if dst is not None:
+            raise TypeError("copy_pairs takes a plan alone, or src and dst id arrays")
+        num_dst, num_src = jax.tree.leaves(cache)[0].shape[0], jax.tree.leaves(source)[0].shape[0]
+        dst = planned_ids(src, keys[1], (num_dst, num_src), ("blocks", "source blocks"))
+        src = src[keys[0]]
     check_id_array(src, "src")
     check_id_array(dst, "dst")
 
     def one(s, d):  # s: [Ps, ...], d: [Pd, ...]
         blocks = s.at[src].get(mode="clip")  # [N, ...]
-        return d.at[dst].set(blocks, mode="drop", unique_indices=True)
+        # padding to distinct blocks past the end: dropped, and the indices stay unique
+        num = d.shape[0]
+        spare = num + jnp.arange(dst.shape[0], dtype=jnp.int32)
+        to = jnp.where((dst >= 0) & (dst < num), dst.astype(jnp.int32), spare)  # [N]
+        return d.at[to].set(blocks, mode="drop", unique_indices=True)
 
-    return jax.tree.map(one, cache if source is None else source, cache)
+    return jax.tree.map(one, source, cache)
 
 
 @ft.partial(jax.jit, donate_argnames="dst")

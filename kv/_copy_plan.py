@@ -13,7 +13,8 @@ import numpy as np
 
 import jaxsync
 from jaxsync.kv import _pallas
-from jaxsync.kv._ids import checked_ids, padded_ids
+from jaxsync.kv._geometry import SUFFIX, geometry_field
+from jaxsync.kv._ids import PAD, checked_ids, padded_ids
 from jaxsync.kv._layout import Cache, cache_leaves, check_same_structure
 from jaxsync.kv._placement import check_placement, check_same_sharding, memory_kind
 
@@ -104,8 +105,9 @@ def plan_copy(
 
     Validates what `copy_blocks(source, cache, src_ids, dst_ids)` validates (device memory on
     both sides), on the host, and pads the ids to a bucket: padded sources read block 0,
-    padded destinations are distinct out-of-range ids (dropped). Put the fields in the step's
-    one `jaxsync.upload_packed`.
+    padded destinations are -1 (nothing written). Put the fields in the step's one
+    `jaxsync.upload_packed` and pass the uploaded plan to `copy_pairs`, which checks, while
+    tracing, that it was planned for the caches it is given (`PlanGeometryError` otherwise).
 
     Args:
       cache: the destination cache (host metadata only: shapes, memory kind, placement).
@@ -115,16 +117,26 @@ def plan_copy(
       keys: the two fields' names.
 
     Returns:
-      `{keys[0]: int32 [N], keys[1]: int32 [N]}`, N = bucket(len(src_ids)).
+      `{keys[0]: int32 [N], keys[1]: int32 [N], keys[1] + ".geometry": int32 [0, P, Ps]}`,
+      N = bucket(len(src_ids)); the last field records the block counts of `cache` and
+      `source` in its shape (no bytes uploaded).
 
     Raises:
       TypeError, ValueError: as `copy_blocks`, before anything is uploaded.
     """
-    if len(keys) != 2 or len(set(keys)) != 2 or not all(isinstance(k, str) for k in keys):
+    if (
+        len(keys) != 2
+        or not all(isinstance(k, str) for k in keys)
+        or len({*keys, keys[1] + SUFFIX}) != 3
+    ):
         raise ValueError(f"keys must be two distinct field names, got {keys!r}")  # one would vanish
     source = cache if source is None else source
-    program = _program(source, cache, "d2d", "xla")
+    _program(source, cache, "d2d", "xla")  # the cache checks copy_blocks makes
     num_src, num_dst = jax.tree.leaves(source)[0].shape[0], jax.tree.leaves(cache)[0].shape[0]
     s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
-    fields = _fields(program, s_ids, d_ids, jaxsync.bucket(int(s_ids.size), buckets), num_dst)
-    return dict(zip(keys, fields.values(), strict=True))
+    size = jaxsync.bucket(int(s_ids.size), buckets)
+    fields = {
+        keys[0]: padded_ids(s_ids, np.zeros(size)),  # block 0: a harmless read
+        keys[1]: padded_ids(d_ids, np.full(size, PAD)),  # no block of any cache: dropped
+    }
+    return {**fields, **geometry_field(keys[1], (num_dst, num_src))}

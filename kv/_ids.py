@@ -75,16 +75,24 @@ def host_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def check_range(ids: np.ndarray, limit: int, name: str) -> None:
-    """0 <= ids < limit. Negative ids are refused: jnp indexing would wrap them silently."""
-    if ids.size and (ids.min() < 0 or ids.max() >= limit):
-        bad = ids[(ids < 0) | (ids >= limit)]
-        raise ValueError(f"{name} must lie in [0, {limit}); got {bad[:8].tolist()}")
+PAD = -1
+"""vLLM's padding slot (`slot_mapping` entries of padded tokens): writes nothing, reads zeros."""
+
+
+def check_range(ids: np.ndarray, limit: int, name: str, *, padding: bool = False) -> None:
+    """0 <= ids < limit, or ids == PAD where `padding` allows it. Any other negative id is
+    refused: jnp indexing would wrap it silently onto a real block."""
+    low = PAD if padding else 0
+    if ids.size and (ids.min() < low or ids.max() >= limit):
+        bad = ids[(ids < low) | (ids >= limit)]
+        allowed = f"[0, {limit}) or be {PAD} (padding)" if padding else f"[0, {limit})"
+        raise ValueError(f"{name} must lie in {allowed}; got {bad[:8].tolist()}")
 
 
 def check_unique(ids: np.ndarray, name: str) -> None:
-    """Duplicate scatter targets would make the result depend on XLA's write order."""
-    ordered = np.sort(ids)
+    """Duplicate scatter targets would make the result depend on XLA's write order. Padding
+    (PAD) writes nothing and may repeat."""
+    ordered = np.sort(ids[ids != PAD])
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     if repeated.size:
         raise ValueError(f"{name} must be unique; repeated: {np.unique(repeated)[:8].tolist()}")

@@ -2,8 +2,9 @@
 `plan_slots` (the padded upload field of a server step's `write_slots` / `read_slots`).
 
 A slot is `block_id * S + offset` (see `jaxsync.kv._slots`). The slot list is host data: it is
-validated here, on the host, and padded to a bucket with distinct out-of-range sentinels
-(P*S, P*S+1, ...), so every length in a bucket shares one program.
+validated here, on the host, and padded to a bucket with vLLM's padding slot -1, so every length
+in a bucket shares one program. A -1 in the caller's own mapping is a padded token as in vLLM:
+it writes nothing and reads zeros; any other negative slot, or one past the cache, is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
-from jaxsync.kv._ids import check_range, check_unique, host_ids, host_int, padded_ids
+from jaxsync.kv._geometry import geometry_field
+from jaxsync.kv._ids import PAD, check_range, check_unique, host_ids, host_int, padded_ids
 from jaxsync.kv._layout import Cache, cache_leaves
 from jaxsync.kv._placement import memory_kind, same_sharding
 
@@ -27,10 +29,11 @@ def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.nda
     dropped, so a prompt of exactly k*S tokens keeps only k-1 blocks, and n = 0 gives -S, which
     upstream then uses as a negative slice end (all but the last block of the table: garbage).
     Here n = 0 gives an empty mapping, and a block table too short for the kept tokens raises
-    (upstream silently returns fewer slots than tokens).
+    (upstream silently returns fewer slots than tokens). A block id of -1 (a padded entry of
+    the block table) gives -1 slots, padded tokens: nothing is saved or loaded there.
 
     Args:
-      block_ids: host list of the request's block ids, in token order.
+      block_ids: host list of the request's block ids, in token order; -1 for padding.
       block_size: S, tokens per block (the kernel block size).
       num_tokens: n, the request's token count.
 
@@ -49,13 +52,14 @@ def slot_mapping_for(block_ids: Any, block_size: int, num_tokens: int) -> np.nda
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     ids = host_ids(block_ids, "block_ids")
-    check_range(ids, np.iinfo(np.int32).max // block_size, "block_ids")
+    check_range(ids, np.iinfo(np.int32).max // block_size, "block_ids", padding=True)
     valid = 0 if num_tokens == 0 else (num_tokens - 1) // block_size * block_size
     needed = valid // block_size
     if ids.size < needed:
         raise ValueError(f"{num_tokens} tokens keep {needed} blocks but only {ids.size} are given")
     offsets = np.arange(block_size, dtype=np.int64)
-    return (ids[:needed, None] * block_size + offsets[None, :]).reshape(-1)
+    slots = ids[:needed, None] * block_size + offsets[None, :]  # [needed, S]
+    return np.where(ids[:needed, None] == PAD, PAD, slots).reshape(-1)
 
 
 def row_shape(leaf_shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
@@ -119,15 +123,14 @@ def check_slots(caches: Cache, slot_mapping: Any, buckets, *, unique: bool, name
     (block_size,) = sizes
     num_slots = leaves[0].shape[0] * block_size
     slots = host_ids(slot_mapping, name)
-    check_range(slots, num_slots, name)
+    check_range(slots, num_slots, name, padding=True)
     if unique:
         check_unique(slots, name)
     n = int(slots.size)
     size = jaxsync.bucket(n, buckets)
-    if num_slots + size > np.iinfo(np.int32).max:
+    if leaves[0].shape[0] + size > np.iinfo(np.int32).max or num_slots > np.iinfo(np.int32).max:
         raise ValueError("cache too large for int32 slot ids")
-    sentinels = np.arange(num_slots, num_slots + size)  # distinct out-of-range: no-ops
-    return leaves, n, size, {"slots": padded_ids(slots, sentinels)}
+    return leaves, n, size, {"slots": padded_ids(slots, np.full(size, PAD))}
 
 
 def plan_slots(
@@ -141,24 +144,34 @@ def plan_slots(
     """The host plan of a server step's `write_slots` (or `read_slots`: `write=False`).
 
     Validates what `inject_kv` (`extract_kv`) validates, on the host, and pads the slots to a
-    bucket with distinct out-of-range slots (no-ops), so every length in a bucket shares one
-    program. Put the field in the step's one `jaxsync.upload_packed`.
+    bucket with -1 (padding: no-ops), so every length in a bucket shares one program. Put the
+    fields in the step's one `jaxsync.upload_packed` and pass the uploaded plan to
+    `write_slots` / `read_slots`: they check, while tracing, that it was planned for the cache
+    they are given (`PlanGeometryError` otherwise).
 
     Args:
       cache: the cache the step will write (host metadata only: shapes, memory kind).
-      slot_mapping: host list/ndarray of T slots in [0, P*S), unique when `write`.
+      slot_mapping: host list/ndarray of T slots in [0, P*S), or -1 for a padded token (writes
+        nothing, reads zeros); unique when `write` (padding aside).
       write: check that the slots are unique (scatter targets).
       buckets: length buckets (default: powers of two >= 8).
-      key: the field's name.
+      key: the ids' field name.
 
     Returns:
-      `{key: int32 [N]}`, N = bucket(T).
+      `{key: int32 [N], key + ".geometry": int32 [0, P, S, write]}`, N = bucket(T); the second
+      field records the cache geometry in its shape (no bytes uploaded).
 
     Raises:
       TypeError, ValueError: as `inject_kv` / `extract_kv`, before anything is uploaded.
     """
-    *_, fields = check_slots(cache, slot_mapping, buckets, unique=write)
-    return {key: fields["slots"]}
+    leaves, _, _, fields = check_slots(cache, slot_mapping, buckets, unique=write)
+    return {key: fields["slots"], **geometry_field(key, slot_geometry(leaves[0], write))}
+
+
+def slot_geometry(leaf: jax.Array, write: bool) -> tuple[int, int, int]:
+    """What a slot plan depends on: the cache's blocks P and block size S, and whether its
+    slots were checked unique (a write's scatter promises XLA unique indices)."""
+    return (leaf.shape[0], leaf.shape[-2], int(write))
 
 
 def row_sharding(leaf: jax.Array) -> jax.sharding.Sharding | None:

@@ -6,8 +6,11 @@ upstream's `layer[slot // S, :, slot % S]`); MLA leaves `[P, S, L]` give `[T, L]
 `layer.reshape(P * S, -1)[slot]`).
 
 The slot list is host data, validated on the host and uploaded once; it is padded to a bucket
-with distinct out-of-range sentinels (P*S, P*S+1, ...), so every length in a bucket shares one
-program: padded rows read as zeros in `extract_kv` and are dropped by `inject_kv`.
+with vLLM's padding slot -1, so every length in a bucket shares one program. A padded token (-1,
+the caller's or the bucket's) writes nothing and reads zeros, as vLLM's `reshape_and_cache` and
+its connectors skip it. On the device every slot outside [0, P*S) is padding: it is sent to a
+distinct block past the end, so gathers fill it with zeros and scatters drop it, and the
+scatter's promise of unique indices to XLA stays true.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import functools as ft
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.kv._geometry import planned_ids
 from jaxsync.kv._layout import Cache
 from jaxsync.kv._placement import check_placement, committed, upload_ids
 from jaxsync.kv._slot_plan import (
@@ -27,31 +32,61 @@ from jaxsync.kv._slot_plan import (
     check_row_placement,
     check_rows,
     check_slots,
+    slot_geometry,
 )
 
 
 def _index(leaf: jax.Array, slots: jax.Array) -> tuple:
     """Where slots live in a leaf whose token axis S is second to last (`[P, K, S, X]`,
-    `[P, S, L]`, stacked `[P, L, K, S, X]` / `[P, L, S, Lat]`): (block, ..., offset)."""
-    block_size = leaf.shape[-2]
+    `[P, S, L]`, stacked `[P, L, K, S, X]` / `[P, L, S, Lat]`): (block, ..., offset).
+    Padding (any slot outside [0, P*S)) goes to distinct blocks P, P+1, ... past the end."""
+    num_blocks, block_size = leaf.shape[0], leaf.shape[-2]
+    real = (slots >= 0) & (slots < num_blocks * block_size)  # [N]
+    spare = num_blocks + jnp.arange(slots.shape[0], dtype=jnp.int32)  # [N]
+    block = jnp.where(real, (slots // block_size).astype(jnp.int32), spare)
+    offset = jnp.where(real, (slots % block_size).astype(jnp.int32), 0)
     middle = (slice(None),) * (leaf.ndim - 3)  # kv heads and / or layers, kept whole
-    return (slots // block_size, *middle, slots % block_size)
+    return (block, *middle, offset)
 
 
-def read_slots(cache: Cache, slots: jax.Array) -> Cache:
+def _slots_for(cache: Cache, slots: jax.Array | jaxsync.Packed, key: str, write: bool):
+    """The slot ids to use on `cache`: a bare id array, or an uploaded plan's `key` checked
+    against the geometry it was planned for (a read may use a write plan)."""
+    leaves = jax.tree.leaves(cache)
+    check_ranks(leaves)
+    dims = slot_geometry(leaves[0], write)
+
+    def read_of_write_plan(planned, dims):
+        return not write and planned[:2] == dims[:2]
+
+    slots = planned_ids(slots, key, dims, _GEOMETRY, accept=read_of_write_plan)
+    check_id_array(slots, "slots")
+    return slots
+
+
+_GEOMETRY = ("blocks", "block size", "unique slots (write plan)")
+
+
+def read_slots(cache: Cache, slots: jax.Array | jaxsync.Packed, *, key: str = "slots") -> Cache:
     """Gathers the rows of `slots` from every layer: pure and traceable, for a server's own jit.
 
     Args:
       cache: `{layer: [P, K, S, X] | [P, S, L] | (k, v)}` or a `StackedCache` (`[P, L, ...]`).
-      slots: int32 `[N]` on the device (`plan_slots(...)["slots"]` after its upload); padding
-        slots (>= P*S) read as zeros.
+      slots: the uploaded plan (`jaxsync.upload_packed` of `plan_slots` fields: its field
+        `key` is read, after checking that it was planned for this cache's geometry), or an
+        int `[N]` id array on the device (used as given). Padding (-1, any slot outside
+        [0, P*S)) reads as zeros.
+      key: the plan's field of slot ids.
 
     Returns:
       The cache's structure with leaves `[N, K, X]` / `[N, L]` (stacked: `[N, L, K, X]`); what
       `extract_kv` returns for the same slots.
+
+    Raises:
+      PlanGeometryError: while tracing, for a plan made for a cache of another block count or
+        block size.
     """
-    check_id_array(slots, "slots")
-    check_ranks(jax.tree.leaves(cache))
+    slots = _slots_for(cache, slots, key, write=False)
 
     def one(leaf):  # -> row_shape(leaf.shape, N)
         return leaf.at[_index(leaf, slots)].get(mode="fill", fill_value=0)
@@ -59,15 +94,20 @@ def read_slots(cache: Cache, slots: jax.Array) -> Cache:
     return jax.tree.map(one, cache)
 
 
-def write_slots(cache: Cache, rows: Cache, slots: jax.Array) -> Cache:
+def write_slots(
+    cache: Cache, rows: Cache, slots: jax.Array | jaxsync.Packed, *, key: str = "slots"
+) -> Cache:
     """Writes per-token rows into every layer at `slots` (vLLM's `reshape_and_cache`): pure and
     traceable, for a server's own jit; donate the cache there (it is updated in place).
 
     Args:
       cache: as for `read_slots`.
       rows: the cache's structure, leaves `[N, K, X]` / `[N, L]` (stacked: `[N, L, K, X]`) of
-        the cache's dtype, N = `slots.shape[0]`; rows at padding slots are dropped.
-      slots: int32 `[N]` unique slots on the device (`plan_slots(...)["slots"]`).
+        the cache's dtype, N = the number of slots; rows at padding slots are dropped.
+      slots: the uploaded plan of `plan_slots(..., write=True)` (checked against this cache),
+        or an int `[N]` id array on the device, unique apart from padding (-1, or any slot
+        outside [0, P*S): nothing is written there).
+      key: the plan's field of slot ids.
 
     Returns:
       The updated cache; what `inject_kv` returns for the same rows and slots.
@@ -75,10 +115,11 @@ def write_slots(cache: Cache, rows: Cache, slots: jax.Array) -> Cache:
     Raises:
       ValueError: while tracing, when the rows' structure, shapes or dtypes do not match, or a
         cache leaf has no token axis where slots look for it (a rank other than 3 to 5).
+      PlanGeometryError: while tracing, for a plan made for another cache geometry, or a read
+        plan (`write=False`: slots not checked unique).
     """
-    check_id_array(slots, "slots")
+    slots = _slots_for(cache, slots, key, write=True)
     leaves, treedef = jax.tree_util.tree_flatten(cache)
-    check_ranks(leaves)
     check_rows(leaves, treedef, rows, slots.shape[0])
 
     def one(leaf, r):
@@ -105,12 +146,13 @@ def extract_kv(
 
     Args:
       caches: `{layer: [P, K, S, X] | [P, S, L] | (k, v)}` in device memory.
-      slot_mapping: host list/ndarray of T slots in [0, P*S).
+      slot_mapping: host list/ndarray of T slots in [0, P*S), or -1 for a padded token.
       buckets: length buckets (default: powers of two >= 8).
 
     Returns:
-      `{layer: [N, K, X] | [N, L]}` with N = bucket(T) >= T: rows T.. are zero padding (the
-      padded length keeps one program per bucket; slice `[:T]` on the host after reading back).
+      `{layer: [N, K, X] | [N, L]}` with N = bucket(T) >= T: rows of padded tokens and rows
+      T.. are zeros (the padded length keeps one program per bucket; slice `[:T]` on the host
+      after reading back).
     """
     leaves, _, _, fields = check_slots(caches, slot_mapping, buckets, unique=False)
     return _extract(committed(caches), upload_ids(fields, leaves[0]))
@@ -126,7 +168,8 @@ def inject_kv(
       caches: as for `extract_kv`; donated (use the returned cache).
       kv: same structure, leaves `[N, K, X]` / `[N, L]` with N = bucket(T) (what `extract_kv`
         returns); rows T.. are ignored.
-      slot_mapping: host list/ndarray of T unique slots in [0, P*S).
+      slot_mapping: host list/ndarray of T slots in [0, P*S), unique, or -1 for a padded
+        token (its row is not written).
       buckets: length buckets (default: powers of two >= 8).
 
     Returns:

@@ -142,7 +142,8 @@ def _plan(caches: Cache, token_ids: Any, block_ids: Any, root, mm_hashes, bucket
     tokens = host_ids(token_ids, "token_ids")
     block_size = _block_size(caches)
     num_blocks = jax.tree.leaves(caches)[0].shape[0]
-    check_range(host_ids(block_ids, "block_ids"), num_blocks, "block_ids")  # the whole table
+    # the whole table; -1 entries are padding (their tokens are neither saved nor loaded)
+    check_range(host_ids(block_ids, "block_ids"), num_blocks, "block_ids", padding=True)
     slots = slot_mapping_for(block_ids, block_size, int(tokens.size))
     check_slots(caches, slots, buckets, unique=True, name="slots of block_ids")
     return slots, kv_folder(root, tokens[: slots.size], mm_hashes)
@@ -189,7 +190,8 @@ def save_kv(
       root: storage root; the request folder is created under it.
       caches: `{layer: cache}` in device memory.
       token_ids: the request's token ids (host).
-      block_ids: its block table (host).
+      block_ids: its block table (host); a -1 entry is padding: its tokens' rows are saved as
+        zeros, and a load with -1 there writes nothing.
       mm_hashes: multimodal hashes mixed into the folder key.
 
     Returns:

@@ -198,7 +198,7 @@ def test_bad_plans_are_refused_on_the_host_before_any_upload():
         (lambda: plan_slots(kv_cache, [1.0, 2.0]), TypeError),
         (lambda: plan_slots(kv_cache, [True]), TypeError),
         (lambda: plan_slots(kv_cache, [65]), ValueError),  # P*S = 65
-        (lambda: plan_slots(kv_cache, [-1]), ValueError),
+        (lambda: plan_slots(kv_cache, [-2]), ValueError),  # -1 alone is padding
         (lambda: plan_slots(kv_cache, [4, 4]), ValueError),  # a write repeats a slot
         (lambda: plan_copy(kv_cache, [1, 2], [3]), ValueError),
         (lambda: plan_copy(kv_cache, [1], [13]), ValueError),

@@ -217,10 +217,10 @@ def test_ids_of_mixed_integer_types_are_taken_at_their_values():
 
 def test_plan_copy_needs_two_distinct_field_names():
     cache = LAYOUT.random(LAYERS, jax.random.key(0))
-    for keys in (("ids", "ids"), ("src",), ("src", 1)):
+    for keys in (("ids", "ids"), ("src",), ("src", 1), ("d.geometry", "d")):
         with pytest.raises(ValueError, match="two distinct field names"):
             plan_copy(cache, [0], [1], keys=keys)  # a repeated name silently dropped the sources
-    assert sorted(plan_copy(cache, [0], [1], keys=("s", "d"))) == ["d", "s"]
+    assert sorted(plan_copy(cache, [0], [1], keys=("s", "d"))) == ["d", "d.geometry", "s"]
 
 
 # --- late errors host data can catch ---------------------------------------------------------

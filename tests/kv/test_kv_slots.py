@@ -72,7 +72,9 @@ def test_slot_mapping_edge_cases():
     with pytest.raises(ValueError, match="keep 2 blocks but only 1"):
         slot_mapping_for([5], BS, 9)
     with pytest.raises(ValueError, match="must lie in"):
-        slot_mapping_for([-1, 2], BS, 9)
+        slot_mapping_for([-2, 2], BS, 9)
+    # a padded block-table entry gives padded tokens (vLLM's -1 slots)
+    assert slot_mapping_for([-1, 2], BS, 9).tolist() == [-1] * BS + [8, 9, 10, 11]
     with pytest.raises(ValueError, match="block_size must be positive"):
         slot_mapping_for([1], 0, 9)
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
@@ -123,7 +125,7 @@ def test_bad_input_raises_before_dispatch():
     cache = make("packed", np.float32, 0)
     before = jax.tree.map(as_numpy, cache)
     rows = extract_kv(cache, SLOTS)
-    for slots, msg in [([28], "must lie in"), ([-1], "must lie in"), ([[1]], "1-D list")]:
+    for slots, msg in [([28], "must lie in"), ([-2], "must lie in"), ([[1]], "1-D list")]:
         with pytest.raises(ValueError, match=msg):
             extract_kv(cache, slots)
     cases = [

@@ -25,16 +25,24 @@ def to_torch(x: Any):
     a = np.ascontiguousarray(np.asarray(x))
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+    if a.dtype.name in _FLOAT8:  # numpy has no float8: move the bytes
+        return torch.from_numpy(a.view(np.uint8).copy()).view(getattr(torch, a.dtype.name))
     return torch.from_numpy(a.copy())
 
 
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+
+
 def to_numpy(t) -> np.ndarray:
-    """Inverse of `to_torch` (bf16 comes back as ml_dtypes.bfloat16)."""
+    """Inverse of `to_torch` (bf16 and float8 come back as ml_dtypes types)."""
     import ml_dtypes
     import torch
 
     if t.dtype == torch.bfloat16:
         return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    for name in _FLOAT8:
+        if t.dtype == getattr(torch, name):
+            return t.view(torch.uint8).numpy().view(getattr(ml_dtypes, name))
     return t.numpy()
 
 
