@@ -260,9 +260,16 @@ def _signature(src, dst, direction, buckets, impl) -> tuple | None:
 
 
 def _run_kept(program: _Program, ids: jaxsync.Packed, src: Cache, dst: Cache) -> Cache:
+    # Checked before the launch: a deleted buffer handed to XLA fails there with
+    # INVALID_ARGUMENT and an error line in the log, after part of the dispatch has run.
+    if any(x.is_deleted() for x in jax.tree.leaves((src, dst))):
+        raise ValueError(_DELETED)
     try:
         return _dispatch(program, src, dst, ids, compiled=True)
-    except RuntimeError:  # a deleted leaf: refused by the program before anything ran
+    except RuntimeError:  # deleted by another thread since the check
         if not any(x.is_deleted() for x in jax.tree.leaves((src, dst))):
             raise
-    raise ValueError("src or dst holds a deleted (donated) array; use the returned cache")
+    raise ValueError(_DELETED)
+
+
+_DELETED = "src or dst holds a deleted (donated) array; use the returned cache"
