@@ -121,4 +121,5 @@ def test_sharded_state_stays_sharded_inside_the_program():
     meta = jaxsync.upload_packed({"scale": np.full((1,), 0.5, np.float32)}, placement=replicated)
     step, leaves = _server_step(model)
     np.testing.assert_allclose(program(x, meta), step(leaves, x, meta), rtol=1e-6)
-    assert program.leaves[2].sharding.spec == jax.P(None, None, "model")
+    specs = [leaf.sharding.spec for leaf in program.leaves]
+    assert specs.count(jax.P(None, None, "model")) == 1, specs  # passed as it is, not gathered
