@@ -67,7 +67,7 @@ class VoxtralAudioEncoder:
     ):
         if not isinstance(model, VoxtralAudioTower):
             raise TypeError(f"model must be a VoxtralAudioTower, got {type(model).__name__}")
-        cfg = model.config
+        cfg = model.cfg
         mel_config = MelConfig(num_mel_bins=cfg.num_mel_bins) if mel_config is None else mel_config
         if not isinstance(mel_config, MelConfig):
             raise TypeError(
@@ -89,7 +89,7 @@ class VoxtralAudioEncoder:
             )
             if not chunk_buckets:
                 raise ValueError("chunk_buckets is empty")
-        self.config, self.mel_config = cfg, mel_config
+        self.cfg, self.mel_config = cfg, mel_config
         self.chunk_samples = cfg.chunk_frames * mel_config.hop_length
         self.chunk_buckets = chunk_buckets
         self._floor = resolve_floor(mel_config, None)
@@ -111,7 +111,7 @@ class VoxtralAudioEncoder:
 
     def _forward(self, tower: VoxtralAudioTower, x: jax.Array, meta: Any):
         if x.ndim == 2:  # waveforms: the log-mel front end first
-            spec = MelSpec(self.mel_config, self.config.chunk_frames, self._floor_value)
+            spec = MelSpec(self.mel_config, self.cfg.chunk_frames, self._floor_value)
             return forward_waveforms(tower, x, meta, mel=spec)
         return forward(tower, x, meta)
 
@@ -216,7 +216,7 @@ class VoxtralAudioEncoder:
                 lens, width, b_pad, self.mel_config, floor=self._floor,
                 pad_to_multiple_of=self.chunk_samples,
             )  # fmt: skip
-            plan = plan_waveform_chunks(mel, b_pad, self.mel_config, self.config,
+            plan = plan_waveform_chunks(mel, b_pad, self.mel_config, self.cfg,
                                         self.chunk_buckets)  # fmt: skip
             return _planned(plan, where)
 
@@ -240,7 +240,7 @@ class VoxtralAudioEncoder:
         return jaxsync.Embeddings.from_layout(emb, layout, {"finite": finite})
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
-        cfg = self.config
+        cfg = self.cfg
         on_device = isinstance(features, jax.Array)
         if on_device:
             check_live(features, name="input_features")

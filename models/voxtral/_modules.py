@@ -122,18 +122,23 @@ class VoxtralAudioTower(nnx.Module):
         self.embed_positions = nnx.Embed(
             cfg.max_source_positions, d, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32
         )
-        self.layers = nnx.List([EncoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        # Stacked [L, ...] and run as one scan: the state holds one leaf per weight kind.
+        self.layers = jaxsync.LayerStack(
+            lambda r: EncoderLayer(cfg, rngs=r, dtype=dtype, param_dtype=param_dtype),
+            cfg.num_hidden_layers,
+            rngs=rngs,
+        )
         self.layer_norm = nnx.LayerNorm(d, epsilon=cfg.layer_norm_eps, **kw)
         self.multi_modal_projector = Projector(cfg, **kw)
-        self.config = cfg
+        self.cfg = cfg
         self.dtype = dtype
 
     def embed(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C, P, D]
         """The convolutions and positions in front of the layers."""
-        if mel.ndim != 3 or mel.shape[1:] != (self.config.num_mel_bins, self.config.chunk_frames):
+        if mel.ndim != 3 or mel.shape[1:] != (self.cfg.num_mel_bins, self.cfg.chunk_frames):
             raise ValueError(
-                f"encoder windows must be [C, {self.config.num_mel_bins}, "
-                f"{self.config.chunk_frames}], got {mel.shape}"
+                f"encoder windows must be [C, {self.cfg.num_mel_bins}, "
+                f"{self.cfg.chunk_frames}], got {mel.shape}"
             )
         h = jnp.swapaxes(mel.astype(self.dtype), 1, 2)  # [C, 2P, F]
         h = _gelu(self.conv1(h))
@@ -143,7 +148,7 @@ class VoxtralAudioTower(nnx.Module):
 
     def encode(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C, P, D]
         """transformers `audio_tower(mel).last_hidden_state`."""
-        return self.layer_norm(jaxsync.run_layers(self.layers, self.embed(mel)))
+        return self.layer_norm(self.layers(self.embed(mel)))
 
     def audio_features(self, mel: jax.Array) -> jax.Array:  # [C, F, 2P] -> [C * P/4, V_hidden]
         """transformers `get_audio_features(mel).pooler_output`."""

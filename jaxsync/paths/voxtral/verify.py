@@ -97,14 +97,14 @@ def _embed_parity() -> Parity:
     import jaxsync.testing as jt
 
     model, emb = _tiny_reference()
-    fe = ref.whisper_fe(emb.config.num_mel_bins)
+    fe = ref.whisper_fe(emb.cfg.num_mel_bins)
     lengths = [7001, 3000, 2 * emb.chunk_samples, 301]
     x = _batch(lengths, max(lengths))
     out = emb(x, lengths)
     emb_rows = np.asarray(out.embeddings)
     worst = 0.0
     for i, n in enumerate(lengths):
-        mel = ref.processor_features(fe, x[i, :n], emb.config.chunk_frames)
+        mel = ref.processor_features(fe, x[i, :n], emb.cfg.chunk_frames)
         _, want = ref.torch_audio_features(model, mel)
         rows = emb_rows[out.offsets[i] : out.offsets[i] + out.lengths[i]]
         worst = max(worst, jt.rel_err(rows, want))
@@ -122,7 +122,7 @@ def _embedder(checkpoint: str | None) -> VoxtralAudioEncoder:
     if checkpoint is None:
         return _tiny_random()
     model = load_model(checkpoint, dtype=jnp.bfloat16)
-    return VoxtralAudioEncoder(model, MelConfig(num_mel_bins=model.config.num_mel_bins))
+    return VoxtralAudioEncoder(model, MelConfig(num_mel_bins=model.cfg.num_mel_bins))
 
 
 @register_path(
