@@ -14,22 +14,18 @@ from jaxtyping import Array, Float
 import jaxsync
 from jaxsync.check import entry_point
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
+from jaxsync.models.qwen3_omni._features import check_feature_lens, features_from_processor
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
-from jaxsync.models.qwen3_omni._plan import (
-    ChunkPlan,
-    check_feature_lens,
-    features_from_processor,
-    plan_chunks,
-)
+from jaxsync.models.qwen3_omni._plan import Qwen3OmniBuckets, Qwen3OmniPlan, plan
 
 
 class _Planned(NamedTuple):
     """What the encoder keeps per (shape, lengths, placement): all a repeated call needs."""
 
-    plan: ChunkPlan
+    plan: Qwen3OmniPlan
     placement: Any  # where this mix's uploads live
-    meta: jaxsync.Packed  # the plan's fields, uploaded
-    layout: tuple[tuple[int, ...], tuple[int, ...]]  # output tokens and first row per audio
+    meta: jaxsync.Packed  # the plan's meta, uploaded
+    finish: Any  # Encoded -> Embeddings on this plan's row layout (built once)
 
 
 def _devices(sharding: jax.sharding.Sharding) -> list[str]:
@@ -39,21 +35,26 @@ def _devices(sharding: jax.sharding.Sharding) -> list[str]:
 class Qwen3OmniAudioEncoder:
     """Sync-free Qwen3-Omni audio encoder: host lengths in, device embeddings out.
 
-    A call validates and plans on the host (`plan_chunks`, cached per length mix with its one
-    packed upload), uploads host features, and dispatches one compiled program
-    (`jaxsync.TowerProgram` over `forward`: the weights packed into one buffer per dtype and the
-    layers run as one scan, so the program takes 3 arguments at one weight dtype however deep
-    the tower).
+    A call validates and plans on the host (`plan`, cached per length mix with its one packed
+    upload), uploads host features, and dispatches `jaxsync.TowerProgram(tower, forward)`: the
+    very function a server jits, `forward(nnx.merge(state leaves), features, meta)`, so the two
+    forms give the same rows. The layers are one `jaxsync.LayerStack`, so the program's state
+    arguments (one per weight kind) do not grow with depth.
 
-    The encoder holds a snapshot of the tower's weights: after `nnx.update` of the tower, call
+    The config is the tower's (`tower.cfg`). No projector follows this encoder (`proj1` and
+    `proj2` are upstream's encoder's own last layers), so it has no encoder-only option.
+
+    The encoder reads the tower's weights when built: after `nnx.update` of the tower, call
     `load_state(tower)` (no recompile).
 
     Args:
-      tower: the NNX module (e.g. from `load_model`).
+      model: the `Qwen3OmniAudioTower` (e.g. from `load_model`).
       placement: device or sharding for the per-call uploads; None puts them next to device
         features, or next to the weights for host features.
-      window_buckets: attention-window counts to compile for (default `WINDOW_BUCKETS`, about
-        four sizes per octave); coarser buckets mean fewer programs and more padding.
+      buckets: the sizes programs are compiled for (`Qwen3OmniBuckets`; default: frames,
+        windows and items at about four sizes per octave, items from 16).
+      window_buckets: attention-window counts alone (replaces `buckets.windows`); coarser
+        buckets mean fewer programs and more padding.
       plan_cache_size: length mixes whose plan and uploads are kept (least recently used).
 
     Attributes:
@@ -66,28 +67,35 @@ class Qwen3OmniAudioEncoder:
 
     def __init__(
         self,
-        tower: Qwen3OmniAudioTower,
+        model: Qwen3OmniAudioTower,
         *,
         placement: Any = None,
+        buckets: Qwen3OmniBuckets | None = None,
         window_buckets: Sequence[int] | None = None,
         plan_cache_size: int = 64,
     ):
-        if not isinstance(tower, Qwen3OmniAudioTower):
-            raise TypeError(f"tower must be a Qwen3OmniAudioTower, got {type(tower).__name__}")
+        if not isinstance(model, Qwen3OmniAudioTower):
+            raise TypeError(f"model must be a Qwen3OmniAudioTower, got {type(model).__name__}")
         if placement is not None and not isinstance(placement, jax.Device | jax.sharding.Sharding):
             raise TypeError(
                 f"placement must be a jax.Device, a Sharding or None, got {placement!r}"
             )
+        if buckets is None:
+            buckets = Qwen3OmniBuckets()
+        elif not isinstance(buckets, Qwen3OmniBuckets):
+            raise TypeError(f"buckets must be a Qwen3OmniBuckets, got {type(buckets).__name__}")
         if window_buckets is not None:
-            buckets = jaxsync.host_ints(window_buckets, name="window_buckets", minimum=1)
-            if not buckets.size or (np.diff(buckets) <= 0).any():
-                raise ValueError(f"window_buckets must be ascending and non-empty, got {buckets}")
-            window_buckets = tuple(buckets.tolist())
-        self.cfg: Qwen3OmniAudioConfig = tower.cfg
+            sizes = jaxsync.host_ints(window_buckets, name="window_buckets", minimum=1)
+            if not sizes.size or (np.diff(sizes) <= 0).any():
+                raise ValueError(f"window_buckets must be ascending and non-empty, got {sizes}")
+            buckets = buckets._replace(windows=tuple(sizes.tolist()))
+        for sizes in buckets:  # refused here rather than at the first call
+            jaxsync.bucket(0, sizes)
+        self.cfg: Qwen3OmniAudioConfig = model.cfg
         self.placement = placement
-        self.window_buckets = window_buckets
-        self.program = jaxsync.TowerProgram(tower, forward)
-        self._weights_at(tower)
+        self.buckets = buckets
+        self.program = jaxsync.TowerProgram(model, forward)
+        self._weights_at(model)
         self.plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
         self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device features
 
@@ -105,12 +113,12 @@ class Qwen3OmniAudioEncoder:
         """
         self.program.load_state(tower)
 
-    def plan(self, features_shape: Sequence[int], feature_lens: Any) -> ChunkPlan:
+    def plan(self, features_shape: Sequence[int], feature_lens: Any) -> Qwen3OmniPlan:
         """Validates shapes and lengths on the host and plans the batch (no device work).
 
         Raises:
           ValueError / TypeError: wrong rank or mel-bin count, invalid lengths, or a frame count
-            that is neither `sum(feature_lens)` nor `frame_bucket` of it.
+            that is neither `sum(feature_lens)` nor its frame bucket.
         """
         if len(features_shape) != 2:
             raise ValueError(f"features must be [num_mel_bins, frames], got shape {features_shape}")
@@ -119,9 +127,7 @@ class Qwen3OmniAudioEncoder:
                 f"features have {features_shape[0]} mel bins, the encoder expects "
                 f"{self.cfg.num_mel_bins} (shape must be [num_mel_bins, frames])"
             )
-        return plan_chunks(
-            feature_lens, self.cfg, num_frames=features_shape[1], window_buckets=self.window_buckets
-        )
+        return plan(feature_lens, self.cfg, buckets=self.buckets, num_frames=features_shape[1])
 
     def _placement_for(self, features: Any) -> Any:
         """Where this call's uploads go; refuses features away from the weights."""
@@ -165,11 +171,12 @@ class Qwen3OmniAudioEncoder:
     def _build(self, features: Any, lens: tuple[int, ...]) -> _Planned:
         if not jnp.issubdtype(features.dtype, jnp.floating):
             raise TypeError(f"features must be floating point, got dtype {features.dtype}")
-        plan = self.plan(features.shape, lens)
+        planned = self.plan(features.shape, lens)
         placement = self._placement_for(features)
-        meta = jaxsync.upload_packed(plan.fields, placement=placement)
-        layout = jaxsync.Embeddings.layout(plan.audio_tokens, plan.audio_offsets)
-        return _Planned(plan, placement, meta, layout)
+        meta = jaxsync.upload_packed(planned, placement=placement)
+        # Embeddings.of's layout (plan.lengths, contiguous from row 0), computed once per plan
+        layout = jaxsync.Embeddings.layout(planned.lengths)
+        return _Planned(planned, placement, meta, _finish(layout))
 
     @entry_point
     def __call__(
@@ -193,11 +200,10 @@ class Qwen3OmniAudioEncoder:
           feature_attention_mask: its [B, T] 0/1 frame mask.
 
         Returns:
-          `jaxsync.Embeddings` with `W * window_tokens` rows (W = window bucket) and
-          `extras["finite"]`: [W * window_tokens] bool on the device, by the same rows: False on
-          every row of an audio whose frames hold a NaN or inf (audio `a`'s flag is
-          `finite[offsets[a]]`; other audios' rows never depend on it). Per row rather than
-          per audio so that batches with different audio counts share one program.
+          `jaxsync.Embeddings.of(forward(...), plan)`: `W * window_tokens` rows (W = window
+          bucket), audio a's at `offsets[a]`, and `finite`: [I] bool on the device (I = item
+          bucket), False at entry a when audio a's frames hold a NaN or inf (other audios' rows
+          never depend on it); entries past the audios are True.
 
         Raises:
           TypeError / ValueError: bad arguments, shapes, dtypes, lengths, placements or
@@ -236,10 +242,18 @@ class Qwen3OmniAudioEncoder:
                 features, dtype=np.float32, placement=planned.placement, finite=name
             )
             return self._encode(features, planned)
-        finish = jaxsync.Embeddings.assembler(planned.layout, ("finite",))
-        run = self.program.prepared(planned.meta, finish=finish, name="features")
+        run = self.program.prepared(planned.meta, finish=planned.finish, name="features")
         return self._calls.keep(key, run)(features)
 
     def _encode(self, features: jax.Array, planned: _Planned) -> jaxsync.Embeddings:
-        rows, finite = self.program(features, planned.meta)
-        return jaxsync.Embeddings.from_layout(rows, planned.layout, {"finite": finite})
+        return planned.finish(self.program(features, planned.meta))
+
+
+def _finish(layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+    """`Encoded -> Embeddings` on a layout computed once per plan: `Embeddings.of` without its
+    per-call row-layout conversion."""
+
+    def finish(encoded: jaxsync.Encoded) -> jaxsync.Embeddings:
+        return jaxsync.Embeddings.from_layout(encoded.rows, layout, {"finite": encoded.finite})
+
+    return finish

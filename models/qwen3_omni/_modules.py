@@ -1,6 +1,10 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
 """The Qwen3-Omni audio encoder as NNX modules, on the planner's window layout.
 
+The encoder layers are one `jaxsync.LayerStack` (`tower.layers`, weights `[L, ...]`, run as one
+scan): a server's state has one leaf per weight kind at any depth, and `tower.layers.at(i)` is
+layer i alone.
+
 Attribute names mirror HF's `Qwen3OmniMoeAudioEncoder` so the weight table stays one-to-one.
 Shapes: S = chunk slots, W = attention-window slots, Q = token slots per window, T = frames
 (or tokens), F = mel bins, C = conv channels, D = d_model, N = heads, H = head dim, O = output_dim.
@@ -19,6 +23,7 @@ from jaxtyping import Array, Bool, Float
 import jaxsync
 from jaxsync.models._activations import activation, gelu
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
+from jaxsync.models.qwen3_omni._plan import Qwen3OmniMeta
 
 
 _LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
@@ -85,6 +90,11 @@ class Qwen3OmniAudioTower(nnx.Module):
       rngs: initialisation randomness (weights usually come from `load_model`).
       dtype: computation dtype.
       param_dtype: parameter dtype.
+
+    Attributes:
+      cfg: the encoder config.
+      layers: the `encoder_layers` transformer layers, a `jaxsync.LayerStack` (`layers.at(i)`
+        is layer i; its parameters are `layers.layer.*`, stacked `[L, ...]`).
     """
 
     def __init__(
@@ -105,20 +115,23 @@ class Qwen3OmniAudioTower(nnx.Module):
         self.conv2d3 = nnx.Conv(ch, ch, **conv)
         # torch flattens conv features as (channel, freq); the kernel keeps both axes.
         self.conv_out = nnx.Einsum("STFC,CFD->STD", (ch, cfg.conv_freq_bins, d), None, **kw)
-        self.layers = nnx.List([AudioEncoderLayer(cfg, **kw) for _ in range(cfg.encoder_layers)])
+        # one scan over [L, ...] weights: the state's leaf count does not grow with depth
+        self.layers = jaxsync.LayerStack(
+            lambda r: AudioEncoderLayer(cfg, rngs=r, dtype=dtype, param_dtype=param_dtype),
+            cfg.encoder_layers,
+            rngs=rngs,
+        )
         self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, **kw)
         self.proj1 = nnx.Linear(d, d, **kw)
         self.proj2 = nnx.Linear(d, cfg.output_dim, **kw)
         self.act = activation(cfg.activation_function)
 
-    def __call__(
-        self, features: Float[Array, "F T"], meta: jaxsync.Packed
-    ) -> tuple[Float[Array, "WQ O"], Bool[Array, " WQ"]]:
+    def __call__(self, features: Float[Array, "F T"], meta: Qwen3OmniMeta) -> jaxsync.Encoded:
         """`forward(self, features, meta)`."""
         return forward(self, features, meta)
 
     def embed(
-        self, features: Float[Array, "F T"], meta: jaxsync.Packed
+        self, features: Float[Array, "F T"], meta: Qwen3OmniMeta
     ) -> tuple[Float[Array, "W Q D"], Bool[Array, " W"]]:
         """The part before the layers: chunk gather, conv stem, positions, window layout.
 
@@ -127,7 +140,7 @@ class Qwen3OmniAudioTower(nnx.Module):
         """
         cfg = self.cfg
         chunk, num_frames = cfg.chunk_len, features.shape[1]
-        starts, lens = meta["slot_starts"], meta["slot_lens"]  # [S]
+        starts, lens = meta.slot_starts, meta.slot_lens  # [S]
         offs = jnp.arange(chunk, dtype=jnp.int32)
         frame = jnp.where(
             offs[None, :] < lens[:, None], starts[:, None] + offs[None, :], num_frames
@@ -136,11 +149,11 @@ class Qwen3OmniAudioTower(nnx.Module):
             x = jnp.take(features.T, frame, axis=0, mode="fill", fill_value=0)  # [S, 100, F]
         else:  # a batch of empty audios: jnp.take cannot gather from an empty axis
             x = jnp.zeros((*frame.shape, features.shape[0]), features.dtype)
-        windows = meta["window_lens"].shape[0]
+        windows = meta.window_lens.shape[0]
         window_finite = jnp.isfinite(x).reshape(windows, -1).all(axis=1)  # [W]
         x = x.astype(self.dtype)[..., None]  # [S, 100, F, 1]: time is the conv's "height"
 
-        limits = meta["conv_limits"]
+        limits = meta.conv_limits
         x = _mask_time(gelu(self.conv2d1(x)), limits[0])  # [S, 50, F/2, C]
         x = _mask_time(gelu(self.conv2d2(x)), limits[1])  # [S, 25, F/4, C]
         x = gelu(self.conv2d3(x))  # [S, 13, F/8, C]
@@ -150,41 +163,71 @@ class Qwen3OmniAudioTower(nnx.Module):
         x = x + jnp.asarray(positions[: x.shape[1]], x.dtype)[None]
         return x.reshape(windows, cfg.window_tokens, cfg.d_model), window_finite  # [W, Q, D]
 
-    def head(self, x: Float[Array, "W Q D"], meta: jaxsync.Packed) -> Float[Array, "WQ O"]:
+    def head(self, x: Float[Array, "W Q D"], meta: Qwen3OmniMeta) -> Float[Array, "WQ O"]:
         """The part after the layers: output projection and the gather into token order."""
         x = self.proj2(self.act(self.proj1(self.ln_post(x))))  # [W, Q, O]
         flat = x.reshape(-1, self.cfg.output_dim)
-        return jnp.take(flat, meta["out_src"], axis=0, mode="fill", fill_value=0)
+        return jnp.take(flat, meta.out_src, axis=0, mode="fill", fill_value=0)
 
 
 def forward(
-    tower: Qwen3OmniAudioTower, features: Float[Array, "F T"], meta: jaxsync.Packed
-) -> tuple[Float[Array, "WQ O"], Bool[Array, " WQ"]]:
+    tower: Qwen3OmniAudioTower, features: Float[Array, "F T"], meta: Qwen3OmniMeta
+) -> jaxsync.Encoded:
     """The pure forward of one planned batch; callable inside any jit, scan or shard_map.
+
+    The encoder's last layers (`proj1`, `proj2`) are part of upstream's audio encoder, and no
+    projector follows it: the rows are the thinker's audio embeddings.
 
     Args:
       tower: the module (a server passes `nnx.merge(graphdef, state)` from inside its jit).
-      features: [F, T] mel features, all audios concatenated in time (T may be padded).
-      meta: the plan's `fields` in one `jaxsync.upload_packed`.
+      features: [F, T] mel features, all audios concatenated in time; T is the plan's
+        `num_frames`.
+      meta: the plan's `meta`, uploaded (`jaxsync.upload_packed(plan)`).
 
     Returns:
-      rows: [W * Q, O] embeddings; row r < sum(tokens) is token r of the concatenated audios,
-        later rows are zero.
-      finite: [W * Q] bool, by the same rows: False on every row of an audio with a NaN or inf
-        in its frames; padding rows are True.
+      `jaxsync.Encoded`: rows [W * Q, O] (row r < sum(plan.lengths) is token r of the
+      concatenated audios, later rows are zero); finite [I] bool, entry a False when audio a's
+      frames hold a NaN or inf (padding entries True); no extras.
+
+    Raises:
+      ValueError: at trace time, features or meta whose static shapes do not fit each other or
+        the tower's config (another plan's features, another config's plan).
     """
+    _check_fits(tower.cfg, features, meta)
     x, window_finite = tower.embed(features, meta)
-    x = jaxsync.run_layers(tower.layers, x, meta["window_lens"])
-    # One flag per audio: the AND over its windows, by its rank among the non-empty audios
-    # (padding windows carry the out-of-range rank W: dropped, and read back as True).
-    ranks, windows = meta["window_ranks"], window_finite.shape[0]
-    audio_finite = jax.ops.segment_min(window_finite.astype(jnp.int32), ranks, windows) > 0
-    window_flag = jnp.take(audio_finite, ranks, mode="fill", fill_value=True)  # [W]
-    # out_src holds each row's flat window-layout position; the padding sentinel W * Q falls
-    # past the last window and reads True
-    window = meta["out_src"] // tower.cfg.window_tokens
-    finite = jnp.take(window_flag, window, mode="fill", fill_value=True)
-    return tower.head(x, meta), finite
+    x = tower.layers(x, meta.window_lens)
+    # One flag per audio: the AND over its windows. Padding windows carry the out-of-range item
+    # I (dropped); an audio without windows keeps segment_min's identity, read as True.
+    items = meta.item_rows.shape[0]
+    finite = jax.ops.segment_min(window_finite.astype(jnp.int32), meta.window_items, items) > 0
+    return jaxsync.Encoded(tower.head(x, meta), finite)
+
+
+def _check_fits(cfg: Qwen3OmniAudioConfig, features: jax.Array, meta: Qwen3OmniMeta) -> None:
+    """Static shapes only: a mismatch is a ValueError naming both, not a broadcast error."""
+    if features.ndim != 2 or features.shape[0] != cfg.num_mel_bins:
+        raise ValueError(
+            f"features have shape {tuple(features.shape)}; the tower expects [num_mel_bins, "
+            f"frames] with {cfg.num_mel_bins} mel bins"
+        )
+    frames = meta.frames.shape[0]
+    if features.shape[1] != frames:
+        raise ValueError(
+            f"features have {features.shape[1]} frames but the plan was made for {frames} "
+            "(plan(..., num_frames=...) gives a plan for the features' own frame count)"
+        )
+    windows = meta.window_lens.shape[0]
+    slots, rows = meta.slot_starts.shape[0], meta.out_src.shape[0]
+    if (slots, rows) != (windows * cfg.chunks_per_window, windows * cfg.window_tokens):
+        raise ValueError(
+            f"the plan has {slots} chunk slots and {rows} rows for {windows} windows; this "
+            f"tower's config needs {windows * cfg.chunks_per_window} and "
+            f"{windows * cfg.window_tokens} (a plan made for another config)"
+        )
+    if meta.window_items.shape != (windows,):
+        raise ValueError(
+            f"the plan has {meta.window_items.shape} window items for {windows} windows"
+        )
 
 
 def _mask_time(x: Float[Array, "S T F C"], limit: jax.Array) -> Float[Array, "S T F C"]:

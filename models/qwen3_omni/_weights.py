@@ -93,15 +93,17 @@ def find_prefix(checkpoint: str | Path) -> str:
 PARTITION_RULES: PartitionRules = (
     # Megatron-style: q/k/v and fc1 split their outputs over "model", out_proj and fc2 their
     # inputs, so each layer needs one all-reduce after attention and one after the MLP.
-    (r"layers\.\d+\.self_attn\.(q|k|v)_proj\.kernel", (None, "model")),
-    (r"layers\.\d+\.self_attn\.(q|k|v)_proj\.bias", ("model",)),
-    (r"layers\.\d+\.fc1\.kernel", (None, "model")),
-    (r"layers\.\d+\.fc1\.bias", ("model",)),
-    (r"layers\.\d+\.self_attn\.out_proj\.kernel", ("model", None)),
-    (r"layers\.\d+\.fc2\.kernel", ("model", None)),
+    (r"layers\.layer\.self_attn\.(q|k|v)_proj\.kernel", (None, "model")),
+    (r"layers\.layer\.self_attn\.(q|k|v)_proj\.bias", ("model",)),
+    (r"layers\.layer\.fc1\.kernel", (None, "model")),
+    (r"layers\.layer\.fc1\.bias", ("model",)),
+    (r"layers\.layer\.self_attn\.out_proj\.kernel", ("model", None)),
+    (r"layers\.layer\.fc2\.kernel", ("model", None)),
 )
 """Parameter path regex -> mesh axes (`jaxsync.weights.load_weights`); the rest is replicated.
-Axes the mesh lacks, or a "model" axis that does not divide a dimension, leave it replicated."""
+The paths are the stacked parameters' (`layers.layer.fc1.kernel`, `[L, ...]`) and the axes
+describe one layer: the loader keeps the layer axis unsharded in front. Axes the mesh lacks, or a
+"model" axis that does not divide a dimension, leave it replicated."""
 
 
 def load_model(

@@ -45,7 +45,7 @@ def upstream_plan(lens, n_window_infer):
 
 
 def plan_cu_seqlens(plan):
-    return np.concatenate([[0], np.cumsum(plan.window_lens[: plan.num_windows])])
+    return np.concatenate([[0], np.cumsum(plan.meta.window_lens[: plan.num_windows])])
 
 
 CONFIGS = {"tiny_ratio2": ref.TINY, "released_ratio8": ref.RELEASED}
@@ -58,15 +58,17 @@ CONFIGS = {"tiny_ratio2": ref.TINY, "released_ratio8": ref.RELEASED}
 def test_planner_matches_upstream_all_lengths_one_batch(name):
     cfg = CONFIGS[name]
     lens = np.random.default_rng(0).permutation(np.arange(1, 2001))
-    plan = q3.plan_chunks(lens, cfg)
+    plan = q3.plan(lens, cfg)
     num, chunk_lens, cnn, after, cu = upstream_plan(lens, cfg.n_window_infer)
     np.testing.assert_array_equal(plan.chunk_counts, num)
     np.testing.assert_array_equal(plan.chunk_lens, chunk_lens)
     np.testing.assert_array_equal(plan.chunk_tokens, cnn)
-    np.testing.assert_array_equal(plan.audio_tokens, after)
+    assert plan.lengths == tuple(after.tolist())
+    assert all(type(n) is int for n in plan.lengths)  # host ints: no numpy slice bounds
     np.testing.assert_array_equal(plan.chunk_starts, np.cumsum(chunk_lens) - chunk_lens)
     np.testing.assert_array_equal(plan_cu_seqlens(plan), cu)
-    np.testing.assert_array_equal(plan.audio_offsets, np.cumsum(after) - after)
+    np.testing.assert_array_equal(plan.meta.item_rows[: lens.size], after)
+    assert plan.item_bucket == 2048 and not plan.meta.item_rows[lens.size :].any()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -77,8 +79,8 @@ def test_planner_matches_upstream_every_length_alone(name):
         q3.feat_extract_output_lengths(np.arange(2001)), upstream_output_len(np.arange(2001))
     )
     for n in range(2001):
-        plan = q3.plan_chunks([n], cfg)
-        assert plan.audio_tokens.tolist() == [int(upstream_output_len(n))]
+        plan = q3.plan([n], cfg)
+        assert plan.lengths == (int(upstream_output_len(n)),)
         if n == 0:
             assert plan.chunk_lens.size == 0 and plan.num_windows == 0 and plan.num_tokens == 0
             continue
@@ -89,20 +91,21 @@ def test_planner_matches_upstream_every_length_alone(name):
         # upstream pads the conv batch to its longest chunk; the plan records that length's
         # first two conv stages
         longest = int(chunk_lens.max())
-        assert plan.conv_limits.tolist() == [(longest + 1) // 2, ((longest + 1) // 2 + 1) // 2]
+        assert plan.meta.conv_limits.tolist() == [(longest + 1) // 2, ((longest + 1) // 2 + 1) // 2]
 
 
 def _simulate_device(plan, cfg):
     """The device program's index arithmetic, on host labels instead of features."""
+    meta = plan.meta
     frames = np.arange(plan.num_frames)
     offs = np.arange(cfg.chunk_len)
-    valid = offs[None, :] < plan.slot_lens[:, None]
-    gathered = np.where(valid, plan.slot_starts[:, None] + offs[None, :], -1)  # [S, 100]
-    token_label = np.full((plan.slot_lens.size, 13), -1)
-    for s in range(plan.slot_lens.size):  # label = (global chunk id, token) as one int
+    valid = offs[None, :] < meta.slot_lens[:, None]
+    gathered = np.where(valid, meta.slot_starts[:, None] + offs[None, :], -1)  # [S, 100]
+    token_label = np.full((meta.slot_lens.size, 13), -1)
+    for s in range(meta.slot_lens.size):  # label = (global chunk id, token) as one int
         token_label[s, : plan.slot_tokens[s]] = s * 13 + np.arange(plan.slot_tokens[s])
     flat = token_label.reshape(-1)
-    out = np.where(plan.out_src < flat.size, flat[np.minimum(plan.out_src, flat.size - 1)], -2)
+    out = np.where(meta.out_src < flat.size, flat[np.minimum(meta.out_src, flat.size - 1)], -2)
     return frames, gathered, out
 
 
@@ -112,18 +115,32 @@ def test_planner_random_batches_with_empty_audios(seed):
     cfg = ref.TINY if seed % 2 else ref.RELEASED
     n = int(rng.integers(1, 12))
     lens = rng.integers(0, 1300, n) * (rng.random(n) > 0.25)
-    plan = q3.plan_chunks(lens, cfg)
+    plan = q3.plan(lens, cfg)
+    tokens = np.asarray(plan.lengths, np.int64)
     nonzero = lens[lens > 0]
     if nonzero.size:
         num, chunk_lens, cnn, after, cu = upstream_plan(nonzero, cfg.n_window_infer)
         np.testing.assert_array_equal(plan.chunk_lens, chunk_lens)
-        np.testing.assert_array_equal(plan.audio_tokens[lens > 0], after)
+        np.testing.assert_array_equal(tokens[lens > 0], after)
         np.testing.assert_array_equal(plan_cu_seqlens(plan), cu)
-        # empty audios are invisible to the device: same uploads as without them
-        bare = q3.plan_chunks(nonzero, cfg)
-        for k, v in plan.fields.items():
-            np.testing.assert_array_equal(v, bare.fields[k], err_msg=k)
-    assert (plan.audio_tokens[lens == 0] == 0).all()
+        # empty audios change only the item numbering: the frames, windows and rows the device
+        # reads are those of the batch without them
+        bare = q3.plan(nonzero, cfg)
+        per_item = ("window_items", "item_rows")
+        for k, v in plan.meta._asdict().items():
+            if k not in per_item:
+                np.testing.assert_array_equal(v, getattr(bare.meta, k), err_msg=k)
+        real = plan.num_windows
+        np.testing.assert_array_equal(
+            plan.meta.window_items[:real], np.flatnonzero(lens > 0)[bare.meta.window_items[:real]]
+        )
+    assert (tokens[lens == 0] == 0).all()
+    # per-item metadata: item i's windows and rows; padding windows name the item bucket
+    items = np.repeat(np.arange(lens.size), plan.window_counts)
+    np.testing.assert_array_equal(plan.meta.window_items[: plan.num_windows], items)
+    assert (plan.meta.window_items[plan.num_windows :] == plan.item_bucket).all()
+    np.testing.assert_array_equal(plan.meta.item_rows[: lens.size], tokens)
+    assert not plan.meta.item_rows[lens.size :].any()
 
     # Every slot gathers exactly its chunk's frames; every output row is the right token.
     _, gathered, out = _simulate_device(plan, cfg)
@@ -143,16 +160,24 @@ def test_planner_random_batches_with_empty_audios(seed):
     for w in range(plan.window_bucket):
         in_w = (plan.chunk_slots // per_win) == w
         assert len(set(audio_of_chunk[in_w].tolist())) <= 1
+        assert set(audio_of_chunk[in_w].tolist()) <= {plan.meta.window_items[w]}
         toks = plan.slot_tokens[w * per_win : (w + 1) * per_win]
         valid = (np.arange(13)[None, :] < toks[:, None]).reshape(-1)
-        assert valid.sum() == plan.window_lens[w]
-        assert valid[: plan.window_lens[w]].all()
+        assert valid.sum() == plan.meta.window_lens[w]
+        assert valid[: plan.meta.window_lens[w]].all()
 
 
 def test_buckets_share_programs():
-    plans = [q3.plan_chunks(m, ref.TINY) for m in _verify().ONE_BUCKET_MIXES]
-    assert len({(q3.frame_bucket(int(p.feature_lens.sum())), p.window_bucket) for p in plans}) == 1
-    assert len({tuple((k, v.shape) for k, v in p.fields.items()) for p in plans}) == 1
+    plans = [q3.plan(m, ref.TINY) for m in _verify().ONE_BUCKET_MIXES]
+    assert len({(p.num_frames, p.window_bucket, p.item_bucket) for p in plans}) == 1
+    assert plans[0].num_frames == q3.frame_bucket(int(plans[0].feature_lens.sum()))
+
+    def shapes(p):
+        return tuple((k, v.shape, v.dtype) for k, v in p.meta._asdict().items())
+
+    assert len({shapes(p) for p in plans}) == 1
+    # the item count is padded too: 2 and 3 audios (of one frame bucket) share every shape
+    assert shapes(q3.plan([400, 100], ref.TINY)) == shapes(q3.plan([200, 200, 100], ref.TINY))
     # at most 25% padding beyond 8 windows / 128 frames
     for n in range(9, 5000):
         assert jaxsync.bucket(n, q3.WINDOW_BUCKETS) <= 1.25 * n
@@ -243,6 +268,7 @@ def test_empty_batch_and_all_empty_audios(random_encoder):
         assert out.lengths == tuple(0 for _ in lens) and out.num_tokens == 0
         assert not np.asarray(out.embeddings).any()
         assert [s.shape[0] for s in out.split()] == [0] * len(lens)
+        assert np.asarray(out.finite).shape == (16,) and np.asarray(out.finite).all()
 
 
 # ---------------------------------------------------------------- registration

@@ -40,7 +40,7 @@ def test_bad_encoder_arguments():
 
 def test_planner_and_helpers_refuse_non_integers():
     with pytest.raises(TypeError, match="num_frames"):
-        q3.plan_chunks([120], CFG, num_frames=120.0)
+        q3.plan([120], CFG, num_frames=120.0)
     with pytest.raises(TypeError, match="integers"):
         q3.pad_features(np.zeros((F, 3), np.float32), [3.0])
     with pytest.raises(ValueError, match="feature_lens sum to 4"):

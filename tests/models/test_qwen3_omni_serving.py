@@ -1,6 +1,9 @@
-"""Qwen3-Omni audio encoder in a server: the compiled program's argument count, the pure
-forward in a server jit, `load_state`, processor outputs and sharding. The planner, config and
+"""Qwen3-Omni audio encoder in a server: the state's leaves as the jit arguments at any depth,
+the server form (`forward` in a server's own jit) against the entry, the stacked layers,
+`load_state`, the forward's shape checks, processor outputs and sharding. The planner, config and
 plan caching live in test_qwen3_omni.py."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -32,45 +35,127 @@ def _device_inputs(lens, seed=0):
     return jaxsync.async_h2d(x), list(lens)
 
 
-@pytest.mark.parametrize("layers", [1, 7])
-def test_main_program_takes_three_arguments_at_any_depth(layers):
-    enc = q3.Qwen3OmniAudioEncoder(_deep(layers))
-    x, lens = _device_inputs([120, 0, 31])
-    meta = jaxsync.upload_packed(enc.plan(x.shape, lens).fields)
-    # one packed state buffer (one weight dtype) + the features + the packed plan fields
-    assert enc.program.num_state_args == 1
-    assert len(jax.tree.leaves(enc.program.lower(x, meta).args_info)) == 3
-    assert enc.program.num_layers == layers
+STATE_LEAVES = 29
+"""The tower's state leaves at any size: conv stem 7, the stacked layers 16 (one per weight
+kind), head 6."""
 
 
-def test_pure_forward_in_a_server_jit_equals_the_entry_with_no_recompiles():
-    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
-    enc = q3.Qwen3OmniAudioEncoder(tower)
+def _server_step(tower):
+    """The server form in a server's own jit: the state as flat leaves, merged inside."""
     graphdef, state = nnx.split(tower)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
 
     @jax.jit
-    def step(state, x, meta):  # a server's own step: weights are arguments
-        return q3.forward(nnx.merge(graphdef, state), x, meta)
+    def step(leaves, x, meta):  # weights are arguments
+        return q3.forward(
+            nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), x, meta
+        )
+
+    return step, leaves
+
+
+@pytest.mark.parametrize("layers", [1, 7])
+def test_jit_arguments_are_the_state_leaves_at_any_depth(layers):
+    tower = _deep(layers)
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    x, lens = _device_inputs([120, 0, 31])
+    meta = jaxsync.upload_packed(enc.plan(x.shape, lens))
+    leaves = jax.tree.leaves(nnx.state(tower))
+    assert len(leaves) == STATE_LEAVES  # one per weight kind, at 1 layer and at 7
+    assert {w.shape[0] for w in jax.tree.leaves(nnx.state(tower.layers))} == {layers}
+    # the entry's program and a server's step: the leaves + the features + the packed meta
+    assert enc.program.num_state_args == STATE_LEAVES
+    assert jaxsync.testing.main_arg_count(enc.program.lower(x, meta)) == STATE_LEAVES + 2
+    step, flat = _server_step(tower)
+    assert jaxsync.testing.main_arg_count(step.lower(flat, x, meta)) == STATE_LEAVES + 2
+
+
+def test_released_tower_state_leaves():
+    # the released sizes, abstractly (no weights): 32 layers stacked in one leaf per kind
+    tower = nnx.eval_shape(lambda: q3.Qwen3OmniAudioTower(ref.RELEASED, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(tower))
+    print(f"released qwen3_omni audio tower: {len(leaves)} state leaves")
+    assert len(leaves) == STATE_LEAVES <= 40
+    assert tower.layers.num_layers == ref.RELEASED.encoder_layers == 32
+    assert tower.layers.layer.fc1.kernel.shape == (32, 1280, 5120)
+
+
+def test_server_form_equals_the_entry_bitwise_with_no_recompiles():
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    enc = q3.Qwen3OmniAudioEncoder(tower)
+    step, leaves = _server_step(tower)
 
     from jaxsync.paths.qwen3_omni.verify import ONE_BUCKET_MIXES
 
     inputs = [_device_inputs(m, seed=i) for i, m in enumerate(ONE_BUCKET_MIXES)]
-    metas = [jaxsync.upload_packed(q3.plan_chunks(lens, ref.TINY).fields) for _, lens in inputs]
+    plans = [q3.plan(lens, ref.TINY) for _, lens in inputs]
+    metas = [jaxsync.upload_packed(p) for p in plans]
     for (x, lens), meta in zip(inputs[:1], metas, strict=False):  # warm-up: one compile each
-        step(state, x, meta), enc(x, lens)
+        step(leaves, x, meta), enc(x, lens)
     with no_recompile():
-        for (x, lens), meta in zip(inputs, metas, strict=True):
-            rows, finite = step(state, x, meta)
+        for (x, lens), meta, plan in zip(inputs, metas, plans, strict=True):
+            encoded = step(leaves, x, meta)
             out = enc(x, lens)
-            np.testing.assert_allclose(rows, out.embeddings, rtol=1e-6, atol=1e-6)
-            np.testing.assert_array_equal(finite, out.extras["finite"])
-    # new weights through nnx.update reach the server's step without a recompile
-    halved = jax.tree.map(lambda w: w * 0.5, state)
-    nnx.update(tower, halved)
+            assert isinstance(encoded, jaxsync.Encoded) and encoded.extras is None
+            # the same function and jit options: the same program, the same bits on CPU
+            jaxsync.testing.assert_same_math(encoded.rows, out.rows)
+            np.testing.assert_array_equal(encoded.finite, out.finite)
+            assert out.lengths == plan.lengths and encoded.finite.shape == (plan.item_bucket,)
+            want = jaxsync.Embeddings.of(encoded, plan)
+            assert (want.lengths, want.offsets) == (out.lengths, out.offsets)
+    # new weights as new leaves reach the server's step without a recompile
+    halved = [w * 0.5 for w in leaves]
     x, lens = inputs[0]
     with no_recompile():
-        new_rows, _ = step(nnx.state(tower), x, metas[0])
-    assert not np.allclose(new_rows, enc(x, lens).embeddings)  # the entry keeps its snapshot
+        new_rows = step(halved, x, metas[0]).rows
+    assert not np.allclose(new_rows, enc(x, lens).rows)  # the entry keeps its weights
+    nnx.update(tower, jax.tree.map(lambda w: w * 0.5, nnx.state(tower)))
+    with no_recompile():
+        enc.load_state(tower)
+        np.testing.assert_array_equal(enc(x, lens).rows, new_rows)
+
+
+def test_layers_reach_the_output():
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    lens = [120, 0, 250]
+    x, _ = _device_inputs(lens)
+    jaxsync.testing.assert_layers_run(
+        tower, q3.forward, x, jaxsync.upload_packed(q3.plan(lens, ref.TINY))
+    )
+
+
+def test_each_layer_view_is_that_layer():
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, ref.TINY.window_tokens, ref.TINY.d_model))
+    lens = jax.numpy.array([26, 9, 17], jax.numpy.int32)
+    h = x
+    for i in range(ref.TINY.encoder_layers):
+        layer = tower.layers.at(i)
+        np.testing.assert_array_equal(layer.fc1.kernel[...], tower.layers.layer.fc1.kernel[...][i])
+        h = layer(h, lens)
+    # the stack's scan is the layers one after the other (a scan and eager per-layer calls
+    # round differently: the fp32 standard)
+    jaxsync.testing.assert_close(tower.layers(x, lens), h, rtol=1e-5)
+
+
+def test_forward_refuses_inputs_that_do_not_fit_the_plan():
+    tower = q3.Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0))
+    lens = [120, 31]
+    meta = jaxsync.upload_packed(q3.plan(lens, ref.TINY))  # planned for 160 frames
+    step, leaves = _server_step(tower)
+
+    def run(x, meta):
+        return step(leaves, x, meta)
+
+    with pytest.raises(ValueError, match="features have 151 frames but the plan was made for 160"):
+        run(jax.numpy.zeros((ref.TINY.num_mel_bins, 151)), meta)
+    with pytest.raises(ValueError, match=r"shape \(23, 160\).*22 mel bins"):
+        run(jax.numpy.zeros((23, 160)), meta)
+    wide = dataclasses.replace(ref.TINY, n_window_infer=400)  # four chunks per window
+    other = jaxsync.upload_packed(q3.plan(lens, wide))
+    with pytest.raises(ValueError, match="a plan made for another config"):
+        run(jax.numpy.zeros((ref.TINY.num_mel_bins, 160)), other)
+    run(jax.numpy.zeros((ref.TINY.num_mel_bins, 160)), meta)  # the control: it fits
 
 
 def test_load_state_takes_new_weights_without_recompiling():
@@ -87,7 +172,7 @@ def test_load_state_takes_new_weights_without_recompiling():
     fresh = q3.Qwen3OmniAudioEncoder(tower)(x, lens)
     np.testing.assert_array_equal(after.embeddings, fresh.embeddings)
     assert not np.allclose(after.embeddings, before)
-    with pytest.raises(ValueError, match="same parameter structure"):
+    with pytest.raises(ValueError, match="same structure"):
         enc.load_state(_deep(3))
     np.testing.assert_array_equal(enc(x, lens).embeddings, after.embeddings)
 
@@ -157,13 +242,13 @@ def test_data_parallel_inputs_with_replicated_weights():
     _, state = nnx.split(tower)
     nnx.update(tower, jax.tree.map(lambda w: jax.device_put(w, replicated), state))
     enc = q3.Qwen3OmniAudioEncoder(tower)
-    assert enc.program.num_state_args == 1  # replicated state still packs
+    assert enc.program.num_state_args == STATE_LEAVES  # one argument per replicated leaf
     frames = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
     for features in (frames, x):  # device features split over the mesh; host features
         out = enc(features, lens)
         assert out.embeddings.sharding.device_set == set(mesh.devices.flat)
         np.testing.assert_allclose(out.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(out.extras["finite"], want.extras["finite"])
+        np.testing.assert_array_equal(out.finite, want.finite)
     with no_recompile():  # the plan and its upload follow the features' placement: cached
         enc(frames, lens)
     off_mesh = jaxsync.async_h2d(x)  # one device: not where the weights are
@@ -181,11 +266,13 @@ def test_weights_sharded_over_a_model_axis(tmp_path):
     want = q3.Qwen3OmniAudioEncoder(q3.load_model(ckpt, ref.TINY))(x, lens)
     mesh = _mesh((4, 2), ("data", "model"))
     tower = q3.load_model(ckpt, ref.TINY, mesh=mesh)
-    q = tower.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == jax.P(None, "model")  # 42 columns split in 2
+    q = tower.layers.layer.self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == jax.P(None, None, "model")  # every layer's 42 columns split in 2
     assert not q.sharding.is_fully_replicated
+    out_proj = tower.layers.layer.self_attn.out_proj.kernel[...]
+    assert out_proj.sharding.spec == jax.P(None, "model", None)
     enc = q3.Qwen3OmniAudioEncoder(tower)
-    assert enc.program.num_state_args > 1  # sharded state passes leaf by leaf
+    assert enc.program.num_state_args == STATE_LEAVES  # sharded leaves, still one per kind
     features = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
     for inputs in (features, x):
         out = enc(inputs, lens)

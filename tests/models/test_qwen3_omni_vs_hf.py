@@ -41,10 +41,17 @@ def tiny(tmp_path_factory):
 
 
 def _server_step(tower):
-    """The pure forward in a plain jit, as a server runs it: NNX state leaves, a layer loop."""
+    """The server form in a plain jit, as a server runs it: the state's flat leaves, merged
+    inside."""
     graphdef, state = nnx.split(tower)
-    step = jax.jit(lambda state, x, meta: q3.forward(nnx.merge(graphdef, state), x, meta))
-    return step, state
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+
+    def run(leaves, x, meta):
+        return q3.forward(
+            nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), x, meta
+        )
+
+    return jax.jit(run), leaves
 
 
 def _run(enc, lens, seed, *, pad=True):
@@ -69,17 +76,32 @@ def test_fp32_parity(tiny, lens):
     assert not np.asarray(out.embeddings[out.num_tokens :]).any(), "padding rows must be zero"
 
 
-def test_entry_program_equals_the_pure_forward_in_a_server_jit(tiny):
-    # Bitwise on XLA:CPU: the entry's program scans the packed layer rows, the server's jit
-    # loops over the layers; each step runs the same float32 ops on the same values. A GPU
-    # compiler fuses the two programs differently: there, 1e-5 relative.
-    step, state = _server_step(tiny["tower"])
-    assert tiny["enc"].program.num_state_args == 1  # every tiny weight is float32: one buffer
+def test_entry_program_equals_the_server_form_in_a_server_jit(tiny):
+    # The entry compiles the server form's own function over the same leaves: bitwise on
+    # XLA:CPU (assert_same_math; 1e-5 relative on a GPU compiler).
+    step, leaves = _server_step(tiny["tower"])
+    assert tiny["enc"].program.num_state_args == len(leaves) == 29
     for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES + ver.ONE_BUCKET_MIXES):
         out = tiny["enc"](x, lens)
-        rows, finite = step(state, x, jaxsync.upload_packed(tiny["enc"].plan(x.shape, lens).fields))
-        assert_same_math(out.embeddings, rows)
-        np.testing.assert_array_equal(np.asarray(out.extras["finite"]), np.asarray(finite))
+        encoded = step(leaves, x, jaxsync.upload_packed(tiny["enc"].plan(x.shape, lens)))
+        assert_same_math(out.rows, encoded.rows)
+        np.testing.assert_array_equal(np.asarray(out.finite), np.asarray(encoded.finite))
+
+
+def test_each_layer_matches_the_transformers_layer(tiny):
+    # layer i of the stack (`layers.at(i)`, weights from checkpoint keys `layers.{i}.*`) on
+    # three attention windows vs HF's layer i on the same tokens with their cu_seqlens
+    rng = np.random.default_rng(5)
+    lens = np.array([CFG.window_tokens, 9, 17], np.int32)  # valid tokens per window
+    x = rng.standard_normal((3, CFG.window_tokens, CFG.d_model)).astype(np.float32)
+    valid = np.arange(CFG.window_tokens)[None, :] < lens[:, None]
+    tokens = torch.from_numpy(x[valid])
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    for i in range(CFG.encoder_layers):
+        ours = np.asarray(tiny["tower"].layers.at(i)(jnp.asarray(x), jnp.asarray(lens)))
+        with torch.no_grad():
+            want = tiny["model"].layers[i](tokens, cu_seqlens=cu)[0].numpy()
+        assert_close(ours[valid], want, rtol=1e-5, err_msg=f"layer {i}")
 
 
 def test_upstream_batch_dependence_is_reproduced(tiny):
@@ -201,7 +223,7 @@ def test_loader_keys(tiny, tmp_path):
     missing = _state(model, "thinker.audio_tower.")
     del missing["thinker.audio_tower.layers.1.fc2.bias"]
     save_file(missing, str(tmp_path / "b.safetensors"))
-    with pytest.raises(WeightError, match="layers.1.fc2.bias"):
+    with pytest.raises(WeightError, match=r"'layers\.layer\.fc2\.bias'.*layers \[1\]"):
         q3.load_model(tmp_path / "b.safetensors", CFG)
     unknown = {
         **_state(model, "thinker.audio_tower."),
@@ -230,7 +252,7 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     from jaxsync.paths.qwen3_omni import bench
 
     case, server = bench._bench("cpu", "tiny")
-    assert server.name == f"{case.name} [server_jit]" and not server.torch_fns
+    assert server.name == f"{case.name} · server form" and not server.torch_fns
     ours = case.jax_fn()
     assert_same_math(server.jax_fn(), ours)  # each runner starts from the same input
     tokens = int(q3.feat_extract_output_lengths([130, 57, 410, 260]).sum())
