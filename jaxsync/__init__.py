@@ -10,9 +10,6 @@ Core API:
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
   flat_state                  - a module's state as a flat array list for jit, and its merge.
-  PackedLeaves                - state arrays as one buffer per dtype, flat or per layer in rows
-                                (fewer jit arguments).
-  PackedTower                 - a module's layer rows and other leaves in one buffer per dtype.
   precompile                  - compile every bucket of every path ahead of serving.
   LayerStack                  - a tower's repeated layers stored stacked [L, ...], run as one scan.
   TowerProgram                - a family's pure forward compiled over the model's state leaves:
@@ -52,7 +49,6 @@ from jaxsync._jit import (
     jit_method as jit_method,
 )
 from jaxsync._outputs import Embeddings as Embeddings, Encoded as Encoded
-from jaxsync._packing import PackedLeaves as PackedLeaves, PackedTower as PackedTower
 from jaxsync._placement import replicated_near as replicated_near
 from jaxsync._plans import PlanCache as PlanCache, metadata_key as metadata_key
 from jaxsync._precompile import (

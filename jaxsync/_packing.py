@@ -1,4 +1,4 @@
-"""Model state as a few flat buffers: fewer jit arguments per call.
+"""Model state as a few flat buffers: fewer jit arguments per call (`jaxsync.TowerProgram`).
 
 A jitted forward pays host dispatch per argument (a few microseconds each on a GPU host, under
 either runtime client). `PackedLeaves` concatenates state arrays into one
@@ -85,69 +85,3 @@ class PackedLeaves:
             return piece.reshape(buf.shape[:-1] + shape)
 
         return [leaf(buffers[b], offset, shape) for b, offset, shape in self._layout]
-
-
-class PackedTower:
-    """A module's whole state in one buffer per dtype: its layer stack as rows, the rest after.
-
-    Each buffer is [L + k, S]: rows 0..L-1 are `PackedLeaves(layers, rows=True)`'s rows, and the
-    module's other leaves of that dtype follow, flat and zero-padded to k whole rows. The jitted
-    forward then takes one state argument per dtype (one for a single-dtype model) instead of
-    two, and runs the layers by indexing rows of the whole buffer (`layer(buffers, i)` inside a
-    `jax.lax.scan` over `range(L)`), so no slice of the buffer is materialised.
-
-    Args:
-      own: the non-layer leaves.
-      layers: the stacked layer leaves [L, ...] (e.g. from `jaxsync.split_layers`).
-
-    >>> import jax.numpy as jnp
-    >>> t = PackedTower([jnp.ones((2, 3))], [jnp.ones((4, 5)), jnp.zeros((4, 2))])
-    >>> [b.shape for b in t.buffers], [x.shape for x in t.own(t.buffers)]
-    ([(5, 7)], [(2, 3)])
-    >>> [x.shape for x in t.layer(t.buffers, 3)]
-    [(5,), (2,)]
-    """
-
-    def __init__(self, own: Sequence[jax.Array], layers: Sequence[jax.Array]):
-        self._own = PackedLeaves(own) if own else None
-        self._rows = PackedLeaves(layers, rows=True)
-        self.num_layers = int(self._rows.buffers[0].shape[0])
-        own_bufs = self._own.buffers if own else []
-        widths = {b.dtype: b.shape[1] for b in self._rows.buffers if b.shape[1]}
-        by_dtype = {b.dtype: b for b in self._rows.buffers}
-        self._own_sizes = []  # per own buffer: (dtype, size); under the rows if they share a dtype
-        for b in own_bufs:
-            self._own_sizes.append((b.dtype, b.size))
-            if b.dtype in widths:
-                w = widths[b.dtype]
-                tail = jnp.pad(b, (0, -b.size % w)).reshape(-1, w)
-                by_dtype[b.dtype] = jnp.concatenate([by_dtype[b.dtype], tail])
-            else:  # a dtype only the own leaves have: its flat buffer stays as it is
-                by_dtype[b.dtype] = b
-        self._dtypes = sorted(by_dtype, key=str)
-        self.buffers = [by_dtype[d] for d in self._dtypes]
-        self._row_dtypes = [b.dtype for b in self._rows.buffers]
-        # Only the layouts are kept: the parts' own buffers would hold a second copy of the state.
-        self._rows.buffers = []
-        if self._own is not None:
-            self._own.buffers = []
-
-    def own(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
-        """The non-layer leaves, in their order (static slices of the tail rows; inside jit)."""
-        if self._own is None:
-            return []
-        flat = []
-        for dtype, size in self._own_sizes:
-            buf = buffers[self._dtypes.index(dtype)]
-            if buf.ndim == 2:  # the tail rows under the layers
-                buf = buf[self.num_layers :].reshape(-1)[:size]
-            flat.append(buf)
-        return self._own.unpack(flat)
-
-    def layer(self, buffers: Sequence[jax.Array], i: jax.Array) -> list[jax.Array]:
-        """Layer `i`'s leaves (one dynamic row per buffer, static slices of it; inside jit)."""
-        rows = [
-            jax.lax.dynamic_index_in_dim(buffers[self._dtypes.index(d)], i, keepdims=False)
-            for d in self._row_dtypes
-        ]
-        return self._rows.unpack(rows)

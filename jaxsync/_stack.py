@@ -89,15 +89,13 @@ class LayerStack(nnx.Module):
 
         if span is None:
             return jax.lax.scan(step, x, state)[0]
-        start, stop = span
-        if not 0 <= start <= stop <= self.num_layers:
-            raise ValueError(f"span {span} is outside 0..{self.num_layers}")
+        start, stop = check_span(span, self.num_layers)
 
-        def indexed(carry: Any, i: jax.Array) -> tuple[Any, None]:
+        def layer_at(i: jax.Array) -> nnx.Module:
             row = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), state)
-            return step(carry, row)
+            return nnx.merge(graphdef, row)
 
-        return jax.lax.scan(indexed, x, jnp.arange(start, stop))[0]
+        return scan_indices(layer_at, x, args, start, stop)
 
     def at(self, i: int) -> nnx.Module:
         """Layer `i` alone: a module over slices of the stacked arrays (a copy of its weights)."""
@@ -128,6 +126,24 @@ class LayerStack(nnx.Module):
                 raise ValueError(f"layer {i} has other leaf shapes than layer 0")
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *(s for _, s in splits))
         return cls(None, len(layers), stacked=nnx.merge(graphdef, stacked))
+
+
+def check_span(span: tuple[int, int], num_layers: int) -> tuple[int, int]:
+    start, stop = span
+    if not 0 <= start <= stop <= num_layers:
+        raise ValueError(f"span {span} is outside 0..{num_layers}")
+    return start, stop
+
+
+def scan_indices(
+    layer_at: Callable[[jax.Array], nnx.Module], x: Any, args: tuple, start: int, stop: int
+) -> Any:
+    """`x = layer_at(i)(x, *args)` for i = start..stop-1, as one `jax.lax.scan` over indices."""
+
+    def step(carry: Any, i: jax.Array) -> tuple[Any, None]:
+        return layer_at(i)(carry, *args), None
+
+    return jax.lax.scan(step, x, jnp.arange(start, stop))[0]
 
 
 def stacks(module: nnx.Module) -> dict[str, int]:

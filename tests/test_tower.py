@@ -123,3 +123,50 @@ def test_sharded_state_stays_sharded_inside_the_program():
     np.testing.assert_allclose(program(x, meta), step(leaves, x, meta), rtol=1e-6)
     specs = [leaf.sharding.spec for leaf in program.leaves]
     assert specs.count(jax.P(None, None, "model")) == 1, specs  # passed as it is, not gathered
+
+
+class Inner(nnx.Module):
+    def __init__(self, rngs):
+        self.stack = jaxsync.LayerStack(lambda r: Layer(7, r), 4, rngs=rngs)
+
+
+class Nested(nnx.Module):
+    """Two stacks, one inside a list, run in spans: the packed program finds every stack."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(3, 7, rngs=rngs)
+        self.blocks = jaxsync.LayerStack(lambda r: Layer(7, r), 5, rngs=rngs)
+        self.inner = nnx.List([Inner(rngs)])
+        self.out = nnx.Linear(7, 2, rngs=rngs)
+
+
+def nested_forward(model, x, meta):
+    h = model.blocks(model.inp(x), meta.scale)
+    stack = model.inner[0].stack
+    return model.out(stack(stack(h, meta.scale, span=(0, 1)), meta.scale, span=(1, 4)))
+
+
+@pytest.mark.parametrize("model_forward", [(Tower, forward), (Nested, nested_forward)])
+def test_packed_program_runs_the_same_forward_in_few_arguments(model_forward):
+    make, fwd = model_forward
+    model = make(rngs=nnx.Rngs(0))
+    x, meta = _inputs()
+    plain = jaxsync.TowerProgram(model, fwd)
+    packed = jaxsync.TowerProgram(model, fwd, packed=True)
+    assert packed.packed and packed.num_state_args < plain.num_state_args
+    assert packed.num_state_args == 1 + (2 if make is Nested else 1)  # own + one per stack
+    np.testing.assert_array_equal(packed(x, meta), plain(x, meta))
+    nnx.update(model, nnx.state(make(rngs=nnx.Rngs(4))))
+    with no_recompile():
+        packed.load_state(model)
+        plain.load_state(model)
+        np.testing.assert_array_equal(packed(x, meta), plain(x, meta))
+    jaxsync.testing.assert_layers_run(model, fwd, x, meta)
+
+
+def test_a_sharded_state_is_never_packed():
+    mesh = jaxsync.testing.device_mesh("model", auto=True)
+    model = Tower(d=8, rngs=nnx.Rngs(0))
+    kernel = model.blocks.layer.lin.kernel
+    kernel.set_value(jax.device_put(kernel.get_value(), jax.NamedSharding(mesh, jax.P())))
+    assert not jaxsync.TowerProgram(model, forward, packed=True).packed  # two placements
