@@ -74,7 +74,7 @@ def test_bad_config_values(field, value, exc):
 def test_bad_config_sources(tmp_path):
     with pytest.raises(TypeError, match="HF config"):
         q3.Qwen3OmniAudioConfig.from_hf_config(42)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(WeightError, match="no config.json in"):
         q3.Qwen3OmniAudioConfig.from_hf_config(tmp_path)  # a directory without config.json
     with pytest.raises(ValueError, match="unsupported"):
         q3.Qwen3OmniAudioConfig.from_hf_config({"audio_config": {"use_flash": True}})
