@@ -13,6 +13,22 @@ from typing import Any
 from jaxsync._verify_table import HEADER, format_row, path_listing, summary_line
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if type(e).__name__ in text else f"{type(e).__name__}: {text}"
+
+
+def _build(spec: Any, checkpoint: str | None) -> Any:
+    """`spec.build(checkpoint)`; with a checkpoint, any failure is the checkpoint's (the path
+    builds without one), raised as `CheckpointError` naming it."""
+    if checkpoint is None:
+        return spec.build(None)
+    try:
+        return spec.build(checkpoint)
+    except Exception as e:
+        raise CheckpointError(f"--checkpoint {checkpoint}: {spec.name}: {_one_line(e)}") from e
+
+
 def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool) -> dict[str, Any]:
     from jaxsync._precompile import Target, precompile as run_precompile
     from jaxsync.check import check_sync_free
@@ -20,9 +36,11 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
     row: dict[str, Any] = {"path": spec.name, "description": spec.description}
     t0 = time.perf_counter()
     try:
-        case = spec.build(checkpoint)
+        case = _build(spec, checkpoint)
+    except CheckpointError:
+        raise
     except Exception as e:
-        row.update(ok=False, error=f"build failed: {e!r}")
+        row.update(ok=False, error=f"build failed: {_one_line(e)}", status="failed", checks=[])
         return row
     row["build_s"] = round(time.perf_counter() - t0, 2)
     if precompile:  # the same instance verify then runs, so its programs are the warm ones
@@ -73,9 +91,16 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
     return row
 
 
-def _select(ap: argparse.ArgumentParser, selected: Sequence[str] | None) -> list[Any]:
-    """The registered paths named by `--paths` (all without it); unknown names are a usage error
-    (exit 2) that lists the valid ones."""
+def _select(
+    ap: argparse.ArgumentParser, selected: Sequence[str] | None, checkpoint: str | None = None
+) -> list[Any]:
+    """The registered paths named by `--paths` (all without it), path names and family names
+    alike; unknown names are a usage error (exit 2) that lists the valid ones.
+
+    With a checkpoint, a family name stands for the family's paths that load one, a path named
+    explicitly must load one, and the chosen paths must be of one family (one checkpoint is one
+    model).
+    """
     from jaxsync import registry
 
     specs = registry.paths()
@@ -83,7 +108,27 @@ def _select(ap: argparse.ArgumentParser, selected: Sequence[str] | None) -> list
     unknown = [p for p in selected or () if p not in known]
     if unknown:
         ap.error(f"unknown path(s) {', '.join(unknown)}\n{path_listing(specs)}")
-    return registry.paths(selected)
+    chosen = registry.paths(selected)
+    if checkpoint is None:
+        return chosen
+    named = set(selected or ())
+    refused = [s.name for s in chosen if not s.checkpoints and s.name in named]
+    if refused:
+        ap.error(f"--checkpoint: {', '.join(refused)} take(s) no checkpoint")
+    chosen = [s for s in chosen if s.checkpoints]
+    families = sorted({s.family for s in chosen})
+    if len(families) != 1:
+        ap.error(
+            "--checkpoint needs the paths of one family selected with --paths (a path or a "
+            f"family name); selected: {', '.join(families) or 'none that takes a checkpoint'}"
+        )
+    if not os.path.exists(checkpoint):
+        ap.error(f"--checkpoint {checkpoint}: no such file or directory")
+    return chosen
+
+
+class CheckpointError(Exception):
+    """A path could not be built from the checkpoint given with `--checkpoint`."""
 
 
 def _lower_rows(specs: Sequence[Any], checkpoint: str | None, platform: str) -> list[dict]:
@@ -93,10 +138,12 @@ def _lower_rows(specs: Sequence[Any], checkpoint: str | None, platform: str) -> 
     for spec in specs:
         row: dict[str, Any] = {"path": spec.name, "platform": platform}
         try:
-            case = spec.build(checkpoint)
+            case = _build(spec, checkpoint)
             first = case.inputs[0]
             findings = lower_for(case.fn, *first, platform=platform, **case.kwargs)
             row["findings"] = [str(f) for f in findings]
+        except CheckpointError:
+            raise
         except Exception as e:
             row["findings"] = [f"build or trace failed: {e!r:.200}"]
         row["ok"] = not row["findings"]
@@ -144,15 +191,7 @@ def verify(argv: Sequence[str]) -> int:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    specs = _select(ap, args.paths)
-    if args.checkpoint:
-        refused = [s.name for s in specs if not s.checkpoints]
-        if refused:
-            ap.error(f"--checkpoint: {', '.join(refused)} take(s) no checkpoint")
-        if len(specs) != 1:
-            ap.error("--checkpoint needs exactly one path selected with --paths")
-        if not os.path.exists(args.checkpoint):
-            ap.error(f"--checkpoint {args.checkpoint}: no such file or directory")
+    specs = _select(ap, args.paths, args.checkpoint)
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind}, jax {jax.__version__})"
     if args.lower_for:
         return _lower_for(specs, args, backend)
@@ -161,10 +200,14 @@ def verify(argv: Sequence[str]) -> int:
         print(HEADER)
         print("-" * len(HEADER), flush=True)
     rows = []
-    for spec in specs:
-        rows.append(_verify_one(spec, args.checkpoint, not args.no_probe, args.precompile))
-        if not args.json:
-            print(format_row(rows[-1]), flush=True)
+    try:
+        for spec in specs:
+            rows.append(_verify_one(spec, args.checkpoint, not args.no_probe, args.precompile))
+            if not args.json:
+                print(format_row(rows[-1]), flush=True)
+    except CheckpointError as e:
+        print(f"jaxsync verify: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"backend": backend, "paths": rows}, indent=2, default=str))
     else:
@@ -175,7 +218,11 @@ def verify(argv: Sequence[str]) -> int:
 
 
 def _lower_for(specs: Sequence[Any], args: argparse.Namespace, backend: str) -> int:
-    rows = _lower_rows(specs, args.checkpoint, args.lower_for)
+    try:
+        rows = _lower_rows(specs, args.checkpoint, args.lower_for)
+    except CheckpointError as e:
+        print(f"jaxsync verify: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"backend": backend, "lower_for": rows}, indent=2))
     else:
@@ -208,6 +255,9 @@ def precompile(argv: Sequence[str]) -> int:
     ap.add_argument("--cache-dir", metavar="DIR", help="JAX persistent compilation cache folder")
     args = ap.parse_args(argv)
 
+    bad = [b for b in args.buckets or () if b < 1]
+    if bad:
+        ap.error(f"--buckets must be positive sizes, got {' '.join(map(str, bad))}")
     import jax
 
     import jaxsync
@@ -233,6 +283,15 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxsync")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(
@@ -244,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "\n\nRun `jaxsync COMMAND --help` for a command's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    ap.add_argument("--version", action="version", version=f"jaxsync {_version()}")
     ap.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="see below")
     try:
         command = ap.parse_args(argv[:1]).command
