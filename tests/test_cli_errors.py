@@ -15,17 +15,15 @@ from jaxsync import _cli, registry, weights
 
 
 @pytest.fixture
-def temp_path():
-    """Registers test paths for one test: `temp_path(name, build, **register_kwargs)`."""
-    added = []
+def temp_path(monkeypatch):
+    """Registers test paths for one test: `temp_path(name, build, checkpoints=True)`."""
+    registry.load_all()
 
-    def register(name, build, **kwargs):
-        registry.register_path(name, "test path", **kwargs)(build)
-        added.append(name)
+    def register(name, build, checkpoints=True):
+        spec = registry.PathSpec(name, "test path", build, checkpoints)
+        monkeypatch.setitem(registry._paths, name, spec)  # removed again after the test
 
-    yield register
-    for name in added:
-        registry._paths.pop(name, None)
+    return register
 
 
 def _loading_case(checkpoint):
