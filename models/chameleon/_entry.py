@@ -1,12 +1,11 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
-"""`ChameleonImageEncoder`: Chameleon's sync-free image paths behind one host object.
+"""`ChameleonImageEncoder`: Chameleon's image tower behind one host object.
 
-Pixels -> VQ codes -> BPE image-token ids in one jitted program per batch bucket (vLLM post-PR
-gathers through a cached device copy of `img2bpe`; pre-PR and HF read the codes back to the CPU
-for the lookup). The same object offers the image-token logit mask, logits with the mask, and the
-placeholder merge (`TextSidePaths`), each one jitted call with its tables from a `DeviceCache`.
-Nothing is read back. The pure functions behind them (`forward`, `img2bpe`, `mask_image_logits`,
-`compute_logits`, `merge_image_tokens`) are for a server's own jitted step.
+Pixels -> VQ codes -> BPE image-token ids -> their text embedding rows, in one program per batch
+bucket: `jaxsync.TowerProgram(model, forward)`, the very function a server jits over the tower's
+state leaves (vLLM post-PR gathers through a cached device copy of `img2bpe`; pre-PR and HF read
+the codes back to the CPU for the lookup). Nothing is read back. The same object offers the
+text-side paths of `ChameleonTextPaths` (logit mask, masked logits, placeholder merge).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
-from jaxsync.models.chameleon._config import ChameleonConfig
-from jaxsync.models.chameleon._modules import ChameleonVQVAE, forward
+from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
 from jaxsync.models.chameleon._placing import (
     batch_shards,
     check_same_devices,
@@ -31,19 +29,15 @@ from jaxsync.models.chameleon._placing import (
     weights_devices,
 )
 from jaxsync.models.chameleon._plan import (
+    ChameleonPlan,
     bucket_batch_sizes,
     check_pixels,
     host_pixels,
-    plan_images,
+    plan,
 )
-from jaxsync.models.chameleon._text import TextSidePaths
-from jaxsync.models.chameleon._vocab import ImageVocabularyMapping, check_device_array, img2bpe
+from jaxsync.models.chameleon._text import ChameleonTextPaths
+from jaxsync.models.chameleon._vocab import check_device_array
 from jaxsync.models.chameleon._weights import load_model
-
-
-def _tokens(model: ChameleonVQVAE, pixels, meta, table):  # -> ids [Bp*T], finite [Bp]
-    codes, finite = forward(model, pixels, meta)
-    return img2bpe(codes, table).reshape(-1), finite
 
 
 @ft.partial(jax.jit, static_argnums=(1, 2))
@@ -51,102 +45,109 @@ def _token_rows(ids: jax.Array, n: int, t: int) -> jax.Array:  # [Bp*T] -> [n, T
     return ids[: n * t].reshape(n, t)
 
 
-@ft.partial(jax.jit, static_argnums=1)
-def _take_rows(x: jax.Array, n: int) -> jax.Array:
-    return x[:n]
+def _vq_outputs(model: ChameleonImageTower, pixels: jax.Array):  # [B, h, w, L], [B, T]
+    return model.vqmodel(pixels)
 
 
-def _as_embeddings(enc, ids, finite, n: int, rows: int, layout) -> jaxsync.Embeddings:
-    flag = finite if n == rows else _take_rows(finite, n)
-    return jaxsync.Embeddings.from_layout(ids, layout, {"finite": flag})
+def _as_embeddings(enc, out: jaxsync.Encoded, n: int, layout) -> jaxsync.Embeddings:
+    # `Embeddings.of(out, plan)` with the plan's row layout computed once.
+    return jaxsync.Embeddings.from_layout(out.rows, layout, {"finite": out.finite, **out.extras})
 
 
-def _as_token_rows(enc, ids, finite, n: int, rows: int, layout) -> jax.Array:
-    return _token_rows(ids, n, enc.tokens_per_image)
+def _as_token_rows(enc, out: jaxsync.Encoded, n: int, layout) -> jax.Array:
+    return _token_rows(out.extras["ids"], n, enc.tokens_per_image)
 
 
-class ChameleonImageEncoder(TextSidePaths):
-    """Image tokenizer, logit mask and embedding merge of one Chameleon model.
+class ChameleonImageEncoder(ChameleonTextPaths):
+    """Image tower of one Chameleon model (and its text-side paths).
 
     Args:
-      cfg: the model config.
-      vq_model: the loaded VQ model (`load_model`); None builds the text-side paths only.
-      missing_code_id: see `ImageVocabularyMapping` (None: with `vq_model`, a VQ code without a
-        name is an error).
-      cache: the `DeviceCache` for the constant tables (default: the process-wide one).
-      buckets: image batch buckets (default: powers of two).
+      model: the tower (`load_model`, or `ChameleonImageTower(cfg, rngs=...)`); its `cfg` is the
+        encoder's.
+      encoder_only: the rows are the VQ encoder's hidden states (latents before `quant_conv`,
+        `[T, latent_channels]` per image) instead of the embedded image tokens.
+      buckets: image-count buckets (default `IMAGE_BUCKETS`: 1, 4, 8, ...).
       placement: where host pixels go (a device, or a sharding; one that splits the batch
         axis over a mesh's data axis pads the batch to a multiple of that axis).
+      missing_code_id: see `ImageVocabularyMapping` (None: a VQ code without a name is an
+        error).
+      cache: the `DeviceCache` for the text-side tables (default: the process-wide one).
 
-    The encoder snapshots the VQ weights: after `nnx.update(vq_model, ...)` call
-    `load_state(vq_model)` (no recompile). Compilation: one program per batch bucket; the first
-    call of a bucket also compiles the tiny row slices (and row pads for device pixels) for every
-    batch size of that bucket, so later calls in the bucket compile nothing.
-
-    >>> import jax.numpy as jnp
-    >>> from jaxsync.paths.chameleon import reference as ref
-    >>> enc = ChameleonImageEncoder(ChameleonConfig.from_hf_config(ref.tiny_hf_config()))
-    >>> logits = enc.mask_image_logits(jnp.zeros((2, enc.cfg.vocab_size)))
-    >>> bool(logits[0, enc.mapping.image_token_ids[0]] == jnp.finfo(jnp.float32).min)
-    True
+    The encoder snapshots the weights: after `nnx.update(model, ...)` call `load_state(model)`
+    (no recompile). Compilation: one program per batch bucket, shared by every encoder of the
+    same tower structure; the first call of a bucket also compiles the tiny row slices (and row
+    pads for device pixels) for every batch size of that bucket, so later calls in the bucket
+    compile nothing.
     """
 
     def __init__(
         self,
-        cfg: ChameleonConfig,
-        vq_model: ChameleonVQVAE | None = None,
+        model: ChameleonImageTower,
         *,
-        missing_code_id: int | None = None,
-        cache: jaxsync.DeviceCache | None = None,
+        encoder_only: bool = False,
         buckets: tuple[int, ...] | None = None,
         placement: jax.Device | jax.sharding.Sharding | None = None,
+        missing_code_id: int | None = None,
+        cache: jaxsync.DeviceCache | None = None,
     ):
-        self.cfg = cfg
-        self.mapping = ImageVocabularyMapping(
-            cfg.vocabulary_map,
-            num_embeddings=cfg.vq.num_embeddings,
-            missing_code_id=missing_code_id,
-            cache=cache,
-        )
+        if not isinstance(model, ChameleonImageTower):
+            raise TypeError(
+                f"model must be a ChameleonImageTower (load_model), got {type(model).__name__}"
+            )
+        super().__init__(model.cfg, missing_code_id=missing_code_id, cache=cache)
+        self.mapping.check_code_table()  # the tokenizer needs every code named
+        self.missing_code_id = missing_code_id
+        self.encoder_only = bool(encoder_only)
         self.buckets = buckets
         self.placement = placement
-        self.image_shape = (cfg.vq.in_channels, cfg.vq.resolution, cfg.vq.resolution)
-        self.tokens_per_image = cfg.vq.tokens_per_image
+        vq = self.cfg.vq
+        self.image_shape = (vq.in_channels, vq.resolution, vq.resolution)
+        self.tokens_per_image = vq.tokens_per_image
         self._plans = jaxsync.PlanCache()
         # Repeated calls on device pixels, one cache per output form.
         self._embedding_calls, self._token_calls = jaxsync.CallCache(), jaxsync.CallCache()
         self._warm: set[tuple] = set()
         self._placings: dict[Any, tuple[int, Any]] = {}
-        self._program = None
-        if vq_model is not None:
-            if not isinstance(vq_model, ChameleonVQVAE) or vq_model.cfg != cfg.vq:
-                raise ValueError("vq_model was not built from this config's vq config")
-            self.mapping.check_code_table()  # the tokenizer needs every code named
-            self._program = jaxsync.TowerProgram(vq_model, _tokens)
-            self._encode = jaxsync.TowerProgram(vq_model, lambda m, x: m(x))
-            self._devices, weights_at = weights_devices(vq_model)
-            if placement is None and len(self._devices) > 1:  # host pixels go to the weights
-                self.placement = replicated_on(weights_at)
+        self._program = jaxsync.TowerProgram(
+            model, forward_encoder_only if self.encoder_only else forward
+        )
+        self._vq = jaxsync.TowerProgram(model, _vq_outputs)
+        self._devices, weights_at = weights_devices(model)
+        if placement is None and len(self._devices) > 1:  # host pixels go to the weights
+            self.placement = replicated_on(weights_at)
 
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, *, dtype=None, mesh=None, **kwargs
     ) -> ChameleonImageEncoder:
-        """Reads `config.json` and the `model.vqmodel.*` weights of a checkpoint directory."""
-        cfg = ChameleonConfig.from_hf_config(path)
-        return cls(cfg, load_model(path, cfg, dtype=dtype, mesh=mesh), **kwargs)
+        """Reads `config.json` and the tower's weights of a checkpoint directory."""
+        return cls(load_model(path, dtype=dtype, mesh=mesh), **kwargs)
 
-    def load_state(self, vq_model: ChameleonVQVAE) -> None:
+    @property
+    def program(self) -> jaxsync.TowerProgram:
+        """The compiled forward over the tower's state leaves (`.leaves`, `.num_state_args`)."""
+        return self._program
+
+    def plan(self, num_images: int, *, batch_shards: int = 1) -> ChameleonPlan:
+        """The host plan of `num_images` images with this encoder's buckets and vocabulary."""
+        return plan(
+            num_images,
+            self.cfg,
+            buckets=self.buckets,
+            batch_shards=batch_shards,
+            missing_code_id=self.missing_code_id,
+        )
+
+    def load_state(self, model: ChameleonImageTower) -> None:
         """Takes new weights of the same structure (e.g. after `nnx.update`), no recompile."""
-        self._require_model()
-        self._program.load_state(vq_model)
-        self._encode.load_state(vq_model)
+        self._program.load_state(model)
+        self._vq.load_state(model)
 
     # ------------------------------------------------------------ image tokens
 
     @jaxsync.check.entry_point
     def __call__(self, pixel_values) -> jaxsync.Embeddings:
-        """Images -> BPE image-token ids, as `jaxsync.Embeddings`.
+        """Images -> their image-token rows, as `jaxsync.Embeddings`.
 
         Args:
           pixel_values: `[B, C, R, R]` normalised pixels: numpy or a torch CPU tensor (what
@@ -154,11 +155,12 @@ class ChameleonImageEncoder(TextSidePaths):
             (possibly sharded over a mesh's data axis).
 
         Returns:
-          `Embeddings` whose rows are token ids, not vectors: `embeddings` is int32 `[Bp * T]`
-          (image `i` at rows `i*T : (i+1)*T`, raster order; rows past `B*T` are bucket padding).
-          Chameleon's image tokens are ordinary vocabulary ids that the server embeds with its
-          own table inside its own step. `extras["finite"]`: bool `[B]`, False where a device
-          image held a NaN or inf (computed on the device, never read back).
+          `Embeddings.of(forward(...), plan)`: rows `[Bp*T, D]` in the model dtype, the text
+          embedding of each image token (image `i` at rows `i*T : (i+1)*T`, raster order; rows
+          past `B*T` are bucket padding; with `encoder_only`, the VQ encoder's latents
+          `[Bp*T, latent_channels]`); `.split()` gives per-image `[T, D]` arrays. Extras:
+          "ids" int32 `[Bp*T]`, the BPE ids of the same rows; "finite" bool `[Bp]`, False where
+          an image held a NaN or inf, and for padding (computed on the device, never read back).
 
         Raises:
           TypeError: wrong type or dtype, a torch tensor off the CPU.
@@ -173,22 +175,18 @@ class ChameleonImageEncoder(TextSidePaths):
         return self._run(pixel_values, self._token_calls, _as_token_rows)
 
     def encode(self, pixel_values: jax.Array) -> tuple[Float[Array, "B h w L"], Int[Array, "B T"]]:
-        """Encoder latents (NHWC, before `quant_conv`) and VQ codes, unbucketed (for parity)."""
-        self._require_model()
+        """The VQ model's own outputs, unbucketed (for parity): encoder latents (NHWC, before
+        `quant_conv`) and VQ codes of device pixels."""
         check_device_array(pixel_values, "pixel_values")
-        return self._encode(pixel_values)
-
-    def _require_model(self) -> None:
-        if self._program is None:
-            raise ValueError("built without a VQ model: pass vq_model= to tokenize images")
+        check_pixels(pixel_values, self.image_shape)
+        return self._vq(pixel_values)
 
     def _run(self, pixel_values, calls: jaxsync.CallCache, finish):
-        """`finish(self, ids, finite, n, rows, layout)` of the tokenized batch; a repeated call
-        on device pixels runs the prepared call kept in `calls`."""
+        """`finish(self, encoded, n, layout)` of the batch; a repeated call on device pixels
+        runs the prepared call kept in `calls`."""
         run, key = calls.find(pixel_values)
         if run is not None:
             return run(pixel_values)
-        self._require_model()
         on_device = isinstance(pixel_values, jax.Array)
         if on_device:
             check_device_array(pixel_values, "pixel_values")
@@ -208,34 +206,33 @@ class ChameleonImageEncoder(TextSidePaths):
         check = None
         if not on_device:
             check = lambda: jaxsync.check_finite(pixel_values, name="pixel_values")  # noqa: E731
-        plan, meta, table, layout = self._plans.get(
+        plan_, meta, layout = self._plans.get(
             (n, shards, near), lambda: self._plan(n, shards, near), on_miss=check
         )
-        rows = plan.rows
+        rows = plan_.rows
         if not on_device:
             pixels = jaxsync.default_staging.put(
                 pixel_values, (rows, *self.image_shape), placement=where, finite="pixel_values"
             )
-            ids, finite = self._program(pixels, meta, table)
-            self._warm_bucket(rows, shards, ids, finite, pixel_values, where)
-            return finish(self, ids, finite, n, rows, layout)
+            out = self._program(pixels, meta)
+            self._warm_bucket(rows, shards, out, pixel_values, where)
+            return finish(self, out, n, layout)
         pad = None if n == rows else pad_rows(where)
 
-        def tokens(x: jax.Array):
-            ids, finite = self._program(x if pad is None else pad(x, rows), meta, table)
-            return ids, finite, finish(self, ids, finite, n, rows, layout)
+        def encode(x: jax.Array):
+            out = self._program(x if pad is None else pad(x, rows), meta)
+            return out, finish(self, out, n, layout)
 
-        ids, finite, out = tokens(pixel_values)
-        self._warm_bucket(rows, shards, ids, finite, pixel_values, where)
+        out, result = encode(pixel_values)
+        self._warm_bucket(rows, shards, out, pixel_values, where)
         if pad is None:  # a full bucket: the program and the output's assembly, nothing else
             run = self._program.prepared(
-                meta, table, finish=lambda outs: finish(self, *outs, n, rows, layout),
-                name="pixel_values",
-            )  # fmt: skip
+                meta, finish=lambda out: finish(self, out, n, layout), name="pixel_values"
+            )
         else:
-            run = jaxsync.prepared_call(lambda x: tokens(x)[2], "pixel_values")
+            run = jaxsync.prepared_call(lambda x: encode(x)[1], "pixel_values")
         calls.keep(key, run)
-        return out
+        return result
 
     def _placing(self, where, name: str) -> tuple[int, Any]:
         """(batch shards, replicated placement) of pixels at `where`, memoised per sharding."""
@@ -246,16 +243,15 @@ class ChameleonImageEncoder(TextSidePaths):
         return hit
 
     def _plan(self, n: int, shards: int, near):
-        """(plan, uploaded meta, img2bpe table, output row layout) of n images."""
-        plan = plan_images(n, self.buckets, batch_shards=shards)
-        t = self.tokens_per_image
-        layout = jaxsync.Embeddings.layout((t,) * n, range(0, n * t, t))
-        meta = jaxsync.upload_packed(plan.fields, placement=near)
-        return plan, meta, self.mapping.img2bpe_on(near), layout
+        """(plan, uploaded meta, output row layout) of n images."""
+        plan_ = self.plan(n, batch_shards=shards)
+        meta = jaxsync.upload_packed(plan_, placement=near)
+        return plan_, meta, jaxsync.Embeddings.layout(plan_.lengths)
 
-    def _warm_bucket(self, rows, shards, ids, finite, pixel_values, where) -> None:
+    def _warm_bucket(self, rows, shards, out, pixel_values, where) -> None:
         # Compile the per-batch-size slice / pad programs of this bucket once, on its first use,
         # by dispatching them on arrays of the exact shardings later calls will pass.
+        ids = out.extras["ids"]
         if isinstance(ids, jax.core.Tracer):  # traced by a static scan: nothing runs
             return
         on_device = isinstance(pixel_values, jax.Array)
@@ -265,10 +261,6 @@ class ChameleonImageEncoder(TextSidePaths):
         self._warm.add(key)
         for n in bucket_batch_sizes(rows, self.buckets, shards):
             _token_rows(ids, n, self.tokens_per_image)
-            if n < rows:
-                _take_rows(finite, n)
-                if on_device:
-                    dummy = jax.device_put(
-                        np.zeros((n, *self.image_shape), pixel_values.dtype), where
-                    )
-                    pad_rows(where)(dummy, rows)
+            if n < rows and on_device:
+                dummy = jax.device_put(np.zeros((n, *self.image_shape), pixel_values.dtype), where)
+                pad_rows(where)(dummy, rows)

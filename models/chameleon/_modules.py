@@ -1,25 +1,26 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
-"""The Chameleon VQ-VAE encoder and vector quantizer as NNX modules (NHWC inside), and `forward`.
+"""The Chameleon VQ-VAE encoder and vector quantizer as NNX modules (NHWC inside).
 
-The module tree mirrors `transformers`' `ChameleonVQVAE` (encoder.conv_in, encoder.down[i].block[j],
-.attn[j], .downsample.conv, encoder.mid.{block_1, attn_1, block_2}, norm_out, conv_out, quant_conv,
-quantize.embedding), so the weight rules are one-to-one. The decoder side (`post_quant_conv`) is
-not needed to tokenize images and is not built.
-
-`forward(vq_model, pixels, meta)` is the pure tokenizer forward: callable inside a server's own
-`jax.jit`, `shard_map` or scan with the weights as arguments (`nnx.merge(graphdef, state)`).
-The VQ encoder has no stack of identical layers (levels differ in width), so
-`jaxsync.TowerProgram(model, forward, layers=None)` packs its state flat.
+The blocks mirror `transformers`' `ChameleonVQVAE` (ResnetBlock, AttnBlock, Downsample, conv_in,
+norm_out, conv_out, quant_conv, quantize.embedding). The encoder's repeated blocks are stored
+stacked by shape kind (`_layout.py`): the checkpoint's per-block keys load into slices of those
+stacks. The decoder side (`post_quant_conv`) is not needed to tokenize images and is not built.
+`ChameleonImageTower` adds the text model's token embedding, which embeds the image tokens.
 """
 
 from __future__ import annotations
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from jaxsync.models.chameleon._config import GROUP_NORM_GROUPS, ChameleonVQConfig
+import jaxsync
+from jaxsync.models.chameleon._config import GROUP_NORM_GROUPS, ChameleonConfig, ChameleonVQConfig
+from jaxsync.models.chameleon._layout import encoder_layout
+from jaxsync.models.chameleon._vocab import img2bpe
 
 
 _EPS = 1e-6
@@ -96,71 +97,48 @@ class Downsample(nnx.Module):
         return self.conv(x)
 
 
-class Level(nnx.Module):
-    """One encoder level: residual blocks, optional attention after each, optional downsample."""
-
-    def __init__(self, cin, cout, *, n_blocks, attn, downsample, dtype, param_dtype, rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.block = nnx.List(
-            [ResnetBlock(cin if i == 0 else cout, cout, **kw) for i in range(n_blocks)]
-        )
-        self.attn = nnx.List([AttnBlock(cout, **kw) for _ in range(n_blocks)] if attn else [])
-        self.downsample = Downsample(cout, **kw) if downsample else None
-
-    def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B H2 W2 C2"]:
-        for i, block in enumerate(self.block):
-            x = block(x)
-            if len(self.attn):
-                x = self.attn[i](x)
-        return x if self.downsample is None else self.downsample(x)
-
-
-class Mid(nnx.Module):
-    """Residual block, attention (an identity without `attention`), residual block at the
-    lowest resolution."""
-
-    def __init__(self, channels: int, *, attention: bool, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.block_1 = ResnetBlock(channels, channels, **kw)
-        self.attn_1 = AttnBlock(channels, **kw) if attention else None
-        self.block_2 = ResnetBlock(channels, channels, **kw)
-
-    def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B H W C"]:
-        x = self.block_1(x)
-        return self.block_2(x if self.attn_1 is None else self.attn_1(x))
+def _stack(make, num_layers: int, rngs: nnx.Rngs) -> jaxsync.LayerStack:
+    return jaxsync.LayerStack(make, num_layers, rngs=rngs)
 
 
 class Encoder(nnx.Module):
-    """Pixels (NHWC) -> latents `[B, h, w, latent_channels]`."""
+    """Pixels (NHWC) -> latents `[B, h, w, latent_channels]`.
+
+    Attributes:
+      res, attn, downsample: `nnx.Dict`s of `jaxsync.LayerStack`s by width key (`_layout.py`).
+    """
 
     def __init__(self, cfg: ChameleonVQConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.conv_in = _conv(cfg.in_channels, cfg.base_channels, 3, **kw)
-        levels, cin = [], cfg.base_channels
-        for i, (cout, res) in enumerate(
-            zip(cfg.level_channels, cfg.level_resolutions, strict=True)
-        ):
-            levels.append(
-                Level(
-                    cin,
-                    cout,
-                    n_blocks=cfg.num_res_blocks,
-                    attn=cfg.attention and res in cfg.attn_resolutions,
-                    downsample=i != cfg.num_levels - 1,
-                    **kw,
-                )
-            )
-            cin = cout
-        self.down = nnx.List(levels)
-        self.mid = Mid(cin, attention=cfg.attention, **kw)
-        self.norm_out = _norm(cin, dtype, param_dtype, rngs)
-        self.conv_out = _conv(cin, cfg.latent_channels, 3, **kw)
+        self.cfg = cfg
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        layout = encoder_layout(cfg)
+        self.conv_in = _conv(cfg.in_channels, cfg.base_channels, 3, rngs=rngs, **kw)
+        makers = {
+            "res": lambda cin, cout: lambda r: ResnetBlock(cin, cout, rngs=r, **kw),
+            "attn": lambda c, _: lambda r: AttnBlock(c, rngs=r, **kw),
+            "downsample": lambda c, _: lambda r: Downsample(c, rngs=r, **kw),
+        }
+        for group, stacks in layout.stacks.items():
+            built = {
+                key: _stack(makers[group](cin, cout), n, rngs)
+                for key, (n, cin, cout) in stacks.items()
+            }
+            setattr(self, group, nnx.Dict(built))
+        width = cfg.level_channels[-1]
+        self.norm_out = _norm(width, dtype, param_dtype, rngs)
+        self.conv_out = _conv(width, cfg.latent_channels, 3, rngs=rngs, **kw)
 
     def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B h w L"]:
         x = self.conv_in(x)
-        for level in self.down:
-            x = level(x)
-        x = self.mid(x)
+        for group, key, start, stop in encoder_layout(self.cfg).runs:
+            stack = getattr(self, group)[key]
+            _, cin, cout = encoder_layout(self.cfg).stacks[group][key]
+            if group == "downsample" or cin != cout:
+                # A scan's carry keeps its shape: a block that changes it (a downsample, a
+                # level's widening first block) runs alone, on its slice of the stack.
+                x = stack.at(start)(x)
+            else:
+                x = stack(x, span=None if (start, stop) == (0, len(stack)) else (start, stop))
         return self.conv_out(jax.nn.silu(self.norm_out(x)))
 
 
@@ -224,25 +202,99 @@ class ChameleonVQVAE(nnx.Module):
         return latents, codes
 
 
-def forward(
-    vq_model: ChameleonVQVAE, pixels: Float[Array, "Bp C R R"], meta
-) -> tuple[Int[Array, "Bp T"], Bool[Array, " Bp"]]:
-    """Pixels -> raster-order VQ codes and a per-image finite flag, pure.
+class ChameleonImageTower(nnx.Module):
+    """What turns images into the rows a Chameleon prompt holds: the VQ-VAE tokenizer and the
+    text model's token embedding (vLLM embeds the image tokens with `get_input_embeddings`).
 
     Args:
-      vq_model: the VQ model (weights are traced arguments where the caller jits).
-      pixels: `[Bp, C, R, R]` normalised pixels, bucket padded.
-      meta: `plan_images(...).fields` uploaded (`jaxsync.upload_packed`), or the dict itself:
-        `valid` bool `[Bp]`, True for real images. Padding rows are zeroed first, so a
-        server's reused pixel slab with stale or non-finite rows costs nothing numerically.
+      cfg: the model config (the VQ config and the text vocabulary and width).
+      dtype: computation dtype (the "model dtype"); the rows come out in it.
+      param_dtype: parameter dtype.
+      rngs: parameter initialisation.
+
+    Attributes:
+      cfg: the config.
+      vqmodel: the `ChameleonVQVAE` (checkpoint keys `model.vqmodel.*`).
+      embed_tokens: the text embedding `[vocab_size, hidden_size]` (`model.embed_tokens.weight`).
+    """
+
+    def __init__(
+        self,
+        cfg: ChameleonConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
+        if not isinstance(cfg, ChameleonConfig):
+            raise TypeError(f"cfg must be a ChameleonConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.dtype = dtype
+        self.vqmodel = ChameleonVQVAE(cfg.vq, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+
+
+def check_inputs(cfg: ChameleonConfig, pixels: jax.Array, meta) -> None:
+    """Trace-time check that `pixels` and `meta` fit the plan and the tower (static shapes).
+
+    Raises:
+      ValueError: naming both sides, instead of a broadcast error deep in the forward.
+    """
+    image = (cfg.vq.in_channels, cfg.vq.resolution, cfg.vq.resolution)
+    rows = meta.valid.shape[0]
+    if tuple(pixels.shape) != (rows, *image):
+        raise ValueError(
+            f"pixels have shape {tuple(pixels.shape)} but the plan pads to {rows} images of "
+            f"{image}: pixels must be [{rows}, {', '.join(map(str, image))}]"
+        )
+    codes = meta.img2bpe.shape[0]
+    if codes != cfg.vq.num_embeddings:
+        raise ValueError(
+            f"the plan's img2bpe table has {codes} entries but the tower's codebook "
+            f"{cfg.vq.num_embeddings}: plan with the tower's config"
+        )
+
+
+def forward(
+    model: ChameleonImageTower, pixels: Float[Array, "Bp C R R"], meta, *, encoder_only=False
+) -> jaxsync.Encoded:
+    """Pixels -> the embedded image tokens of every image, pure (callable in any jit).
+
+    Args:
+      model: the tower (weights are traced arguments where the caller jits).
+      pixels: `[Bp, C, R, R]` normalised pixels, Bp = `plan.rows` (bucket padded).
+      meta: `jaxsync.upload_packed(plan)` of `plan(num_images, cfg)`: `valid` bool [Bp] (True
+        for real images) and `img2bpe` int32 [N] (VQ code -> BPE id). Padding images are zeroed
+        first, so a server's reused pixel slab with stale or non-finite rows costs nothing.
+      encoder_only: rows are the VQ encoder's hidden states (its latents before `quant_conv`,
+        `[Bp*T, latent_channels]`) instead of the embedded tokens.
 
     Returns:
-      codes int32 `[Bp, T]` (map them with `img2bpe`) and `finite` bool `[Bp]`: False where an
-      image held a NaN or inf (its codes are then meaningless; every other row is unaffected,
-      since each image is normalised, convolved and quantised on its own).
+      `jaxsync.Encoded`: rows `[Bp*T, D]` in the model dtype, `embed_tokens` of the image's BPE
+      ids, image i at rows `i*T : (i+1)*T` in raster order (vLLM's `get_input_embeddings` of
+      the image tokens); finite bool [Bp]: False where an image or its rows held a NaN or inf
+      (each image is normalised, convolved and quantised on its own, so the others are
+      unaffected), and for padding; extras `{"ids": int32 [Bp*T]}`, the BPE ids of the rows.
+
+    Raises:
+      ValueError: at trace time, pixels or a plan that do not fit each other or the tower.
     """
-    valid = meta["valid"]  # [Bp]
+    check_inputs(model.cfg, pixels, meta)
+    valid = meta.valid  # [Bp]
     finite = jnp.all(jnp.isfinite(pixels), axis=(1, 2, 3)) & valid
     pixels = jnp.where(valid[:, None, None, None], pixels, jnp.zeros((), pixels.dtype))
-    _, codes = vq_model(pixels)
-    return codes, finite
+    latents, codes = model.vqmodel(pixels)  # [Bp, h, w, L], [Bp, T]
+    bp, t = codes.shape
+    ids = img2bpe(codes, meta.img2bpe).reshape(bp * t)  # [Bp*T]
+    if encoder_only:
+        rows = latents.reshape(bp * t, latents.shape[-1])  # [Bp*T, L]
+    else:
+        rows = model.embed_tokens(ids)  # [Bp*T, D]
+    finite &= jnp.all(jnp.isfinite(rows).reshape(bp, -1), axis=1)
+    return jaxsync.Encoded(rows, finite, {"ids": ids})
+
+
+forward_encoder_only = ft.partial(forward, encoder_only=True)
+"""`forward(..., encoder_only=True)`: one function object, so its programs are shared."""

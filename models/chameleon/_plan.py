@@ -1,22 +1,26 @@
 """Host planning for Chameleon's image paths: numpy only, no device work.
 
-`plan_images` buckets an image batch (the tokenizer's per-call metadata); `plan_merge` turns a
-prompt's `<image>` placeholders into padded scatter positions. Both validate host metadata
-before anything is uploaded or compiled, and both return `fields` that go up in ONE
-`jaxsync.upload_packed` (a server may upload them inside its own packed transfer instead).
+`plan` buckets an image batch (the tower's per-call metadata: which rows are real images, and
+the VQ code -> BPE id table); `plan_merge` turns a prompt's `<image>` placeholders into padded
+scatter positions. Both validate host metadata before anything is uploaded or compiled, and
+both return a typed `meta` that goes up in ONE `jaxsync.upload_packed(plan)` (a server may put
+its fields, `meta._asdict()`, in its own packed transfer instead).
 `host_pixels` and `check_pixels` validate the tokenizer's input (device pixels by shape and
 dtype only); `bucket_batch_sizes` lists the batch sizes that share one bucket's program.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
+from jaxsync.models.chameleon._config import ChameleonConfig
+from jaxsync.models.chameleon._vocab import ImageVocabularyMapping
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
@@ -48,42 +52,98 @@ def check_pixels(x, image_shape: tuple[int, int, int]) -> int:
     return shape[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class ChameleonImagePlan:
-    """One image batch, bucketed.
+IMAGE_BUCKETS: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256)
+"""Default image-count buckets: one image alone (the common prompt), then 2..4 share a program,
+and so on. Every image has the processor's one size (`resolution`), so this is the only pad."""
+
+
+class ChameleonMeta(NamedTuple):
+    """The device metadata of one image batch (`jaxsync.upload_packed(plan)` moves it).
 
     Attributes:
-      num_images: real images (host int).
-      rows: padded batch rows (`>= num_images`, a multiple of the batch shards).
-      fields: `{"valid": bool [rows]}` (True for real images), for `jaxsync.upload_packed`.
+      valid: bool [Bp], True for the real images.
+      img2bpe: int32 [N] VQ code -> BPE id, N the codebook size.
     """
 
+    valid: np.ndarray
+    img2bpe: np.ndarray
+
+
+class ChameleonPlan(NamedTuple):
+    """Host plan of one image batch.
+
+    Attributes:
+      meta: the device metadata.
+      lengths: output rows per image (`tokens_per_image` each).
+      num_images: real images.
+      rows: padded image count Bp (a bucket, a multiple of the batch shards).
+      tokens_per_image: T, rows per image.
+    """
+
+    meta: ChameleonMeta
+    lengths: tuple[int, ...]
     num_images: int
     rows: int
-    fields: dict[str, np.ndarray]
+    tokens_per_image: int
 
 
-def plan_images(
-    num_images: int, buckets: tuple[int, ...] | None = None, *, batch_shards: int = 1
-) -> ChameleonImagePlan:
-    """Buckets `num_images` images, padded to a multiple of `batch_shards` (the number of
-    devices the batch axis is split over, so every shard holds whole images).
+def plan(
+    num_images: int,
+    cfg: ChameleonConfig,
+    *,
+    buckets: tuple[int, ...] | None = None,
+    batch_shards: int = 1,
+    missing_code_id: int | None = None,
+) -> ChameleonPlan:
+    """Plans a batch of `num_images` images for `forward`.
+
+    Args:
+      num_images: real images (host int).
+      cfg: the model config (its vocabulary gives the code table).
+      buckets: image-count buckets (default `IMAGE_BUCKETS`).
+      batch_shards: devices the batch axis is split over: the padded count is a multiple of it,
+        so every shard holds whole images.
+      missing_code_id: see `ImageVocabularyMapping` (None: a VQ code without a name is an error).
 
     Raises:
-      TypeError: a non-integer count. ValueError: no image, or more than the largest bucket.
+      TypeError: a non-integer count. ValueError: no image, more than the largest bucket, or a
+        codebook code without an image-token name.
     """
     n = jaxsync.host_int(num_images, name="num_images", minimum=1)
     shards = jaxsync.host_int(batch_shards, name="batch_shards", minimum=1)
-    rows = jaxsync.bucket(n, buckets, minimum=1)
+    rows = jaxsync.bucket(n, IMAGE_BUCKETS if buckets is None else buckets)
     rows = -(-rows // shards) * shards
-    return ChameleonImagePlan(n, rows, {"valid": np.arange(rows) < n})
+    table = vocabulary(cfg, missing_code_id).img2bpe
+    t = cfg.vq.tokens_per_image
+    meta = ChameleonMeta(valid=np.arange(rows) < n, img2bpe=table)
+    return ChameleonPlan(meta, (t,) * n, n, rows, t)
+
+
+_VOCABULARIES: collections.OrderedDict = collections.OrderedDict()
+
+
+def vocabulary(cfg: ChameleonConfig, missing_code_id: int | None = None) -> ImageVocabularyMapping:
+    """The image vocabulary of `cfg`, built once per config object (a few recent ones kept)."""
+    key = (id(cfg), missing_code_id)
+    hit = _VOCABULARIES.get(key)
+    if hit is not None and hit[0] is cfg:
+        _VOCABULARIES.move_to_end(key)
+        return hit[1]
+    mapping = ImageVocabularyMapping(
+        cfg.vocabulary_map, num_embeddings=cfg.vq.num_embeddings, missing_code_id=missing_code_id
+    )
+    _VOCABULARIES[key] = (cfg, mapping)  # holds cfg: its id is not reused while cached
+    while len(_VOCABULARIES) > 8:
+        _VOCABULARIES.popitem(last=False)
+    return mapping
 
 
 def bucket_batch_sizes(rows: int, buckets: tuple[int, ...] | None, batch_shards: int) -> list[int]:
     """The batch sizes, ascending, whose bucket is `rows` (they share its program), keeping
     only multiples of `batch_shards` (a batch split over devices always holds a multiple)."""
+    buckets = IMAGE_BUCKETS if buckets is None else buckets
     lo = rows
-    while lo > 1 and jaxsync.bucket(lo - 1, buckets, minimum=1) == rows:
+    while lo > 1 and jaxsync.bucket(lo - 1, buckets) == rows:
         lo -= 1
     return [n for n in range(lo, rows + 1) if n % batch_shards == 0]
 
@@ -94,18 +154,27 @@ def placeholder_positions(input_ids: np.ndarray, image_token_id: int) -> np.ndar
     return np.flatnonzero(ids.reshape(-1) == image_token_id).astype(np.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChameleonMergePlan:
+class ChameleonMergeMeta(NamedTuple):
+    """The device metadata of one merge.
+
+    Attributes:
+      positions: int32 [P], `P = bucket(num_image_tokens)`: flat row-major placeholder rows;
+        padded slots hold the text row count (one past the end), which the scatter drops.
+    """
+
+    positions: np.ndarray
+
+
+class ChameleonMergePlan(NamedTuple):
     """Scatter positions of one prompt batch.
 
     Attributes:
+      meta: the device metadata (`jaxsync.upload_packed(plan)`).
       num_image_tokens: placeholders filled (host int).
-      fields: `{"positions": int32 [P]}`, `P = bucket(num_image_tokens)`; padded slots hold
-        `text rows` (one past the end), which the scatter drops.
     """
 
+    meta: ChameleonMergeMeta
     num_image_tokens: int
-    fields: dict[str, np.ndarray]
 
 
 def plan_merge(
@@ -157,4 +226,4 @@ def plan_merge(
         raise ValueError("placeholder positions repeat")
     padded = np.full((jaxsync.bucket(n),), total, dtype=np.int32)  # out of range -> dropped
     padded[:n] = pos
-    return ChameleonMergePlan(n, {"positions": padded})
+    return ChameleonMergePlan(ChameleonMergeMeta(padded), n)

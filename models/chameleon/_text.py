@@ -1,11 +1,11 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
-"""The encoder's text-side paths: what needs the image vocabulary but not the VQ model.
+"""Chameleon's text-side paths: what needs the image vocabulary but not the image tower.
 
-Device tables for a server's own jitted step (`mask_column`, `img2bpe_table`), and the standalone
-entry points on the language model's tensors: the image-token logit mask, logits with the mask,
-and the `<image>` placeholder merge, each one jitted call with its tables from the mapping's
-`DeviceCache`. `ChameleonImageEncoder` inherits them; they read only `self.mapping`, so an
-encoder built without a VQ model offers them all.
+`ChameleonTextPaths(cfg)` is built from the model config alone: device tables for a server's own
+jitted step (`mask_column`, `img2bpe_table`), and the standalone entry points on the language
+model's tensors: the image-token logit mask, logits with the mask, and the `<image>` placeholder
+merge, each one jitted call with its tables from the mapping's `DeviceCache`.
+`ChameleonImageEncoder` offers the same paths beside the image tower.
 """
 
 from __future__ import annotations
@@ -18,14 +18,48 @@ import jaxsync
 import jaxsync.check
 from jaxsync import replicated_near
 from jaxsync.models.chameleon import _logits, _merge
+from jaxsync.models.chameleon._config import ChameleonConfig
 from jaxsync.models.chameleon._plan import plan_merge
 from jaxsync.models.chameleon._vocab import ImageVocabularyMapping
 
 
-class TextSidePaths:
-    """Logit mask, masked logits and placeholder merge of one image vocabulary (`self.mapping`)."""
+class ChameleonTextPaths:
+    """Logit mask, masked logits and placeholder merge of one Chameleon model's image vocabulary.
 
-    mapping: ImageVocabularyMapping
+    Args:
+      cfg: the model config (its `vocabulary_map` and codebook size).
+      missing_code_id: see `ImageVocabularyMapping` (None: `img2bpe_table` refuses a VQ code
+        without a name; the mask and the merge need only the image-token ids).
+      cache: the `DeviceCache` for the constant tables (default: the process-wide one).
+
+    Attributes:
+      cfg: the config.
+      mapping: the image vocabulary (`ImageVocabularyMapping`).
+
+    >>> import jax.numpy as jnp
+    >>> from jaxsync.paths.chameleon import reference as ref
+    >>> text = ChameleonTextPaths(ChameleonConfig.from_hf_config(ref.tiny_hf_config()))
+    >>> logits = text.mask_image_logits(jnp.zeros((2, text.cfg.vocab_size)))
+    >>> bool(logits[0, text.mapping.image_token_ids[0]] == jnp.finfo(jnp.float32).min)
+    True
+    """
+
+    def __init__(
+        self,
+        cfg: ChameleonConfig,
+        *,
+        missing_code_id: int | None = None,
+        cache: jaxsync.DeviceCache | None = None,
+    ):
+        if not isinstance(cfg, ChameleonConfig):
+            raise TypeError(f"cfg must be a ChameleonConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.mapping = ImageVocabularyMapping(
+            cfg.vocabulary_map,
+            num_embeddings=cfg.vq.num_embeddings,
+            missing_code_id=missing_code_id,
+            cache=cache,
+        )
 
     # ------------------------------------------------------------ tables for a server's step
 
@@ -97,6 +131,6 @@ class TextSidePaths:
         )
         if plan.num_image_tokens == 0:
             return text_embeds
-        pos = jaxsync.async_h2d(plan.fields["positions"], placement=replicated_near(text_embeds))
+        pos = jaxsync.async_h2d(plan.meta.positions, placement=replicated_near(text_embeds))
         merge = _merge.merge_jit_donated if donate else _merge.merge_jit
         return merge(text_embeds, image_embeds, pos)

@@ -1,87 +1,112 @@
-"""Checkpoint mapping for the Chameleon VQ-VAE tokenizer (`model.vqmodel.*` keys) and its loader."""
+"""Checkpoint mapping for the Chameleon image tower (`model.vqmodel.*`, `model.embed_tokens`).
+
+The encoder's blocks are stacked by shape kind (`_layout.py`), so a block's checkpoint path
+(`vqmodel.encoder.down.2.block.0`) maps onto a slice of its stack (`vqmodel.encoder.res.w256.1`,
+which the loader fills as slice 1 of `res.w256.layer`). That map depends on the config: the
+rules are generated per config by `weight_rules(cfg)`.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsync.models.chameleon._config import ChameleonConfig, ChameleonVQConfig
-from jaxsync.models.chameleon._modules import ChameleonVQVAE
+from jaxsync.models.chameleon._layout import encoder_layout
+from jaxsync.models.chameleon._modules import ChameleonImageTower
 from jaxsync.weights import PartitionRules, Rule, checkpoint_dtype, conv, load_weights
 
 
-VQ_PREFIX = "model.vqmodel."
+PREFIX = "model."
 # post_quant_conv belongs to the image *decoder* path: present in checkpoints, unused here.
-VQ_SELECT = r"model\.vqmodel\.(?!post_quant_conv\.)"
+SELECT = r"model\.(?:vqmodel\.(?!post_quant_conv\.)|embed_tokens\.weight$)"
 
-_NORM = r"((?:.+\.)?(?:norm|norm1|norm2|norm_out))"
-_CONV = r"((?:.+\.)?(?:conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv))"
-
-VQ_RULES = (
+_NORMS = "norm|norm1|norm2|norm_out"
+_CONVS = "conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv"
+_LEAVES = (
     # torch GroupNorm (weight, bias) -> nnx.GroupNorm (scale, bias)
-    Rule(_NORM + r"\.weight", r"\1.scale"),
-    Rule(_NORM + r"\.bias", r"\1.bias"),
+    (rf"({_NORMS})\.weight", r"\1.scale", None),
+    (rf"({_NORMS})\.bias", r"\1.bias", None),
     # torch Conv2d [O, I, kh, kw] -> nnx.Conv [kh, kw, I, O]
-    Rule(_CONV + r"\.weight", r"\1.kernel", conv(2)),
-    Rule(_CONV + r"\.bias", r"\1.bias"),
-    # nn.Embedding [num_embeddings, embed_dim], same layout
-    Rule(r"quantize\.embedding\.weight", "quantize.embedding"),
+    (rf"({_CONVS})\.weight", r"\1.kernel", conv(2)),
+    (rf"({_CONVS})\.bias", r"\1.bias", None),
 )
-"""HF key (after stripping `model.vqmodel.`) -> `ChameleonVQVAE` parameter path."""
+
+
+def weight_rules(cfg: ChameleonConfig | ChameleonVQConfig) -> tuple[Rule, ...]:
+    """HF key (after `model.`) -> `ChameleonImageTower` parameter path, for this config.
+
+    Every encoder block's key prefix maps to its stack slice; the layer's own leaves (norms,
+    convs) map one to one below it.
+    """
+    vq = cfg.vq if isinstance(cfg, ChameleonConfig) else cfg
+    # Prefixes hold no group: the leaf patterns' group is the rules' `\1`.
+    places = [(r"vqmodel\.encoder\.", "vqmodel.encoder."), (r"vqmodel\.", "vqmodel.")]
+    for block, slot in encoder_layout(vq).slots.items():
+        places.append((rf"vqmodel\.encoder\.{re.escape(block)}\.", f"vqmodel.encoder.{slot.path}."))
+    rules = [
+        Rule(src + pattern, dst + target, transform)
+        for src, dst in places
+        for pattern, target, transform in _LEAVES
+    ]
+    rules.append(Rule(r"vqmodel\.quantize\.embedding\.weight", "vqmodel.quantize.embedding"))
+    rules.append(Rule(r"embed_tokens\.weight", "embed_tokens.embedding"))  # [V, D], same layout
+    return tuple(rules)
+
 
 PARTITION_RULES: PartitionRules = (
-    # Conv kernels [kh, kw, I, O] and their biases split over output channels; GroupNorm
-    # parameters and the codebook stay replicated (a norm needs every channel of its group).
-    (
-        r"(conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv)\.kernel",
-        (None, None, None, "model"),
-    ),
-    (
-        r"(conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv)\.bias",
-        ("model",),
-    ),
+    # Conv kernels [kh, kw, I, O] (of one layer, for a stacked block) and their biases split
+    # over output channels; GroupNorm parameters and the codebook stay replicated (a norm needs
+    # every channel of its group).
+    (rf"(?:^|\.)(?:{_CONVS})\.kernel$", (None, None, None, "model")),
+    (rf"(?:^|\.)(?:{_CONVS})\.bias$", ("model",)),
+    # The text embedding splits its vocabulary rows, as vLLM's VocabParallelEmbedding: each
+    # device gathers the ids it holds and one all-reduce sums the rows; the table never moves.
+    (r"^embed_tokens\.embedding$", ("model", None)),
 )
 """NNX parameter path regex -> mesh axes (a dimension the axis does not divide is replicated)."""
 
 
 def load_model(
     checkpoint: str | Path,
-    cfg: ChameleonConfig | ChameleonVQConfig | None = None,
+    cfg: ChameleonConfig | None = None,
     *,
     dtype=None,
     mesh: Mesh | None = None,
     partition_rules: PartitionRules = PARTITION_RULES,
-) -> ChameleonVQVAE:
-    """Loads the VQ-VAE image tokenizer of a Chameleon checkpoint.
+) -> ChameleonImageTower:
+    """Loads the image tower of a Chameleon checkpoint: the VQ-VAE tokenizer and the text
+    token embedding.
 
     Args:
       checkpoint: a directory (with `config.json` when `cfg` is None), a `.safetensors` file or
         a sharded index.
-      cfg: the config (`ChameleonConfig` or its `.vq`); None reads `from_hf_config(checkpoint)`.
+      cfg: the config; None reads `from_hf_config(checkpoint)`.
       dtype: None keeps the checkpoint's float dtype (a bf16 checkpoint loads at bf16, the
         computation dtype follows); an explicit dtype casts every float tensor to it.
       mesh: places each parameter as it is read, per `partition_rules` (replicated otherwise).
       partition_rules: `[(regex over the parameter path, axes), ...]`.
 
     Raises:
-      jaxsync.weights.WeightError: a missing, unknown or mis-shaped `model.vqmodel.*` tensor, or
-        checkpoint float tensors of mixed dtypes with `dtype=None`.
+      TypeError: a `cfg` that is not a `ChameleonConfig`.
+      jaxsync.weights.WeightError: a missing, unknown or mis-shaped tower tensor, or checkpoint
+        float tensors of mixed dtypes with `dtype=None`.
     """
     if cfg is None:
         cfg = ChameleonConfig.from_hf_config(checkpoint)
-    vq = cfg.vq if isinstance(cfg, ChameleonConfig) else cfg
-    if not isinstance(vq, ChameleonVQConfig):
-        raise TypeError(f"cfg must be a ChameleonConfig or ChameleonVQConfig, got {type(cfg)}")
+    if not isinstance(cfg, ChameleonConfig):
+        raise TypeError(f"cfg must be a ChameleonConfig, got {type(cfg).__name__}")
     if dtype is None:
-        dtype = checkpoint_dtype(checkpoint, select=VQ_SELECT)
+        dtype = checkpoint_dtype(checkpoint, select=SELECT)
     return load_weights(
-        lambda: ChameleonVQVAE(vq, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype),
+        lambda: ChameleonImageTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype),
         checkpoint,
-        VQ_RULES,
-        select=VQ_SELECT,
-        strip=VQ_PREFIX,
+        weight_rules(cfg),
+        select=SELECT,
+        strip=PREFIX,
         dtype=dtype,
         mesh=mesh,
         partition_rules=partition_rules,

@@ -14,12 +14,13 @@ import jaxsync.check
 import jaxsync.models.chameleon as chameleon
 import jaxsync.testing
 from jaxsync.models.chameleon import (
-    VQ_RULES,
     ChameleonConfig,
+    ChameleonImageTower,
+    ChameleonTextPaths,
     ChameleonVQConfig,
-    ChameleonVQVAE,
     ImageVocabularyMapping,
     decode_image_token_name,
+    weight_rules,
 )
 from jaxsync.paths.chameleon import reference as ref
 
@@ -175,26 +176,22 @@ def test_padded_vs_unpadded_invariance(enc):
         dev = np.asarray(enc.get_image_tokens(jax.device_put(four[:n])))
         np.testing.assert_array_equal(dev, full[:n])
     out = enc(four[:3])  # Embeddings: the bucket's rows, host lengths
-    t = enc.cfg.vq.tokens_per_image
-    assert out.embeddings.shape == (4 * t,) and out.lengths == (t,) * 3
+    t, d = enc.cfg.vq.tokens_per_image, enc.cfg.hidden_size
+    assert out.embeddings.shape == (4 * t, d) and out.lengths == (t,) * 3
     assert out.offsets == (0, t, 2 * t) and out.num_tokens == 3 * t
-    np.testing.assert_array_equal(np.asarray(out.embeddings[: 3 * t]), full[:3].reshape(-1))
-    np.testing.assert_array_equal(np.asarray(out.split()[2]), full[2])
-    assert out.extras["finite"].shape == (3,) and bool(np.asarray(out.extras["finite"]).all())
+    ids = out.extras["ids"]
+    assert ids.shape == (4 * t,) and ids.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(ids[: 3 * t]), full[:3].reshape(-1))
+    embed = np.asarray(ref.tiny_tower().embed_tokens.embedding[...])  # the fixture's weights
+    np.testing.assert_array_equal(np.asarray(out.split()[2]), embed[full[2]])
+    np.testing.assert_array_equal(np.asarray(out.embeddings[: 3 * t]), embed[full[:3].reshape(-1)])
+    # finite: one flag per bucket row, False for the padding image
+    np.testing.assert_array_equal(np.asarray(out.extras["finite"]), [True, True, True, False])
 
 
 def test_image_tokens_sync_free_device_pixels(enc):
     xs = [jax.device_put(_px(b, enc, seed=b)) for b in (3, 1, 2)]
     jaxsync.check.assert_sync_free(enc.get_image_tokens, xs[0], inputs=[(x,) for x in xs[1:]])
-
-
-def test_tokenizer_program_takes_few_arguments(enc):
-    # The packed state (one buffer per dtype) + pixels + packed meta + img2bpe table, where the
-    # old flat-leaf program took 67 jit arguments.
-    pixels = jax.device_put(_px(4, enc))
-    meta = jaxsync.upload_packed(chameleon.plan_images(4, (4,)).fields)
-    lowered = enc._program.lower(pixels, meta, enc.img2bpe_table())
-    assert len(jax.tree.leaves(lowered.args_info)) <= 6
 
 
 def test_image_tokens_sync_free_host_pixels(enc):
@@ -274,27 +271,42 @@ def test_released_checkpoint_keys_map_onto_the_module():
     shape (meta-device torch model and `nnx.eval_shape`: nothing is allocated)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from jaxsync.models.chameleon._weights import VQ_PREFIX, VQ_SELECT
+    from jaxsync._stack import stacks
+    from jaxsync.models.chameleon._weights import PREFIX, SELECT
+    from jaxsync.weights._loader import _stacked_slot
 
+    cfg = ChameleonConfig.from_hf_config(ref.released_hf_config())
     with torch.device("meta"):
         hf = transformers.ChameleonVQVAE(transformers.ChameleonVQVAEConfig())
-    ours = nnx.eval_shape(lambda: ChameleonVQVAE(ChameleonVQConfig(), rngs=nnx.Rngs(0)))
+        embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    ours = nnx.eval_shape(lambda: ChameleonImageTower(cfg, rngs=nnx.Rngs(0)))
+    stacked = stacks(ours)
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(ours, nnx.Param))}
+    keys = {f"model.vqmodel.{k}": t for k, t in hf.state_dict().items()}
+    keys["model.embed_tokens.weight"] = embed.weight
     seen = set()
     import re
 
-    for key, t in hf.state_dict().items():
-        full = VQ_PREFIX + key
-        if not re.match(VQ_SELECT, full):
-            assert key.startswith("post_quant_conv")
+    for key, t in keys.items():
+        if not re.match(SELECT, key):
+            assert key.startswith("model.vqmodel.post_quant_conv")
             continue
-        rule, target = next((r, r.match(key)) for r in VQ_RULES if r.match(key))
+        short = key[len(PREFIX) :]
+        rule, mapped = next((r, r.match(short)) for r in weight_rules(cfg) if r.match(short))
+        target, index = _stacked_slot(mapped, stacked)
         shape = tuple(t.shape)
         if rule.transform is not None:
             shape = shape[2:] + (shape[1], shape[0])
-        assert flat[target].get_value().shape == shape, key
-        seen.add(target)
-    assert seen == set(flat)
+        want = flat[target].get_value().shape
+        assert (want if index is None else want[1:]) == shape, key
+        assert (target, index) not in seen, key
+        seen.add((target, index))
+    # every parameter, and every layer of every stacked one, is filled exactly once
+    layers = {t: v.get_value().shape[0] for t, v in flat.items() if ".layer." in t}
+    assert seen == {(t, None) for t in flat if t not in layers} | {
+        (t, i) for t, n in layers.items() for i in range(n)
+    }
+    assert len(jax.tree.leaves(nnx.state(ours))) == 68  # whatever num_res_blocks: see serving
 
 
 def test_registered_for_verify_and_bench():
@@ -344,11 +356,19 @@ def test_text_side_paths_work_with_a_gapped_code_table_the_tokenizer_refuses():
     10.. only): the logit mask and merge work; building the tokenizer is refused on the host."""
     vocab = {"<image>": 1, "IMGIMGBAZ": 3, "IMGIMGBBZ": 4, "IMGIMGBCZ": 5}
     cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config(vocab))
-    enc = chameleon.ChameleonImageEncoder(cfg)
-    logits = enc.mask_image_logits(jnp.zeros((2, cfg.vocab_size)))
+    text = ChameleonTextPaths(cfg)  # the config alone: no tower
+    logits = text.mask_image_logits(jnp.zeros((2, cfg.vocab_size)))
     masked = np.flatnonzero(np.asarray(logits[0]) == np.finfo(np.float32).min)
     assert masked.tolist() == [3, 4, 5]
-    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
+    assert np.asarray(text.mask_column(cfg.vocab_size)).nonzero()[0].tolist() == [3, 4, 5]
     with pytest.raises(ValueError, match="VQ codes have no IMGIMG name"):
-        chameleon.ChameleonImageEncoder(cfg, vq)
-    chameleon.ChameleonImageEncoder(cfg, vq, missing_code_id=0)  # upstream's choice, made explicit
+        text.img2bpe_table()
+    with pytest.raises(ValueError, match="VQ codes have no IMGIMG name"):
+        chameleon.plan(1, cfg)
+    tower = ChameleonImageTower(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="VQ codes have no IMGIMG name"):
+        chameleon.ChameleonImageEncoder(tower)
+    enc = chameleon.ChameleonImageEncoder(tower, missing_code_id=0)  # upstream's choice, explicit
+    want = [0] * cfg.vq.num_embeddings
+    want[10:13] = [3, 4, 5]  # the named codes; every other code takes the chosen id
+    assert np.asarray(enc.plan(1).meta.img2bpe).tolist() == want

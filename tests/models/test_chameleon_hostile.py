@@ -18,9 +18,11 @@ import jaxsync.check
 import jaxsync.testing
 from jaxsync.models.chameleon import (
     ChameleonImageEncoder,
+    ChameleonImageTower,
     ChameleonVQConfig,
     ChameleonVQVAE,
-    plan_images,
+    forward,
+    plan,
     plan_merge,
 )
 from jaxsync.paths.chameleon import reference as ref
@@ -104,12 +106,11 @@ def test_device_pixels_refused(enc, monkeypatch):
 
 def test_pixels_split_off_the_batch_axis_refused(enc, monkeypatch):
     mesh = jaxsync.testing.device_mesh("data", max_devices=2, auto=True)  # 2 divides 22
-    cfg = enc.cfg
-    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
+    tower = ChameleonImageTower(enc.cfg, rngs=nnx.Rngs(0))
     rep = NamedSharding(mesh, P())
-    _, state = nnx.split(vq)
-    nnx.update(vq, jax.tree.map(lambda w: jax.device_put(w, rep), state))
-    sharded = ChameleonImageEncoder(cfg, vq, buckets=(8,))
+    _, state = nnx.split(tower)
+    nnx.update(tower, jax.tree.map(lambda w: jax.device_put(w, rep), state))
+    sharded = ChameleonImageEncoder(tower, buckets=(8,))
     px = _px(mesh.devices.size)
     wrong = jax.device_put(px, NamedSharding(mesh, P(None, None, "data")))
     with pytest.raises(ValueError, match="batch axis only"):
@@ -123,28 +124,46 @@ def test_nan_image_is_flagged_and_leaves_the_others_bit_identical(enc):
     poisoned[1, 2, 0, 0] = np.inf
     want = enc(jax.device_put(clean))
     got = enc(jax.device_put(poisoned))
-    np.testing.assert_array_equal(np.asarray(got.extras["finite"]), [True, False, True])
-    np.testing.assert_array_equal(np.asarray(want.extras["finite"]), [True, True, True])
+    # one flag per bucket row (4): the padding image is not a finite item either
+    np.testing.assert_array_equal(np.asarray(got.extras["finite"]), [True, False, True, False])
+    np.testing.assert_array_equal(np.asarray(want.extras["finite"]), [True, True, True, False])
     t = enc.tokens_per_image
-    a, b = np.asarray(want.embeddings), np.asarray(got.embeddings)
-    np.testing.assert_array_equal(a[:t], b[:t])
-    np.testing.assert_array_equal(a[2 * t : 3 * t], b[2 * t : 3 * t])
+    for name in ("embeddings", "ids"):
+        a = np.asarray(want.embeddings if name == "embeddings" else want.extras["ids"])
+        b = np.asarray(got.embeddings if name == "embeddings" else got.extras["ids"])
+        np.testing.assert_array_equal(a[:t], b[:t])
+        np.testing.assert_array_equal(a[2 * t : 3 * t], b[2 * t : 3 * t])
 
 
 def test_stale_padding_rows_of_a_server_slab_change_nothing(enc):
     # A server's reused pixel slab: rows past the real images hold stale data, even NaN.
-    from jaxsync.models.chameleon import forward
-
     px = _px(4, seed=2)
     slab = px.copy()
     slab[3] = np.nan
-    meta = jaxsync.upload_packed(plan_images(3, (4,)).fields)
-    graphdef, state = nnx.split(ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0)))
+    meta = jaxsync.upload_packed(plan(3, enc.cfg, buckets=(4,)))
+    graphdef, state = nnx.split(ChameleonImageTower(enc.cfg, rngs=nnx.Rngs(0)))
     run = jax.jit(lambda s, x, m: forward(nnx.merge(graphdef, s), x, m))
     clean = run(state, jnp.asarray(np.concatenate([px[:3], np.zeros_like(px[:1])])), meta)
     dirty = run(state, jnp.asarray(slab), meta)
-    np.testing.assert_array_equal(np.asarray(dirty[0]), np.asarray(clean[0]))
-    np.testing.assert_array_equal(np.asarray(dirty[1]), [True, True, True, False])
+    np.testing.assert_array_equal(np.asarray(dirty.rows), np.asarray(clean.rows))
+    np.testing.assert_array_equal(np.asarray(dirty.extras["ids"]), np.asarray(clean.extras["ids"]))
+    np.testing.assert_array_equal(np.asarray(dirty.finite), [True, True, True, False])
+
+
+def test_forward_refuses_inputs_that_do_not_fit_the_plan_at_trace_time(enc):
+    tower = ChameleonImageTower(enc.cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(tower)
+    run = jax.jit(lambda s, x, m: forward(nnx.merge(graphdef, s), x, m))
+    meta = jaxsync.upload_packed(plan(3, enc.cfg, buckets=(4,)))
+    with pytest.raises(ValueError, match=r"shape \(3, 3, 22, 22\) but the plan pads to 4 images"):
+        run(state, jnp.zeros((3, *enc.image_shape)), meta)
+    with pytest.raises(ValueError, match=r"\(4, 3, 21, 21\) but the plan pads to 4 images of"):
+        run(state, jnp.zeros((4, 3, 21, 21)), meta)
+    other = ChameleonImageEncoder(ref.tiny_tower(num_embeddings=89), buckets=(4,))
+    with pytest.raises(
+        ValueError, match="img2bpe table has 89 entries but the tower's codebook 97"
+    ):
+        run(state, jnp.zeros((4, *enc.image_shape)), jaxsync.upload_packed(other.plan(3)))
 
 
 @settings(max_examples=25, deadline=None)
@@ -286,12 +305,12 @@ def test_merge_matches_a_numpy_reference(enc, data, rows, seq, n):
 
 
 def test_encoder_refuses_a_model_of_another_config(enc):
-    other = ChameleonVQVAE(
+    vq_only = ChameleonVQVAE(
         ChameleonVQConfig.from_hf_config(ref.tiny_vq_config(embed_dim=5)), rngs=nnx.Rngs(0)
     )
-    with pytest.raises(ValueError, match="vq config"):
-        ChameleonImageEncoder(enc.cfg, other)
-    with pytest.raises(ValueError, match="same parameter structure"):
-        enc.load_state(other)
-    with pytest.raises(ValueError, match="without a VQ model"):
-        ChameleonImageEncoder(enc.cfg)(_px(1))
+    with pytest.raises(TypeError, match="must be a ChameleonImageTower"):
+        ChameleonImageEncoder(vq_only)
+    with pytest.raises(ValueError, match="same structure"):
+        enc.load_state(ref.tiny_tower(embed_dim=5))
+    with pytest.raises(TypeError, match="must be a ChameleonImageTower"):
+        ChameleonImageEncoder(enc.cfg)

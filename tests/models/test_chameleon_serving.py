@@ -13,7 +13,7 @@ import jaxsync.testing
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,
-    ChameleonVQVAE,
+    ChameleonImageTower,
 )
 from jaxsync.paths.chameleon import reference as ref
 
@@ -44,7 +44,7 @@ def _server_inputs(enc):
         codes=codes,
         text=text,
         image=image,
-        pos=jaxsync.async_h2d(plan.fields["positions"]),
+        pos=jaxsync.async_h2d(plan.meta.positions),
         host_positions=positions,
     )
 
@@ -96,61 +96,105 @@ def test_pure_paths_add_no_jit_argument_and_no_host_callback(enc):
     assert jaxsync.check.scan_jaxpr(leaky, *args, mask, table)
 
 
-def test_pure_forward_drops_into_a_server_jit(enc):
-    from jaxsync.models.chameleon import forward, img2bpe
-
-    vq = ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0))  # the weights of the `enc` fixture
-    graphdef, state = nnx.split(vq)
-    px = _px(3, enc, seed=3)
-    plan = chameleon.plan_images(3, enc.buckets)
-    meta = jaxsync.upload_packed(plan.fields)
-    pixels = jnp.asarray(
-        np.concatenate([px, np.zeros((plan.rows - 3, *enc.image_shape), np.float32)])
-    )
-    table = enc.img2bpe_table()
+def _server_step(tower):
+    """A server's jit over the tower's flat state leaves, the module merged inside."""
+    graphdef, state = nnx.split(tower)
+    leaves, treedef = jax.tree.flatten(state)
 
     @jax.jit
-    def step(state, pixels, meta, table):
-        codes, finite = forward(nnx.merge(graphdef, state), pixels, meta)
-        return img2bpe(codes, table), finite
+    def step(leaves, pixels, meta):
+        return chameleon.forward(
+            nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), pixels, meta
+        )
 
-    ids, finite = step(state, pixels, meta, table)
+    return step, leaves
+
+
+def _padded(px, rows):
+    return jnp.asarray(np.concatenate([px, np.zeros((rows - len(px), *px.shape[1:]), px.dtype)]))
+
+
+def test_server_form_equals_the_entry_bit_for_bit_and_takes_new_weights_without_recompiling(enc):
+    tower = ref.tiny_tower()  # the weights of the `enc` fixture
+    step, leaves = _server_step(tower)
+    px = _px(3, enc, seed=3)
+    plan = chameleon.plan(3, tower.cfg, buckets=enc.buckets)
+    meta = jaxsync.upload_packed(plan)
+    out = step(leaves, _padded(px, plan.rows), meta)
+    assert isinstance(out, jaxsync.Encoded)
     want = enc(px)
-    np.testing.assert_array_equal(np.asarray(ids).reshape(-1), np.asarray(want.embeddings))
-    np.testing.assert_array_equal(np.asarray(finite), [True, True, True, False])
-    lowered = step.lower(state, pixels, meta, table)
-    assert len(jax.tree.leaves(lowered.args_info)) == len(jax.tree.leaves(state)) + 3
-    halved = jax.tree.map(lambda w: w * 0.5, state)
+    got = jaxsync.Embeddings.of(out, plan)
+    assert got.lengths == want.lengths and got.offsets == want.offsets
+    np.testing.assert_array_equal(np.asarray(got.rows), np.asarray(want.rows))
+    for name in ("ids", "finite"):
+        np.testing.assert_array_equal(np.asarray(got.extras[name]), np.asarray(want.extras[name]))
+    np.testing.assert_array_equal(np.asarray(out.finite), [True, True, True, False])
+    # the state's leaves are the jit arguments, plus the pixels and the one packed meta
+    lowered = step.lower(leaves, _padded(px, plan.rows), meta)
+    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 2
+    assert enc.program.num_state_args == len(leaves)
+    halved = [w * 0.5 if jnp.issubdtype(w.dtype, jnp.floating) else w for w in leaves]
     with jaxsync.check.no_recompile():
-        other, _ = step(halved, pixels, meta, table)
-    assert not np.array_equal(np.asarray(other), np.asarray(ids))  # weights are arguments
+        other = step(halved, _padded(px, plan.rows), meta)
+    assert not np.array_equal(np.asarray(other.rows), np.asarray(out.rows))  # weights are args
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
-def test_entry_program_takes_the_same_few_arguments_at_any_depth(blocks):
-    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=blocks))
-    enc = ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(2,))
+def test_plans_of_2_and_3_images_share_one_program():
+    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
+    two, three = chameleon.plan(2, cfg), chameleon.plan(3, cfg)
+    assert two.rows == three.rows == 4 and three.lengths == (cfg.vq.tokens_per_image,) * 3
+    step, leaves = _server_step(ref.tiny_tower())
+    px = _px(3, ChameleonImageEncoder(ref.tiny_tower()), seed=1)
+    step(leaves, _padded(px[:2], 4), jaxsync.upload_packed(two))
+    with jaxsync.check.no_recompile():
+        step(leaves, _padded(px, 4), jaxsync.upload_packed(three))
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_state_leaves_are_the_jit_arguments_and_do_not_grow_with_depth(blocks):
+    tower = ref.tiny_tower(num_res_blocks=blocks)
+    enc = ChameleonImageEncoder(tower, buckets=(2,))
     pixels = jax.device_put(_px(2, enc))
-    meta = jaxsync.upload_packed(chameleon.plan_images(2, (2,)).fields)
-    lowered = enc._program.lower(pixels, meta, enc.img2bpe_table())
-    # one packed state buffer (one dtype) + pixels + packed meta + table, whatever the depth
-    assert len(jax.tree.leaves(lowered.args_info)) == 4
-    assert enc._program.num_state_args == 1
+    lowered = enc.program.lower(pixels, jaxsync.upload_packed(enc.plan(2)))
+    leaves = len(jax.tree.leaves(nnx.state(tower)))
+    assert enc.program.num_state_args == leaves == 58  # the same at 1 and 3 blocks per level
+    assert len(jax.tree.leaves(lowered.args_info)) == leaves + 2  # + pixels, the packed meta
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_released_tower_state_leaves(blocks):
+    """The released tower (ch_mult (1, 1, 2, 2, 4), base 128, 512 px; built abstractly): 68
+    leaves, one per weight kind and width, however many residual blocks a level holds: 3
+    same-width residual stacks (8 each), 2 widening ones (10), the mid attention (10), 2
+    downsample stacks (2), conv_in, norm_out, conv_out, quant_conv (2 each), the codebook and
+    the text embedding."""
+    hf = ref.released_hf_config()
+    hf["vq_config"] = {"num_res_blocks": blocks}
+    cfg = ChameleonConfig.from_hf_config(hf)
+    tower = nnx.eval_shape(lambda: chameleon.ChameleonImageTower(cfg, rngs=nnx.Rngs(0)))
+    assert len(jax.tree.leaves(nnx.state(tower))) == 3 * 8 + 2 * 10 + 10 + 2 * 2 + 4 * 2 + 2
+
+
+def test_every_layer_stack_reaches_the_rows(enc):
+    tower = ref.tiny_tower()
+    px = _padded(_px(3, enc, seed=2), 4)
+    meta = jaxsync.upload_packed(chameleon.plan(3, tower.cfg, buckets=(4,)))
+    jaxsync.testing.assert_layers_run(tower, chameleon.forward, px, meta)
+    jaxsync.testing.assert_layers_run(tower, chameleon.forward_encoder_only, px, meta)
 
 
 def test_load_state_takes_new_weights_without_recompiling():
-    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
-    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
-    enc = ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    tower = ref.tiny_tower()
+    enc = ChameleonImageEncoder(tower, buckets=(4,))
     px = jax.device_put(_px(3, enc, seed=1))
     before = np.asarray(enc(px).embeddings)
-    _, state = nnx.split(vq)
-    nnx.update(vq, jax.tree.map(lambda w: -w, state))
+    _, state = nnx.split(tower)
+    nnx.update(tower, jax.tree.map(lambda w: -w, state))
     np.testing.assert_array_equal(np.asarray(enc(px).embeddings), before)  # snapshot
     with jaxsync.check.no_recompile():
-        enc.load_state(vq)
+        enc.load_state(tower)
         after = np.asarray(enc(px).embeddings)
-    fresh = ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    fresh = ChameleonImageEncoder(tower, buckets=(4,))
     np.testing.assert_array_equal(after, np.asarray(fresh(px).embeddings))
     assert not np.array_equal(after, before)
 
@@ -186,7 +230,7 @@ def test_processor_outputs_go_straight_in(enc, processor):
     for out in (as_np, as_pt):
         got = enc(**out)
         assert got.lengths == (enc.tokens_per_image,) * 3
-        np.testing.assert_array_equal(np.asarray(got.embeddings[: want.size]), want.reshape(-1))
+        np.testing.assert_array_equal(np.asarray(got.extras["ids"][: want.size]), want.reshape(-1))
         np.testing.assert_array_equal(np.asarray(enc.get_image_tokens(**out)), want)
     bf16 = as_pt["pixel_values"].bfloat16()  # widened exactly on the host
     np.testing.assert_array_equal(
@@ -199,11 +243,11 @@ def test_processor_outputs_go_straight_in(enc, processor):
 
 
 def _replicated_encoder(cfg, mesh, buckets):
-    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
-    _, state = nnx.split(vq)
+    tower = ChameleonImageTower(cfg, rngs=nnx.Rngs(0))
+    _, state = nnx.split(tower)
     rep = jax.sharding.NamedSharding(mesh, jax.P())
-    nnx.update(vq, jax.tree.map(lambda w: jax.device_put(w, rep), state))
-    return ChameleonImageEncoder(cfg, vq, buckets=buckets)
+    nnx.update(tower, jax.tree.map(lambda w: jax.device_put(w, rep), state))
+    return ChameleonImageEncoder(tower, buckets=buckets)
 
 
 def test_pixels_sharded_over_the_data_axis(enc):
@@ -214,7 +258,7 @@ def test_pixels_sharded_over_the_data_axis(enc):
     mesh = jaxsync.testing.device_mesh("data", max_devices=4, auto=True)
     k = mesh.devices.size
     dp = _replicated_encoder(enc.cfg, mesh, buckets=(2 * k,))
-    enc = ChameleonImageEncoder(enc.cfg, ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0)), buckets=(8,))
+    enc = ChameleonImageEncoder(ChameleonImageTower(enc.cfg, rngs=nnx.Rngs(0)), buckets=(8,))
     for n in (k, 2 * k):
         px = _px(n, enc, seed=n)
         split = jax.device_put(px, NamedSharding(mesh, P("data")))
@@ -224,6 +268,7 @@ def test_pixels_sharded_over_the_data_axis(enc):
             np.asarray(out.embeddings[: n * dp.tokens_per_image]),
             np.asarray(enc(px).embeddings[: n * dp.tokens_per_image]),
         )
+        assert out.embeddings.ndim == 2
         np.testing.assert_array_equal(
             np.asarray(dp.get_image_tokens(split)), np.asarray(enc.get_image_tokens(px))
         )
@@ -243,20 +288,24 @@ def test_weights_sharded_over_a_model_axis(enc):
     from jaxsync.weights import partition_spec
 
     mesh = jax.make_mesh((len(jax.devices()),), ("model",), (jax.sharding.AxisType.Auto,))
-    vq = ChameleonVQVAE(enc.cfg.vq, rngs=nnx.Rngs(0))
+    tower = ChameleonImageTower(enc.cfg, rngs=nnx.Rngs(0))
     sharded = 0
-    for path, var in nnx.to_flat_state(nnx.state(vq, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(tower, nnx.Param)):
         name = ".".join(map(str, path))
         axes = next((a for r, a in PARTITION_RULES if re.search(r, name)), None)
-        spec = partition_spec(axes, var.get_value().shape, mesh)
+        shape = var.get_value().shape
+        stacked = ".layer." in name  # the rules describe one layer: the layer axis unsharded
+        spec = partition_spec(axes, shape[1:] if stacked else shape, mesh)
+        spec = jax.P(None, *spec) if stacked else spec
         sharded += any(s is not None for s in spec)
         var.set_value(jax.device_put(var.get_value(), jax.NamedSharding(mesh, spec)))
     assert sharded  # the rules split something at this size
-    tp = ChameleonImageEncoder(enc.cfg, vq, buckets=(4,))
+    tp = ChameleonImageEncoder(tower, buckets=(4,))
     px = _px(3, enc, seed=5)
     np.testing.assert_array_equal(
         np.asarray(tp.get_image_tokens(px)), np.asarray(enc.get_image_tokens(px))
     )
+    np.testing.assert_array_equal(np.asarray(tp(px).rows), np.asarray(enc(px).rows))
 
 
 def test_encoder_call_sync_free(enc):

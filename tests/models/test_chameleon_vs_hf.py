@@ -1,5 +1,6 @@
-"""Chameleon image paths vs transformers: vocabulary tables, VQ latents, image tokens, logit mask,
-embedding merge. Tiny random models, weights through the production loader (`load_model`)."""
+"""Chameleon image paths vs transformers: vocabulary tables, VQ latents, image tokens, embedded
+image tokens, logit mask, embedding merge. Tiny random models, weights through the production
+loader (`load_model`)."""
 
 import numpy as np
 import pytest
@@ -33,8 +34,15 @@ def tiny(tmp_path_factory):
     model = ref.build_hf_model(hf_cfg)
     ckpt = ref.save_checkpoint(model, str(tmp_path_factory.mktemp("chameleon")))
     cfg = ChameleonConfig.from_hf_config(model.config)
-    enc = ChameleonImageEncoder(cfg, load_model(ckpt, cfg), buckets=BUCKETS)
-    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, enc=enc)
+    tower = load_model(ckpt, cfg)
+    enc = ChameleonImageEncoder(tower, buckets=BUCKETS)
+    hidden = ChameleonImageEncoder(tower, encoder_only=True, buckets=BUCKETS)
+    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, enc=enc, hidden=hidden)
+
+
+def _codes(enc, ids):
+    """VQ codes of BPE ids (the mapping is one to one on the codebook)."""
+    return np.vectorize(enc.mapping.bpe2img.__getitem__)(np.asarray(ids))
 
 
 # ---------------------------------------------------------------- vocabulary tables
@@ -94,13 +102,26 @@ def test_duplicate_codes_are_an_error_where_hf_silently_keeps_the_later():
 def test_image_tokens_fp32_equal_hf(tiny, batch):
     pixels = ref.random_pixels(batch, tiny["cfg"].vq, seed=batch)
     want = ref.hf_image_tokens(tiny["model"], pixels)
-    latents, codes = tiny["enc"].encode(jnp.asarray(pixels))
-    err = rel_err(np.asarray(latents).transpose(0, 3, 1, 2), want["latents"])
+    t, n = tiny["cfg"].vq.tokens_per_image, batch * tiny["cfg"].vq.tokens_per_image
+    hidden = tiny["hidden"](pixels)  # encoder-only rows: the latents before quant_conv
+    err = rel_err(np.asarray(hidden.rows[:n]), ref.latent_rows(want["latents"]))
     assert err <= 1e-5, f"encoder latents rel err {err:.2e}"
-    np.testing.assert_array_equal(np.asarray(codes), want["codes"])
+    np.testing.assert_array_equal(
+        _codes(tiny["enc"], hidden.extras["ids"][:n]), want["codes"].reshape(-1)
+    )
     tokens = tiny["enc"].get_image_tokens(pixels)
-    assert tokens.shape == (batch, tiny["cfg"].vq.tokens_per_image) and tokens.dtype == jnp.int32
+    assert tokens.shape == (batch, t) and tokens.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(tokens), want["tokens"])
+    # The rows are vLLM's `get_input_embeddings(image tokens)`: HF's embedded image features,
+    # one exact gather of the loaded table.
+    out = tiny["enc"](pixels)
+    d = tiny["cfg"].hidden_size
+    assert out.rows.dtype == jnp.float32 and out.lengths == (t,) * batch
+    np.testing.assert_array_equal(np.asarray(out.rows[:n]), want["embedded"].reshape(n, d))
+    for i, item in enumerate(out.split()):
+        assert item.shape == (t, d)  # 2-D per item, as tpu-inference's output check requires
+        np.testing.assert_array_equal(np.asarray(item), want["embedded"][i])
+    np.testing.assert_array_equal(np.asarray(out.extras["ids"][:n]), want["tokens"].reshape(-1))
     # the test is only meaningful if the codes vary
     assert np.unique(want["codes"]).size > 20
 
@@ -128,17 +149,19 @@ def test_image_tokens_bf16(tiny):
     ref32 = ref.hf_image_tokens(tiny["model"], pixels)
     hf16 = ref.hf_image_tokens(ref.build_hf_model(tiny["hf_cfg"], dtype="bfloat16"), pixels)
     cfg = tiny["cfg"]
-    enc16 = ChameleonImageEncoder(
-        cfg, load_model(tiny["ckpt"], cfg, dtype=jnp.bfloat16), buckets=BUCKETS
-    )
-    latents, _ = enc16.encode(jnp.asarray(pixels))
-    ours = np.asarray(latents.astype(jnp.float32)).transpose(0, 3, 1, 2)
-    err_ours = rel_err(ours, ref32["latents"])
+    tower16 = load_model(tiny["ckpt"], cfg, dtype=jnp.bfloat16)
+    enc16 = ChameleonImageEncoder(tower16, buckets=BUCKETS)
+    hidden = ChameleonImageEncoder(tower16, encoder_only=True, buckets=BUCKETS)(pixels)
+    assert hidden.rows.dtype == jnp.bfloat16
+    ours = np.asarray(hidden.rows[: 3 * cfg.vq.tokens_per_image].astype(jnp.float32))
+    err_ours = rel_err(ours, ref.latent_rows(ref32["latents"]))
     err_hf = rel_err(hf16["latents"], ref32["latents"])
-    err_pair = rel_err(ours, hf16["latents"])
+    err_pair = rel_err(ours, ref.latent_rows(hf16["latents"]))
     assert err_ours <= 2 * err_hf, f"ours {err_ours:.2e} vs HF-bf16's own {err_hf:.2e}"
     assert err_pair <= 5e-2, f"bf16 latents vs HF bf16: {err_pair:.2e}"
     tokens = np.asarray(enc16.get_image_tokens(pixels))
+    rows = enc16(pixels).rows
+    assert rows.dtype == jnp.bfloat16  # the model dtype: merges into bf16 text embeddings as is
     agree_hf16 = float((tokens == hf16["tokens"]).mean())
     agree_32 = float((tokens == ref32["tokens"]).mean())
     hf_agree_32 = float((hf16["tokens"] == ref32["tokens"]).mean())
@@ -202,6 +225,12 @@ def test_merge_equal_hf_masked_scatter(tiny):
         input_ids=ids,
     )
     np.testing.assert_array_equal(np.asarray(got), want)
+    # the encoder's own rows (bucket padded) merge to the same prompt
+    out = enc(pixels)
+    rows = enc.merge_image_embeddings(
+        jnp.asarray(hf["text_embeds"]), out.rows, input_ids=ids, num_image_tokens=out.num_tokens
+    )
+    np.testing.assert_array_equal(np.asarray(rows), want)
 
 
 def test_verify_on_a_saved_checkpoint(tmp_path, capsys):
@@ -238,14 +267,45 @@ def test_load_model_places_parameters_on_a_mesh(tiny):
     import jaxsync.testing
 
     mesh = jaxsync.testing.device_mesh("model", auto=True)
-    vq = load_model(tiny["ckpt"], tiny["cfg"], mesh=mesh)
-    leaves = jax.tree.leaves(nnx.state(vq))
+    tower = load_model(tiny["ckpt"], tiny["cfg"], mesh=mesh)
+    leaves = jax.tree.leaves(nnx.state(tower))
     assert all(x.sharding.mesh == mesh for x in leaves)
     assert any(not x.sharding.is_fully_replicated for x in leaves)  # conv kernels split
-    sharded = ChameleonImageEncoder(tiny["cfg"], vq, buckets=BUCKETS)
+    sharded = ChameleonImageEncoder(tower, buckets=BUCKETS)
     pixels = ref.random_pixels(3, tiny["cfg"].vq, seed=2)
-    want = ref.hf_image_tokens(tiny["model"], pixels)["tokens"]
-    np.testing.assert_array_equal(np.asarray(sharded.get_image_tokens(pixels)), want)
+    want = ref.hf_image_tokens(tiny["model"], pixels)
+    np.testing.assert_array_equal(np.asarray(sharded.get_image_tokens(pixels)), want["tokens"])
+    n, d = 3 * tiny["cfg"].vq.tokens_per_image, tiny["cfg"].hidden_size
+    rows = sharded(pixels).rows[:n]
+    np.testing.assert_array_equal(np.asarray(rows), want["embedded"].reshape(n, d))
+
+
+def test_text_embedding_split_by_vocabulary_rows_gives_the_same_rows(tiny):
+    import re
+
+    import jax
+
+    import jaxsync
+    import jaxsync.testing
+
+    mesh = jaxsync.testing.device_mesh("model", max_devices=2, auto=True)  # 2 divides the vocab
+    tower = load_model(tiny["ckpt"], tiny["cfg"], mesh=mesh)
+    table = tower.embed_tokens.embedding[...]
+    assert tuple(table.sharding.spec) == ("model", None)
+    enc = ChameleonImageEncoder(tower, buckets=BUCKETS)
+    pixels = ref.random_pixels(2, tiny["cfg"].vq, seed=6)
+    want = ref.hf_image_tokens(tiny["model"], pixels)["embedded"]
+    out = enc(pixels)
+    n = 2 * tiny["cfg"].vq.tokens_per_image
+    np.testing.assert_array_equal(np.asarray(out.rows[:n]), want.reshape(n, -1))
+    # The ids are looked up where the table's rows lie: the program never all-gathers it.
+    rep = jax.sharding.NamedSharding(mesh, jax.P())
+    x = jax.device_put(np.concatenate([pixels, np.zeros_like(pixels)]), rep)
+    hlo = enc.program.lower(x, jaxsync.upload_packed(enc.plan(2), placement=rep))
+    text = hlo.compile().as_text()
+    v, d = table.shape
+    assert "all-gather" in text or "all-reduce" in text  # the control: a sharded program
+    assert not re.search(rf"= f32\[{v},{d}\]\S* all-gather\(", text), "table all-gathered"
 
 
 def test_vq_configs_of_other_models_are_refused():

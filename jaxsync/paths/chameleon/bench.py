@@ -1,4 +1,9 @@
-"""Registers the Chameleon benchmarks for `jaxsync bench` (vLLM pre/post-PR and HF baselines)."""
+"""Registers the Chameleon benchmarks for `jaxsync bench` (vLLM pre/post-PR and HF baselines).
+
+Every tokenizer workload timed through the entry is timed beside it through the server form:
+`forward` in a server's own jit over the tower's flat state leaves, the plan's meta uploaded
+once outside the timed call. Both run the same program (the tokens and their embedded rows).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxsync
 from jaxsync.bench._programs import main_program_args
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,
+    ChameleonImageTower,
+    ChameleonTextPaths,
     ChameleonVQConfig,
-    ChameleonVQVAE,
+    forward,
 )
 from jaxsync.paths.chameleon import reference as ref
 from jaxsync.registry import BenchCase, register_bench
@@ -27,7 +35,7 @@ def _mask_cases(device: str, size: str) -> list[BenchCase]:
     vocab_map = ref.synth_vocab_map(n_codes, seed=0)
     vq = ChameleonVQConfig(num_embeddings=n_codes)
     cfg = ChameleonConfig(vocab_size=vocab, vocabulary_map=vocab_map, vq=vq)
-    paths = ChameleonImageEncoder(cfg)
+    paths = ChameleonTextPaths(cfg)
     id_list = paths.mapping.image_token_ids.tolist()
     idx = torch.tensor(id_list, dtype=torch.long, device=device)  # post-PR: cached per device
     fill = torch.finfo(torch.bfloat16).min
@@ -73,8 +81,9 @@ def _tokenizer_cases(device: str, size: str) -> list[BenchCase]:
     hf_cfg["vq_config"] = vq_dict
     cfg = ChameleonConfig.from_hf_config(hf_cfg)
     dtype = jnp.bfloat16 if size == "released" else jnp.float32
-    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
-    paths = ChameleonImageEncoder(cfg, vq)
+    tower = ChameleonImageTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    paths = ChameleonImageEncoder(tower)
+    server = server_step(tower)
     tdtype = "bfloat16" if size == "released" else "float32"
     hf_vq = ref.build_hf_vqvae(ref.tiny_vq_config() if vq_dict else {}, dtype=tdtype).to(device)
     hf_map = HFMapping(cfg.vocabulary_map)
@@ -99,8 +108,36 @@ def _tokenizer_cases(device: str, size: str) -> list[BenchCase]:
 
         torch_fns = {"vllm_pre_pr": pre_pr, "vllm_post_pr": post_pr, "transformers_eager": hf_eager}
         jax_fn = ft.partial(paths.get_image_tokens, jpx)
-        cases.append(BenchCase(f"image_tokens[{size},B={batch}]", jax_fn, torch_fns))
+        name = f"image_tokens[{size},B={batch}]"
+        cases.append(BenchCase(name, jax_fn, torch_fns))
+        cases.append(BenchCase(f"{name} · server form", server(paths.plan(batch), jpx)))
     return cases
+
+
+def server_step(tower: ChameleonImageTower):
+    """`(plan, pixels) -> run`: the server form of one workload, `forward` in a server's own jit
+    over the tower's flat state leaves; the plan's meta uploaded and the pixels padded to its
+    bucket once, outside the timed call."""
+    graphdef, state = nnx.split(tower)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+
+    @jax.jit
+    def step(leaves, pixels, meta):
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+        return forward(model, pixels, meta)
+
+    def runner(plan, pixels: jax.Array):
+        meta = jaxsync.upload_packed(plan)
+        pad = ((0, plan.rows - pixels.shape[0]),) + ((0, 0),) * (pixels.ndim - 1)
+        padded = jnp.pad(pixels, pad)
+
+        def run():
+            return step(leaves, padded, meta)
+
+        jax.block_until_ready(run())  # compile outside the timed region
+        return run
+
+    return runner
 
 
 @register_bench("chameleon")

@@ -120,14 +120,21 @@ def save_checkpoint(model: Any, directory: str) -> str:
     return save_torch_state(model, os.path.join(directory, "model.safetensors"))
 
 
-def tiny_encoder(buckets: tuple[int, ...] = (4,), **vq_overrides: Any) -> Any:
-    """A `ChameleonImageEncoder` of `tiny_hf_config(**vq_overrides)`, seeded random weights."""
+def tiny_tower(seed: int = 0, **vq_overrides: Any) -> Any:
+    """A `ChameleonImageTower` of `tiny_hf_config(**vq_overrides)`, seeded random weights."""
     from flax import nnx
 
-    from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonVQVAE
+    from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageTower
 
     cfg = ChameleonConfig.from_hf_config(tiny_hf_config(**vq_overrides))
-    return ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=buckets)
+    return ChameleonImageTower(cfg, rngs=nnx.Rngs(seed))
+
+
+def tiny_encoder(buckets: tuple[int, ...] = (4,), **vq_overrides: Any) -> Any:
+    """A `ChameleonImageEncoder` of `tiny_tower(**vq_overrides)`."""
+    from jaxsync.models.chameleon import ChameleonImageEncoder
+
+    return ChameleonImageEncoder(tiny_tower(**vq_overrides), buckets=buckets)
 
 
 def random_pixels(batch: int, vq: Any, *, seed: int = 0) -> np.ndarray:
@@ -142,7 +149,8 @@ def random_pixels(batch: int, vq: Any, *, seed: int = 0) -> np.ndarray:
 
 
 def hf_image_tokens(model: Any, pixels: np.ndarray) -> dict[str, np.ndarray]:
-    """HF reference: encoder latents (NCHW), VQ codes, and `get_image_tokens` BPE ids."""
+    """HF reference: encoder latents (NCHW), VQ codes, `get_image_tokens` BPE ids, and the
+    embedded image tokens `get_image_features(...).pooler_output` [B, T, D] (vLLM's rows)."""
     import torch
 
     dtype = next(model.parameters()).dtype
@@ -150,11 +158,19 @@ def hf_image_tokens(model: Any, pixels: np.ndarray) -> dict[str, np.ndarray]:
         x = torch.from_numpy(pixels).to(dtype)
         out = model.model.vqmodel.encode(x, return_dict=True)
         bpe = model.model.get_image_tokens(x)
+        embedded = model.model.get_image_features(x).pooler_output
     return dict(
         latents=out.last_hidden_state.float().numpy(),
         codes=out.image_tokens.numpy().reshape(pixels.shape[0], -1),
         tokens=bpe.numpy(),
+        embedded=embedded.float().numpy(),
     )
+
+
+def latent_rows(latents: np.ndarray) -> np.ndarray:
+    """HF's NCHW latents `[B, L, h, w]` as the encoder-only rows `[B*h*w, L]` (raster order)."""
+    b, c = latents.shape[:2]
+    return latents.reshape(b, c, -1).transpose(0, 2, 1).reshape(-1, c)
 
 
 def hf_mask_logits(logits: Any, image_token_ids: list[int]) -> Any:

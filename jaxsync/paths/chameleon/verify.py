@@ -9,14 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxsync.models.chameleon import (
-    ChameleonConfig,
-    ChameleonImageEncoder,
-    ChameleonVQVAE,
-    load_model,
-)
+from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, load_model
 from jaxsync.paths.chameleon import reference as ref
 from jaxsync.registry import Parity, PathCase, register_path
 
@@ -28,9 +22,7 @@ _TINY_BUCKETS = (4,)
 def _tiny_paths(checkpoint: str | None) -> ChameleonImageEncoder:
     if checkpoint is not None:  # verify's batches 3, 1, 2 share one bucket here too
         return ChameleonImageEncoder.from_pretrained(checkpoint, buckets=_TINY_BUCKETS)
-    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
-    vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
-    return ChameleonImageEncoder(cfg, vq, buckets=_TINY_BUCKETS)
+    return ChameleonImageEncoder(ref.tiny_tower(), buckets=_TINY_BUCKETS)
 
 
 @ft.cache
@@ -40,7 +32,7 @@ def _tiny_reference() -> tuple[Any, ChameleonImageEncoder]:
     model = ref.build_hf_model(hf_cfg)
     ckpt = ref.save_checkpoint(model, tempfile.mkdtemp(prefix="jaxsync-chameleon-"))
     cfg = ChameleonConfig.from_hf_config(model.config)
-    return model, ChameleonImageEncoder(cfg, load_model(ckpt, cfg), buckets=_TINY_BUCKETS)
+    return model, ChameleonImageEncoder(load_model(ckpt, cfg), buckets=_TINY_BUCKETS)
 
 
 def _image_tokens_parity() -> Parity:
@@ -48,6 +40,7 @@ def _image_tokens_parity() -> Parity:
 
     model, paths = _tiny_reference()
     vq_cfg = ref.tiny_vq_config()
+    t = paths.tokens_per_image
     worst, mismatches = 0.0, 0
     for batch in (1, 2, 3):
         pixels = ref.random_pixels(batch, vq_cfg, seed=batch)
@@ -55,20 +48,25 @@ def _image_tokens_parity() -> Parity:
         latents, _ = paths.encode(jnp.asarray(pixels))
         worst = max(worst, jt.rel_err(np.asarray(latents).transpose(0, 3, 1, 2), want["latents"]))
         mismatches += int((np.asarray(paths.get_image_tokens(pixels)) != want["tokens"]).sum())
-    detail = f"HF get_image_tokens, B=1,2,3; latents rel {worst:.1e}"
+        rows = np.asarray(paths(pixels).rows[: batch * t])  # the embedded image tokens
+        mismatches += int((rows != want["embedded"].reshape(rows.shape)).sum())
+    detail = f"HF get_image_tokens and get_image_features, B=1,2,3; latents rel {worst:.1e}"
     if worst > 1e-5:
         return Parity(worst, 1e-5, "rel", detail)
     return Parity(float(mismatches), 0.0, "mismatches", detail)
 
 
-@register_path("chameleon.image_tokens", description="pixels -> VQ codes -> BPE ids (one program)")
+@register_path(
+    "chameleon.image_tokens",
+    description="pixels -> VQ codes -> BPE ids -> embedded rows (one program)",
+)
 def _build_image_tokens(checkpoint: str | None) -> PathCase:
     paths = _tiny_paths(checkpoint)
     # Device pixels: with host pixels every argument is static, and the harness's compiled-HLO
     # scan would constant-fold the whole encoder (slow, and not what runs).
     inputs = [(jax.device_put(ref.random_pixels(b, paths.cfg.vq, seed=b)),) for b in (3, 1, 2)]
     return PathCase(
-        fn=paths.get_image_tokens,
+        fn=paths,
         inputs=inputs,
         parity=_image_tokens_parity if checkpoint is None else None,
     )
