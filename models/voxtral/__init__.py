@@ -1,15 +1,19 @@
 """Voxtral audio path (vLLM PR #51458), sync-free in JAX.
 
 Three layers, as every model family:
-* Planner (`_plan.py`, NumPy only): `plan_chunks` / `plan_waveform_chunks` -> `VoxtralPlan`
-  (`.fields` for one `jaxsync.upload_packed`, plus host chunk counts, token counts, offsets);
-  the front end's waveform checks and `plan_log_mel` are in `_mel_plan.py`.
-* Pure forward: `forward(tower, features, meta)` (log-mel windows -> embeddings, per-item finite
-  flag) and `forward_waveforms(tower, waveforms, meta, mel=MelSpec(...))`, callable inside a
-  server's own jit with the weights as arguments; `log_mel_rows` and `log_mel_floor` (vLLM's
-  dynamic-range clamp with Python scalars) are the front end's pure pieces.
-* Entry: `VoxtralAudioEncoder(tower, mel_config)` takes raw audio (`audio=`) or the processor's
-  `input_features=` and returns `jaxsync.Embeddings`; `log_mel_spectrogram` is the front end's
+* Planner (`_plan.py`, NumPy only): `plan(num_chunks, cfg)` -> `VoxtralPlan` for features and
+  `plan_waveforms(lengths, cfg, mel_config)` -> `VoxtralWaveformPlan` for raw audio: typed
+  `meta` for one `jaxsync.upload_packed(plan)`, `lengths` (output rows per item), and every
+  static pad picked from buckets; the front end's waveform checks and `plan_log_mel` are in
+  `_mel_plan.py`.
+* Pure forward: `forward(tower, features, meta)` (log-mel windows -> `jaxsync.Encoded`) and
+  `forward_waveforms(tower, waveforms, meta, mel=plan.mel)`, callable inside a server's own jit
+  with the weights as arguments; `log_mel_rows` and `log_mel_floor` (vLLM's dynamic-range clamp
+  with Python scalars) are the front end's pure pieces.
+* Entry: `VoxtralAudioEncoder(tower, mel_config, project=True)` takes raw audio (`audio=`) or
+  the processor's `input_features=` and returns `jaxsync.Embeddings` (`project=False`: the
+  Whisper encoder's hidden states); it compiles the pure forwards themselves (`server_form`)
+  with `jaxsync.TowerProgram`. `log_mel_spectrogram` is the front end's
   own entry (on-device Whisper log-mel: periodic Hann, centre-reflect STFT, last frame dropped,
   Slaney filters, log10, the three upstream floor variants, (x + 4) / 4).
 
@@ -22,7 +26,10 @@ from jaxsync.models.voxtral._config import (
     MelConfig as MelConfig,
     VoxtralAudioConfig as VoxtralAudioConfig,
 )
-from jaxsync.models.voxtral._entry import VoxtralAudioEncoder as VoxtralAudioEncoder
+from jaxsync.models.voxtral._entry import (
+    VoxtralAudioEncoder as VoxtralAudioEncoder,
+    server_form as server_form,
+)
 from jaxsync.models.voxtral._filters import (
     periodic_hann as periodic_hann,
     slaney_mel_filters as slaney_mel_filters,
@@ -36,6 +43,7 @@ from jaxsync.models.voxtral._mel import (
 )
 from jaxsync.models.voxtral._mel_plan import (
     FloorMode as FloorMode,
+    MelMeta as MelMeta,
     MelPlan as MelPlan,
     num_stft_frames as num_stft_frames,
     plan_log_mel as plan_log_mel,
@@ -46,9 +54,13 @@ from jaxsync.models.voxtral._modules import (
     forward_waveforms as forward_waveforms,
 )
 from jaxsync.models.voxtral._plan import (
+    VoxtralMeta as VoxtralMeta,
     VoxtralPlan as VoxtralPlan,
-    plan_chunks as plan_chunks,
-    plan_waveform_chunks as plan_waveform_chunks,
+    VoxtralWaveformMeta as VoxtralWaveformMeta,
+    VoxtralWaveformPlan as VoxtralWaveformPlan,
+    WaveformBuckets as WaveformBuckets,
+    plan as plan,
+    plan_waveforms as plan_waveforms,
 )
 from jaxsync.models.voxtral._weights import (
     PARTITION_RULES as PARTITION_RULES,

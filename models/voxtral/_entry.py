@@ -6,11 +6,15 @@ windows), cuts it into windows of `2 * max_source_positions` frames and encodes 
 windows. From raw audio the windows are the rows of the on-device log-mel, so no per-audio
 spectrogram of the padded batch width is built, and the per-audio max is a segment max over its
 windows. The processor's own `input_features` go straight in as well.
+
+The entry compiles the server form's own functions (`forward`, `forward_waveforms`) with
+`jaxsync.TowerProgram`, so a server's jit over the same state gives the same rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,13 +29,18 @@ from jaxsync.models.voxtral._mel_plan import (
     check_audio_list,
     check_live,
     check_waveforms,
-    host_buckets,
-    plan_log_mel,
     resolve_floor,
     stage_batch,
 )
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
-from jaxsync.models.voxtral._plan import VoxtralPlan, plan_chunks, plan_waveform_chunks
+from jaxsync.models.voxtral._plan import (
+    VoxtralPlan,
+    VoxtralWaveformPlan,
+    WaveformBuckets,
+    plan,
+    plan_waveforms,
+    waveform_shape,
+)
 
 
 def _replicated(placement: Any) -> Any:
@@ -41,20 +50,38 @@ def _replicated(placement: Any) -> Any:
     return placement
 
 
+@functools.cache
+def server_form(project: bool = True, mel: MelSpec | None = None) -> Callable[..., Any]:
+    """The pure function the entry compiles, `fn(tower, inputs, meta) -> Encoded`: `forward`
+    over features (`mel=None`), else `forward_waveforms` with the front end `mel`.
+
+    One object per settings, so every encoder of one structure shares its compiled programs.
+    """
+    if mel is None:
+        return forward if project else functools.partial(forward, project=False)
+    return functools.partial(forward_waveforms, mel=mel, project=project)
+
+
 class VoxtralAudioEncoder:
-    """Audio in, projected audio embeddings out, in one compiled program per shape mix.
+    """Audio in, audio embeddings out, in one compiled program per shape mix.
 
     The encoder snapshots the model's weights when built: after `nnx.update(model, ...)` call
     `load_state(model)` (no recompile) or the old weights keep serving.
 
     Args:
-      model: the loaded `VoxtralAudioTower`.
+      model: the loaded `VoxtralAudioTower`; its `cfg` is the encoder's.
       mel_config: front-end config for raw audio (default: Whisper's 128-bin extractor with the
         model's bins); its `num_mel_bins` must match the model and its n_fft must be even (an
         odd one does not fill whole windows).
       chunk_buckets: allowed padded window counts (default: powers of two).
       placement: device or sharding for host uploads (default: where the weights live,
         replicated over their mesh).
+      project: True: the projector's rows (the language model's audio embeddings); False: the
+        Whisper encoder's hidden states (`last_hidden_state` rows, `max_source_positions` per
+        window).
+
+    Attributes:
+      cfg: the audio config; mel_config: the front end's; mel: its static settings.
     """
 
     def __init__(
@@ -64,9 +91,12 @@ class VoxtralAudioEncoder:
         *,
         chunk_buckets: Sequence[int] | None = None,
         placement: Any = None,
+        project: bool = True,
     ):
         if not isinstance(model, VoxtralAudioTower):
             raise TypeError(f"model must be a VoxtralAudioTower, got {type(model).__name__}")
+        if not isinstance(project, bool):
+            raise TypeError(f"project must be a bool, got {type(project).__name__}")
         cfg = model.cfg
         mel_config = MelConfig(num_mel_bins=cfg.num_mel_bins) if mel_config is None else mel_config
         if not isinstance(mel_config, MelConfig):
@@ -89,12 +119,18 @@ class VoxtralAudioEncoder:
             )
             if not chunk_buckets:
                 raise ValueError("chunk_buckets is empty")
-        self.cfg, self.mel_config = cfg, mel_config
+        self.cfg, self.mel_config, self.project = cfg, mel_config, project
         self.chunk_samples = cfg.chunk_frames * mel_config.hop_length
         self.chunk_buckets = chunk_buckets
-        self._floor = resolve_floor(mel_config, None)
-        self._program = jaxsync.TowerProgram(model, self._forward)
-        self._devices = self._weight_devices(model)
+        floor = resolve_floor(mel_config, None)
+        self.mel = MelSpec(
+            mel_config, cfg.chunk_frames, mel_config.floor_value if floor == "global" else None
+        )
+        self._features = jaxsync.TowerProgram(model, server_form(project))
+        self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel))
+        self._devices = frozenset(
+            d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set
+        )
         if placement is None:
             leaf = jax.tree.leaves(nnx.state(model))[0]
             placement = _replicated(leaf.sharding)
@@ -103,29 +139,20 @@ class VoxtralAudioEncoder:
         # Device inputs, by kind: a [B, W] audio batch and [F, 2P] features share a shape.
         self._audio_calls, self._feature_calls = jaxsync.CallCache(), jaxsync.CallCache()
 
-    @staticmethod
-    def _weight_devices(model: nnx.Module) -> frozenset:
-        return frozenset(
-            d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set
-        )
-
-    def _forward(self, tower: VoxtralAudioTower, x: jax.Array, meta: Any):
-        if x.ndim == 2:  # waveforms: the log-mel front end first
-            spec = MelSpec(self.mel_config, self.cfg.chunk_frames, self._floor_value)
-            return forward_waveforms(tower, x, meta, mel=spec)
-        return forward(tower, x, meta)
-
     @property
-    def _floor_value(self) -> float | None:
-        return self.mel_config.floor_value if self._floor == "global" else None
+    def num_state_args(self) -> int:
+        """Jit arguments the weights take per call: the state's leaf count (depth-free)."""
+        return self._features.num_state_args
 
     def load_state(self, model: VoxtralAudioTower) -> None:
         """Takes new weights (same structure, shapes, dtypes, placement) without recompiling."""
-        self._program.load_state(model)
+        self._features.load_state(model)
+        self._waveforms.load_state(model)
 
     def lower(self, x: jax.Array, meta: jaxsync.Packed) -> Any:
-        """`jax.jit(...).lower` of the program on device inputs (argument counts, HLO)."""
-        return self._program.lower(x, meta)
+        """`jax.jit(...).lower` of the program on device inputs: `[B, W]` waveforms or `[C, F,
+        2P]` features (argument counts, HLO)."""
+        return (self._waveforms if x.ndim == 2 else self._features).lower(x, meta)
 
     def _meta_placement(self, x: Any) -> Any:
         if isinstance(x, jax.Array):
@@ -150,7 +177,7 @@ class VoxtralAudioEncoder:
         attention_mask: Any = None,
         sampling_rate: int | None = None,
     ) -> jaxsync.Embeddings:
-        """Projected audio embeddings of raw audio or of processor features.
+        """Audio embeddings of raw audio or of processor features.
 
         Args:
           audio: raw mono audio: a list of 1-D waveforms, or a padded `[B, W]` batch (host data,
@@ -167,10 +194,11 @@ class VoxtralAudioEncoder:
           sampling_rate: if given, must equal the front end's rate.
 
         Returns:
-          `jaxsync.Embeddings`: item i owns rows `offsets[i] : offsets[i] + lengths[i]`
-          (`tokens_per_chunk` per window); `extras["finite"]` is an on-device bool per padded
-          item (`[B_pad]`, the first B are the items): every input value and output row of the
-          item was finite.
+          `jaxsync.Embeddings.of` the forward's `Encoded` and its plan: item i owns rows
+          `offsets[i] : offsets[i] + lengths[i]` (`tokens_per_chunk` per window, or the
+          encoder's `max_source_positions` rows with `project=False`); `extras["finite"]` is an
+          on-device bool per padded item (the first B are the items): every input value and
+          output row of the item was finite.
 
         Raises:
           ValueError / TypeError: bad shapes, dtypes, lengths, NaN/inf host data, both or
@@ -207,37 +235,36 @@ class VoxtralAudioEncoder:
         else:
             x, lens = check_waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
         on_device = isinstance(x, jax.Array)
-        hop = self.mel_config.hop_length
-        b_pad, width = x.shape if on_device else host_buckets(lens, hop)
+        if on_device:  # the caller's buffer is the bucket
+            buckets = WaveformBuckets(self.chunk_buckets, (x.shape[0],), (x.shape[1],))
+            shape = tuple(x.shape)
+        else:
+            buckets = WaveformBuckets(self.chunk_buckets)
+            shape = waveform_shape(lens, self.mel_config, buckets)
         where = self._meta_placement(x)
 
         def build() -> _Planned:
-            mel = plan_log_mel(
-                lens, width, b_pad, self.mel_config, floor=self._floor,
-                pad_to_multiple_of=self.chunk_samples,
-            )  # fmt: skip
-            plan = plan_waveform_chunks(mel, b_pad, self.mel_config, self.cfg,
-                                        self.chunk_buckets)  # fmt: skip
-            return _planned(plan, where)
+            return _planned(
+                plan_waveforms(
+                    lens, self.cfg, self.mel_config, buckets=buckets, project=self.project
+                ),
+                where,
+            )
 
-        key = ("audio", lens.tobytes(), b_pad, width, where)
+        key = ("audio", lens.tobytes(), shape, where)
         if on_device:
-            plan, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
+            _, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
         else:  # samples checked while staged, before a new plan's metadata goes up
             ring = jaxsync.default_staging
-            staged = stage_batch(x, lens, hop, self.placement)
+            staged = stage_batch(x, lens, shape, self.placement)
             try:
-                plan, meta, layout = self._plans.get(key, build)
+                _, meta, layout = self._plans.get(key, build)
             except BaseException:
                 ring.release(staged)
                 raise
-            return self._run(ring.upload(staged), meta, layout)
-        run = self._prepared(meta, layout, "waveforms", batched=audio.ndim == 2)
+            return _assembler(layout)(self._waveforms(ring.upload(staged), meta))
+        run = self._prepared(self._waveforms, meta, layout, "waveforms", audio.ndim == 2)
         return self._audio_calls.keep(call_key, run)(audio)
-
-    def _run(self, x: jax.Array, meta: jaxsync.Packed, layout) -> jaxsync.Embeddings:
-        emb, finite = self._program(x, meta)
-        return jaxsync.Embeddings.from_layout(emb, layout, {"finite": finite})
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
         cfg = self.cfg
@@ -263,14 +290,17 @@ class VoxtralAudioEncoder:
         # repeated call costs the key. Other host types are validated first, then keyed.
         key = ("ones",) if num_chunks is None else jaxsync.metadata_key(num_chunks)
         if key is None:
-            num_chunks = self._counts(num_chunks)
+            num_chunks = _counts(num_chunks)
             key = jaxsync.metadata_key(num_chunks)
 
         def build() -> _Planned:
-            counts = np.ones(rows, np.int64) if num_chunks is None else self._counts(num_chunks)
-            c_pad = self._features_bucket(int(counts.sum()), rows, on_device)
-            b_pad = jaxsync.bucket(len(counts), minimum=1)
-            return _planned(plan_chunks(counts, b_pad, c_pad, cfg), where)
+            counts = np.ones(rows, np.int64) if num_chunks is None else _counts(num_chunks)
+            total = int(counts.sum())
+            # A device array's rows are the caller's bucket; host windows are bucketed here.
+            if total > rows or (total != rows and not on_device):
+                raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
+            buckets = (rows,) if on_device else self.chunk_buckets
+            return _planned(plan(counts, cfg, buckets=buckets, project=self.project), where)
 
         # Host features are refused when not finite before a new plan's metadata goes up,
         # or, on a known plan, as they are copied into their staging buffer (one pass).
@@ -278,48 +308,47 @@ class VoxtralAudioEncoder:
         if not on_device:
             check = lambda: jaxsync.check_finite(features, name="input_features")  # noqa: E731
         key = ("features", key, rows, on_device, where)
-        plan, meta, layout = self._plans.get(key, build, on_miss=check)
+        planned, meta, layout = self._plans.get(key, build, on_miss=check)
         if not on_device:
             features = jaxsync.default_staging.put(
-                features, (plan.chunks, *want), dtype=np.float32, placement=self.placement,
+                features, (planned.chunks, *want), dtype=np.float32, placement=self.placement,
                 finite="input_features",
             )  # fmt: skip
-            return self._run(features, meta, layout)
-        run = self._prepared(meta, layout, "input_features", batched=given.ndim == 3)
+            return _assembler(layout)(self._features(features, meta))
+        run = self._prepared(self._features, meta, layout, "input_features", given.ndim == 3)
         return self._feature_calls.keep(call_key, run)(given)
 
-    def _prepared(self, meta: jaxsync.Packed, layout, name: str, batched: bool):
+    @staticmethod
+    def _prepared(
+        program: jaxsync.TowerProgram, meta: jaxsync.Packed, layout: _Layout, name: str,
+        batched: bool,
+    ) -> Callable[[jax.Array], jaxsync.Embeddings]:  # fmt: skip
         """The kept call of a device input; an unbatched one (one axis fewer) gets its axis."""
-        run = self._program.prepared(
-            meta, finish=jaxsync.Embeddings.assembler(layout, ("finite",)), name=name
-        )
+        run = program.prepared(meta, finish=_assembler(layout), name=name)
         return run if batched else jaxsync.prepared_call(lambda x: run(x[None]), name)
 
-    @staticmethod
-    def _counts(num_chunks: Any) -> np.ndarray:
-        counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
-        if counts.size == 0:
-            raise ValueError("num_chunks is empty")
-        return counts
 
-    def _features_bucket(self, total: int, rows: int, on_device: bool) -> int:
-        """Padded window count: a device array's own rows, or the bucket of host windows."""
-        if on_device:
-            if total > rows:
-                raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
-            return rows
-        if total != rows:
-            raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
-        largest = None if self.chunk_buckets is None else max(self.chunk_buckets)
-        if largest is not None and total > largest:
-            raise ValueError(f"{total} windows exceed the largest chunk bucket {largest}")
-        return jaxsync.bucket(total, self.chunk_buckets, minimum=1)
+def _counts(num_chunks: Any) -> np.ndarray:
+    counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
+    if counts.size == 0:
+        raise ValueError("num_chunks is empty")
+    return counts
 
 
-_Planned = tuple[VoxtralPlan, jaxsync.Packed, tuple[tuple[int, ...], tuple[int, ...]]]
+_Layout = tuple[tuple[int, ...], tuple[int, ...]]
+_Planned = tuple[VoxtralPlan | VoxtralWaveformPlan, jaxsync.Packed, _Layout]
 
 
-def _planned(plan: VoxtralPlan, where: Any) -> _Planned:
+def _planned(planned: VoxtralPlan | VoxtralWaveformPlan, where: Any) -> _Planned:
     """A plan, its one packed upload and its output row layout (what the plan cache keeps)."""
-    layout = jaxsync.Embeddings.layout(plan.num_tokens.tolist(), plan.offsets.tolist())
-    return plan, jaxsync.upload_packed(plan.fields, placement=where), layout
+    layout = jaxsync.Embeddings.layout(planned.lengths)
+    return planned, jaxsync.upload_packed(planned, placement=where), layout
+
+
+def _assembler(layout: _Layout) -> Callable[[jaxsync.Encoded], jaxsync.Embeddings]:
+    """`Encoded -> Embeddings.of(encoded, plan)` with the plan's row layout computed once."""
+
+    def assemble(out: jaxsync.Encoded) -> jaxsync.Embeddings:
+        return jaxsync.Embeddings.from_layout(out.rows, layout, {"finite": out.finite})
+
+    return assemble

@@ -115,21 +115,30 @@ def log_mel_rows(x: jax.Array, meta: Any, *, spec: MelSpec) -> tuple[jax.Array, 
 
     Args:
       x: `[B, W]` padded waveforms.
-      meta: packed int32 fields: `length` [B] real samples, `signal` [B] signal samples,
-        `row_audio` [R] waveform of each row (>= B: a padding row), `row_frame0` [R] first
-        frame of the row, `row_frames` [R] valid frames of the row (0 for a padding row).
+      meta: the plan's int32 fields (`MelMeta`, uploaded or as host arrays): `length` [B]
+        real samples, `signal` [B] signal samples, `row_audio` [R] waveform of each row (>= B:
+        a padding row), `row_frame0` [R] first frame of the row, `row_frames` [R] valid frames
+        of the row (0 for a padding row).
       spec: static settings.
 
     Returns:
       `[R, F, T]` features (invalid frames are 0.0) and `[B]` bool: every real sample is finite.
+
+    Raises:
+      ValueError: while tracing, waveforms of another batch size than the plan's.
     """
     cfg = spec.config
     n_fft, hop = cfg.n_fft, cfg.hop_length
     filters, window = _tables(cfg)
+    length, signal = meta.length, meta.signal  # [B], [B]
+    if x.ndim != 2 or x.shape[0] != length.shape[0]:
+        raise ValueError(
+            f"waveforms {tuple(x.shape)} do not fit the plan: it has {length.shape[0]} waveform "
+            "rows ([B, W])"
+        )
     x = x.astype(jnp.float32)
     b, w = x.shape
-    length, signal = meta["length"], meta["signal"]  # [B], [B]
-    row_audio, frame0, row_frames = meta["row_audio"], meta["row_frame0"], meta["row_frames"]
+    row_audio, frame0, row_frames = meta.row_audio, meta.row_frame0, meta.row_frames
     audio = jnp.minimum(row_audio, b - 1)  # padding rows read a real buffer row, masked below
     n_rows = row_audio.shape[0]
     nblk = -(-n_fft // hop)  # hops spanned by one window
@@ -244,8 +253,8 @@ def log_mel_spectrogram(
     if on_device:
         check_placement(x, placement, name="waveforms")
     else:
-        x = jaxsync.default_staging.upload(stage_batch(x, lens, config.hop_length, placement))
-    meta = jaxsync.upload_packed(plan.fields, placement=jaxsync.replicated_near(x))
+        x = jaxsync.default_staging.upload(stage_batch(x, lens, (b_pad, width), placement))
+    meta = jaxsync.upload_packed(plan, placement=jaxsync.replicated_near(x))
     spec = MelSpec(config, plan.frames, plan.floor_value)
     num_frames = plan.num_frames
 

@@ -1,16 +1,15 @@
 """Host side of the log-mel front end: waveform checks, staging and the per-call plan (NumPy
 only).
 
-A plan's `fields` go up in one `jaxsync.upload_packed`; lengths and frame counts stay on the
+A plan's `meta` goes up in one `jaxsync.upload_packed`; lengths and frame counts stay on the
 host. Device waveforms are checked by shape and dtype only (their values are reported by the
 on-device `finite` flag).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -131,18 +130,18 @@ def host_buckets(lens: np.ndarray, hop: int) -> tuple[int, int]:
 
 
 def host_batch(
-    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, hop: int,
+    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, shape: tuple[int, int],
     out: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
-    """A host batch (`[B, W]`, or a list of 1-D rows) copied into its bucket `[B_pad, W_pad]`
-    float32 (zeros after each length), in `out` (every element written) or a new buffer.
+    """A host batch (`[B, W]`, or a list of 1-D rows) copied into its bucket `shape` `[B_pad,
+    W_pad]` float32 (zeros after each length), in `out` (every element written) or a new buffer.
 
     Raises:
       ValueError: a real sample is NaN or inf (or too large for float32). Checked as it is
         copied, in the same pass (rows on a thread pool when large); padding past a row's
         length is never read.
     """
-    out = np.empty(host_buckets(lens, hop), np.float32) if out is None else out
+    out = np.empty(shape, np.float32) if out is None else out
     bad = jaxsync.fill_rows(out, waveforms, lens.tolist(), check_finite=True)
     if bad:
         raise ValueError(f"waveforms {bad} contain NaN or inf samples")
@@ -150,32 +149,51 @@ def host_batch(
 
 
 def stage_batch(
-    waveforms: np.ndarray | Sequence[np.ndarray], lens: np.ndarray, hop: int, placement: Any
+    waveforms: np.ndarray | Sequence[np.ndarray],
+    lens: np.ndarray,
+    shape: tuple[int, int],
+    placement: Any,
 ) -> np.ndarray:
-    """`host_batch` written (and checked) straight into a staging buffer, not yet uploaded:
-    the caller passes it to `default_staging.upload`, or to `release` if it stops."""
+    """`host_batch` written (and checked) straight into a staging buffer of `shape`, not yet
+    uploaded: the caller passes it to `default_staging.upload`, or to `release` if it stops."""
     return jaxsync.default_staging.fill(
-        host_buckets(lens, hop), np.float32,
-        lambda out: host_batch(waveforms, lens, hop, out=out), placement=placement,
+        shape, np.float32, lambda out: host_batch(waveforms, lens, shape, out=out),
+        placement=placement,
     )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class MelPlan:
-    """Host plan of one padded waveform batch.
+class MelMeta(NamedTuple):
+    """What `log_mel_rows` reads on the device (int32 host arrays, one packed upload).
 
     Attributes:
-      fields: packed int32 metadata for `log_mel_rows` (`length`, `signal` [B_pad]; `row_audio`,
-        `row_frame0`, `row_frames` [R]).
-      lengths: real samples per waveform `[B]` (after truncation for per_example).
+      length: [B_pad] real samples per waveform (0 for a padding waveform).
+      signal: [B_pad] samples of the zero-padded signal the STFT sees.
+      row_audio: [R] waveform of each output row (>= B_pad: a padding row, no waveform's).
+      row_frame0: [R] first frame of each row in its waveform's signal.
+      row_frames: [R] valid frames of each row (0 for a padding row).
+    """
+
+    length: np.ndarray
+    signal: np.ndarray
+    row_audio: np.ndarray
+    row_frame0: np.ndarray
+    row_frames: np.ndarray
+
+
+class MelPlan(NamedTuple):
+    """Host plan of one padded waveform batch, one output row per waveform.
+
+    Attributes:
+      meta: the device metadata (`jaxsync.upload_packed(plan)`).
+      samples: real samples per waveform `[B]` (after truncation for per_example).
       signal: signal samples per waveform `[B]`.
       num_frames: valid frames per waveform `[B]`.
       frames: static frames T per output row.
       floor_value: `g - 8.0` for the global floor, else None (dynamic max).
     """
 
-    fields: dict[str, np.ndarray]
-    lengths: np.ndarray
+    meta: MelMeta
+    samples: np.ndarray
     signal: np.ndarray
     num_frames: np.ndarray
     frames: int
@@ -226,14 +244,14 @@ def plan_log_mel(
         frames = num_stft_frames(span, config)
     num_frames = num_stft_frames(signal, config)
     pad = batch_pad - b
-    fields = {
-        "length": np.concatenate([lens, np.zeros(pad, np.int64)]),
+    meta = MelMeta(
+        length=np.concatenate([lens, np.zeros(pad, np.int64)]),
         # Padding waveforms: silent signals long enough to reflect (never read: length 0).
-        "signal": np.concatenate([signal, np.full(pad, 1 << 12, np.int64)]),
-        "row_audio": np.arange(batch_pad),
-        "row_frame0": np.zeros(batch_pad, np.int64),
-        "row_frames": np.concatenate([num_frames, np.zeros(pad, np.int64)]),
-    }
-    fields = {k: v.astype(np.int32) for k, v in fields.items()}
+        signal=np.concatenate([signal, np.full(pad, 1 << 12, np.int64)]),
+        row_audio=np.arange(batch_pad),
+        row_frame0=np.zeros(batch_pad, np.int64),
+        row_frames=np.concatenate([num_frames, np.zeros(pad, np.int64)]),
+    )
+    meta = MelMeta(*(v.astype(np.int32) for v in meta))
     floor_value = config.floor_value if floor == "global" else None
-    return MelPlan(fields, lens, signal, num_frames, int(frames), floor_value)
+    return MelPlan(meta, lens, signal, num_frames, int(frames), floor_value)

@@ -156,35 +156,59 @@ class VoxtralAudioTower(nnx.Module):
         return out.reshape(-1, out.shape[-1])
 
 
-def forward(tower: VoxtralAudioTower, features: jax.Array, meta: Any) -> tuple[jax.Array, ...]:
-    """Pure forward: log-mel windows -> projected audio embeddings, callable inside any jit.
+def forward(
+    tower: VoxtralAudioTower, features: jax.Array, meta: Any, *, project: bool = True
+) -> jaxsync.Encoded:
+    """Pure forward: log-mel windows -> audio embeddings, callable inside any jit.
 
     Args:
       tower: the module (weights arrive as arguments when merged inside the caller's jit).
-      features: `[C, F, 2P]` log-mel windows (the processor's `input_features`).
-      meta: packed int32 fields (`plan_chunks`): `row_audio` [C] item of each window (>= B for
-        padding windows), `item_chunks` [B] windows per item.
+      features: `[C_pad, F, 2P]` log-mel windows (the processor's `input_features`, padded to
+        the plan's window count).
+      meta: `plan(...).meta`, uploaded (`jaxsync.upload_packed(plan)`) or as host arrays.
+      project: the projector's rows (True) or the Whisper encoder's `last_hidden_state` rows
+        (False); plan with the same `project`.
 
     Returns:
-      `[C * P / g, V_hidden]` embeddings (window c owns rows `c * P/g ...`) and `[B]` bool:
-      every window of the item had finite features and finite embeddings (an item without
-      windows reports False).
+      `jaxsync.Encoded`: rows `[C_pad * n, D]` (window c owns rows `c * n ...`, n =
+      `plan.rows_per_chunk`, so item i's rows follow item i - 1's), and `finite` `[I_pad]`:
+      every window of item i had finite features and rows (False for a padding item).
+
+    Raises:
+      ValueError: while tracing, features of another shape than the plan's windows.
     """
-    out = tower.multi_modal_projector(tower.encode(features))  # [C, P/g, V]
+    cfg = tower.cfg
+    want = (meta.row_audio.shape[0], cfg.num_mel_bins, cfg.chunk_frames)
+    if tuple(features.shape) != want:
+        raise ValueError(
+            f"features {tuple(features.shape)} do not fit the plan: it has {want[0]} windows of "
+            f"{want[1]} mel bins x {want[2]} frames ({list(want)})"
+        )
+    out = tower.encode(features)  # [C, P, D]
+    if project:
+        out = tower.multi_modal_projector(out)  # [C, P/g, V]
     ok = jnp.all(jnp.isfinite(features), axis=(1, 2)) & jnp.all(jnp.isfinite(out), axis=(1, 2))
-    b = meta["item_chunks"].shape[0]
-    # Padding windows (row_audio >= B) fall outside every segment; an empty item keeps the
+    items = meta.item_chunks.shape[0]
+    # Padding windows (row_audio >= I) fall outside every segment; an empty item keeps the
     # identity of `segment_min` (the int32 max), so it needs its own "has windows" test.
-    worst = jax.ops.segment_min(ok.astype(jnp.int32), meta["row_audio"], num_segments=b)
-    finite = (worst == 1) & (meta["item_chunks"] > 0)
-    return out.reshape(-1, out.shape[-1]), finite
+    worst = jax.ops.segment_min(ok.astype(jnp.int32), meta.row_audio, num_segments=items)
+    finite = (worst == 1) & (meta.item_chunks > 0)
+    return jaxsync.Encoded(out.reshape(-1, out.shape[-1]), finite)
 
 
 def forward_waveforms(
-    tower: VoxtralAudioTower, waveforms: jax.Array, meta: Any, *, mel: MelSpec
-) -> tuple[jax.Array, ...]:
-    """`forward` behind the on-device log-mel: padded waveforms `[B, W]` -> embeddings, `[B]`
-    finite (every real sample finite too). `meta` holds the `plan_waveform_chunks` fields."""
+    tower: VoxtralAudioTower,
+    waveforms: jax.Array,
+    meta: Any,
+    *,
+    mel: MelSpec,
+    project: bool = True,
+) -> jaxsync.Encoded:
+    """`forward` behind the on-device log-mel: padded waveforms `[B_pad, W]` -> `Encoded`.
+
+    `meta` is `plan_waveforms(...).meta` and `mel` its `plan.mel`; `finite[b]` also requires
+    every real sample of audio b to be finite.
+    """
     features, samples_ok = log_mel_rows(waveforms, meta, spec=mel)  # [C, F, 2P], [B]
-    emb, finite = forward(tower, features, meta)
-    return emb, finite & samples_ok
+    out = forward(tower, features, meta, project=project)
+    return out._replace(finite=out.finite & samples_ok)

@@ -1,83 +1,234 @@
-"""Host planning of the Voxtral encoder: which 30-second window belongs to which audio, and
-the packed per-call metadata (NumPy only).
+"""Host planning of the Voxtral encoder (NumPy only): which 30-second window ("chunk") belongs to
+which audio, every static pad picked from buckets, and the metadata the forward reads.
 
-A plan's `fields` go up in one `jaxsync.upload_packed`; chunk counts and row offsets stay on the
-host. The log-mel front end's own checks and plan are in `_mel_plan.py`.
+Two input kinds, one plan type each:
+* `plan(num_chunks, cfg)`: the processor's `input_features` windows, `num_chunks[i]`
+  consecutive windows per item -> `VoxtralPlan` for `forward`.
+* `plan_waveforms(lengths, cfg, mel_config)`: raw audio, each zero-padded to whole windows and
+  turned into log-mel windows on the device -> `VoxtralWaveformPlan` for `forward_waveforms`.
+
+A plan's `meta` (a NamedTuple of int32 host arrays) goes up in one `jaxsync.upload_packed(plan)`
+and the forward reads it as `meta.<field>`; `plan.lengths` are the output rows of each item, in
+order from row 0. The pads are the only static sizes of a program, so every item mix whose pads
+fall in the same buckets shares one program.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 import jaxsync
 from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
-from jaxsync.models.voxtral._mel_plan import MelPlan
+from jaxsync.models.voxtral._mel import MelSpec
+from jaxsync.models.voxtral._mel_plan import plan_log_mel, resolve_floor
 
 
-@dataclasses.dataclass(frozen=True)
-class VoxtralPlan:
-    """Host plan of one encoder call: which 30-second window ("chunk") belongs to which audio.
+class VoxtralMeta(NamedTuple):
+    """Device metadata of `forward` (int32).
 
     Attributes:
-      fields: packed int32 metadata: `row_audio` [C_pad] item of each chunk (B_pad for a padding
-        chunk: it belongs to no item), `item_chunks` [B_pad] chunks per item; for waveforms also
-        the `log_mel_rows` fields.
-      num_chunks: `[B]` host chunks per item.
-      num_tokens: `[B]` host embeddings per item.
-      offsets: `[B]` host first embedding row per item.
-      chunks: C_pad, the padded chunk count of the program.
+      row_audio: [C_pad] item of each window; a padding window holds I_pad (no item's).
+      item_chunks: [I_pad] windows per item (0 for a padding item).
     """
 
-    fields: dict[str, np.ndarray]
-    num_chunks: np.ndarray
-    num_tokens: np.ndarray
-    offsets: np.ndarray
+    row_audio: np.ndarray
+    item_chunks: np.ndarray
+
+
+class VoxtralPlan(NamedTuple):
+    """Host plan of one `forward` call over log-mel windows.
+
+    Attributes:
+      meta: what the forward reads on the device.
+      lengths: output rows per item (`rows_per_chunk` per window).
+      num_chunks: windows per item.
+      chunks: C_pad, the features' static window count.
+      items: I_pad, the item table's static size (the window pad: every item has a window).
+      rows_per_chunk: `tokens_per_chunk` projected rows, or `max_source_positions` encoder
+        rows when `project=False`.
+    """
+
+    meta: VoxtralMeta
+    lengths: tuple[int, ...]
+    num_chunks: tuple[int, ...]
     chunks: int
+    items: int
+    rows_per_chunk: int
 
 
-def plan_chunks(
-    num_chunks: np.ndarray, batch_pad: int, chunks: int, cfg: VoxtralAudioConfig
-) -> VoxtralPlan:
-    """Chunk-to-item tables for `num_chunks[i]` consecutive chunks per item in `chunks` rows."""
-    b, total = len(num_chunks), int(num_chunks.sum())
-    if total > chunks:
-        raise ValueError(f"{total} chunks do not fit the {chunks} chunk rows given")
-    row_audio = np.full(chunks, batch_pad, np.int32)
-    row_audio[:total] = np.repeat(np.arange(b), num_chunks)
-    item_chunks = np.zeros(batch_pad, np.int32)
-    item_chunks[:b] = num_chunks
-    first = np.concatenate([[0], np.cumsum(num_chunks)[:-1]]).astype(np.int64)
-    tokens = num_chunks * cfg.tokens_per_chunk
-    fields = {"row_audio": row_audio, "item_chunks": item_chunks}
-    return VoxtralPlan(fields, num_chunks, tokens, first * cfg.tokens_per_chunk, chunks)
+def rows_per_chunk(cfg: VoxtralAudioConfig, project: bool) -> int:
+    """Output rows of one window: projected tokens, or the encoder's frames without projector."""
+    return cfg.tokens_per_chunk if project else cfg.chunk_frames // 2
 
 
-def plan_waveform_chunks(
-    mel: MelPlan,
-    batch_pad: int,
-    mel_config: MelConfig,
+def window_bucket(total: int, buckets: Sequence[int] | None, what: str) -> int:
+    """The padded window count of `total` windows (powers of two by default).
+
+    Raises:
+      ValueError: more windows than the largest bucket, naming `what` they are.
+    """
+    if buckets is not None and total > max(buckets):
+        raise ValueError(f"{total} {what} exceed the largest chunk bucket {max(buckets)}")
+    return jaxsync.bucket(total, buckets, minimum=1)
+
+
+def plan(
+    num_chunks: Any,
     cfg: VoxtralAudioConfig,
-    chunk_buckets: Any,
+    *,
+    buckets: Sequence[int] | None = None,
+    project: bool = True,
 ) -> VoxtralPlan:
-    """Every audio zero-padded to whole windows, one log-mel row per window (before any upload:
-    too many windows for the largest bucket is a `ValueError` here)."""
+    """Window-to-item tables for `num_chunks[i]` consecutive windows per item.
+
+    Args:
+      num_chunks: host ints >= 1, windows per item (the Voxtral processor's windows per audio).
+      cfg: the audio config.
+      buckets: allowed padded window counts (default: powers of two); the item table is padded
+        to the same count, so the item count adds no static size.
+      project: rows of the projector (True) or of the Whisper encoder (False).
+
+    Raises:
+      ValueError / TypeError: no items, a count that is not an int >= 1, more windows than the
+        largest bucket.
+    """
+    counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
+    if counts.size == 0:
+        raise ValueError("num_chunks is empty")
+    total = int(counts.sum())
+    pad = window_bucket(total, buckets, "windows")
+    row_audio = np.full(pad, pad, np.int32)
+    row_audio[:total] = np.repeat(np.arange(counts.size), counts)
+    item_chunks = np.zeros(pad, np.int32)
+    item_chunks[: counts.size] = counts
+    per = rows_per_chunk(cfg, project)
+    lengths = tuple(int(n) * per for n in counts)
+    return VoxtralPlan(
+        VoxtralMeta(row_audio, item_chunks), lengths, tuple(counts.tolist()), pad, pad, per
+    )
+
+
+class WaveformBuckets(NamedTuple):
+    """Allowed static sizes of a waveform call (None: powers of two).
+
+    Attributes:
+      windows: padded window counts (from 1).
+      items: padded audio counts, the waveform buffer's rows (from 4, so 1 to 4 audios share
+        one program).
+      samples: padded buffer widths in samples (default: a power-of-two number of hops, from
+        16).
+    """
+
+    windows: Sequence[int] | None = None
+    items: Sequence[int] | None = None
+    samples: Sequence[int] | None = None
+
+
+def waveform_shape(
+    lengths: np.ndarray, mel_config: MelConfig, buckets: WaveformBuckets | None
+) -> tuple[int, int]:
+    """`(B_pad, W_pad)`: the padded waveform buffer of audios of `lengths` samples."""
+    buckets = WaveformBuckets() if buckets is None else buckets
+    items = jaxsync.bucket(len(lengths), buckets.items, minimum=4)
+    longest = int(lengths.max())
+    if buckets.samples is not None:
+        return items, jaxsync.bucket(longest, buckets.samples)
+    hop = mel_config.hop_length
+    return items, jaxsync.bucket(-(-longest // hop), minimum=16) * hop
+
+
+class VoxtralWaveformMeta(NamedTuple):
+    """Device metadata of `forward_waveforms` (int32): the log-mel rows' fields and the items'.
+
+    Attributes:
+      length: [B_pad] real samples per audio (0 for a padding audio).
+      signal: [B_pad] samples of each audio zero-padded to whole windows.
+      row_audio: [C_pad] audio of each window (B_pad for a padding window).
+      row_frame0: [C_pad] first frame of each window in its audio.
+      row_frames: [C_pad] valid frames of each window (0 for a padding window).
+      item_chunks: [B_pad] windows per audio.
+    """
+
+    length: np.ndarray
+    signal: np.ndarray
+    row_audio: np.ndarray
+    row_frame0: np.ndarray
+    row_frames: np.ndarray
+    item_chunks: np.ndarray
+
+
+class VoxtralWaveformPlan(NamedTuple):
+    """Host plan of one `forward_waveforms` call.
+
+    Attributes:
+      meta: what the forward reads on the device.
+      lengths: output rows per audio.
+      num_chunks: windows per audio.
+      chunks: C_pad, the static window count.
+      items: B_pad, the waveform buffer's rows.
+      width: W_pad, the waveform buffer's samples per row.
+      mel: the front end's static settings, `forward_waveforms(..., mel=plan.mel)`.
+    """
+
+    meta: VoxtralWaveformMeta
+    lengths: tuple[int, ...]
+    num_chunks: tuple[int, ...]
+    chunks: int
+    items: int
+    width: int
+    mel: MelSpec
+
+
+def plan_waveforms(
+    lengths: Any,
+    cfg: VoxtralAudioConfig,
+    mel_config: MelConfig,
+    *,
+    buckets: WaveformBuckets | None = None,
+    project: bool = True,
+) -> VoxtralWaveformPlan:
+    """Every audio zero-padded to whole windows, one log-mel window per encoder window, with the
+    floor the config implies (its global max, else the per-audio max over all its windows).
+
+    Args:
+      lengths: host ints >= 1, real samples per audio.
+      cfg: the audio config; mel_config: the front end's.
+      buckets: the allowed static sizes (`WaveformBuckets`); a caller's own `[B, W]` buffer is
+        `WaveformBuckets(items=(B,), samples=(W,))`.
+      project: rows of the projector (True) or of the Whisper encoder (False).
+
+    Raises:
+      ValueError / TypeError: bad lengths, audio longer than the largest width bucket, more
+        windows than the largest window bucket (all before any upload).
+    """
+    lens = jaxsync.host_ints(lengths, name="lengths", minimum=1)
+    if lens.size == 0:
+        raise ValueError("lengths is empty: no audio")
+    buckets = WaveformBuckets() if buckets is None else buckets
+    items, width = waveform_shape(lens, mel_config, buckets)
     window = cfg.chunk_frames * mel_config.hop_length
-    num_chunks = mel.signal // window
-    total = int(num_chunks.sum())
-    largest = None if chunk_buckets is None else max(chunk_buckets)
-    if largest is not None and total > largest:
-        raise ValueError(
-            f"{total} windows of {window} samples exceed the largest chunk bucket {largest}"
-        )
-    plan = plan_chunks(num_chunks, batch_pad, jaxsync.bucket(total, chunk_buckets, minimum=1), cfg)
-    first = np.repeat(np.concatenate([[0], np.cumsum(num_chunks)[:-1]]), num_chunks)
-    row_frame0 = np.zeros(plan.chunks, np.int32)
+    floor = resolve_floor(mel_config, None)
+    mel = plan_log_mel(lens, width, items, mel_config, floor=floor, pad_to_multiple_of=window)
+    counts = mel.signal // window
+    total = int(counts.sum())
+    pad = window_bucket(total, buckets.windows, f"windows of {window} samples")
+    first = np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    row_audio = np.full(pad, items, np.int32)
+    row_audio[:total] = np.repeat(np.arange(lens.size), counts)
+    row_frame0 = np.zeros(pad, np.int32)
     row_frame0[:total] = (np.arange(total) - first) * cfg.chunk_frames
-    row_frames = np.zeros(plan.chunks, np.int32)
+    row_frames = np.zeros(pad, np.int32)
     row_frames[:total] = cfg.chunk_frames
-    fields = {"length": mel.fields["length"], "signal": mel.fields["signal"], **plan.fields}
-    fields.update(row_frame0=row_frame0, row_frames=row_frames)
-    return dataclasses.replace(plan, fields=fields)
+    item_chunks = np.zeros(items, np.int32)
+    item_chunks[: lens.size] = counts
+    meta = VoxtralWaveformMeta(
+        mel.meta.length, mel.meta.signal, row_audio, row_frame0, row_frames, item_chunks
+    )
+    per = rows_per_chunk(cfg, project)
+    spec = MelSpec(mel_config, cfg.chunk_frames, mel.floor_value)
+    num_chunks = tuple(int(n) for n in counts)
+    lengths_out = tuple(n * per for n in num_chunks)
+    return VoxtralWaveformPlan(meta, lengths_out, num_chunks, pad, items, width, spec)

@@ -90,18 +90,19 @@ def test_poisoned_features_leave_the_others_bit_identical(encoder):
 
 
 def _waveform_meta(enc: VoxtralAudioEncoder, lens, width: int, b_pad: int):
-    from jaxsync.models.voxtral import plan_log_mel, plan_waveform_chunks
+    from jaxsync.models.voxtral import WaveformBuckets, plan_waveforms
 
-    mel = plan_log_mel(np.array(lens), width, b_pad, enc.mel_config, floor="per_audio",
-                       pad_to_multiple_of=enc.chunk_samples)  # fmt: skip
-    plan = plan_waveform_chunks(mel, b_pad, enc.mel_config, enc.cfg, None)
-    return plan, jaxsync.upload_packed(plan.fields)
+    buckets = WaveformBuckets(items=(b_pad,), samples=(width,))
+    planned = plan_waveforms(lens, enc.cfg, enc.mel_config, buckets=buckets)
+    return planned, jaxsync.upload_packed(planned)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_jit_argument_count_is_small_and_depth_free(dtype):
     """The entry's program takes the state's leaves (one per weight kind: the layers are
     stacked), the input and the packed metadata: the same count at 1 and 5 layers."""
+    from jaxsync.models.voxtral import plan
+
     counts = []
     for depth in (1, 5):
         cfg = VoxtralAudioConfig(**{**TINY, "num_hidden_layers": depth})
@@ -111,48 +112,49 @@ def test_jit_argument_count_is_small_and_depth_free(dtype):
         _, meta = _waveform_meta(enc, [7001, 300], 12800, 2)
         waves = len(jax.tree.leaves(enc.lower(x, meta).args_info))
         feats = jax.device_put(_mel(3, cfg, 0).astype(np.float32))
-        from jaxsync.models.voxtral import plan_chunks
-
-        fmeta = jaxsync.upload_packed(plan_chunks(np.array([1, 2]), 2, 3, cfg).fields)
+        fmeta = jaxsync.upload_packed(plan([1, 2], cfg, buckets=(3,)))
         counts.append((waves, len(jax.tree.leaves(enc.lower(feats, fmeta).args_info))))
+        assert enc.num_state_args == 24
     assert counts[0] == counts[1] and max(counts[0]) == 24 + 2, counts
 
 
 def test_pure_forward_drops_into_a_server_jit(encoder):
     """A server runs `forward` / `forward_waveforms` inside its own jit with the weights as
     arguments: the same rows as the entry, and new weights are used without a recompile."""
-    from jaxsync.models.voxtral import MelSpec, forward, forward_waveforms, plan_chunks
+    from jaxsync.models.voxtral import forward, forward_waveforms, plan
 
     tower = _tower()
     graphdef, state = nnx.split(tower)
     cfg = tower.cfg
     feats = jax.device_put(_mel(3, cfg, 2).astype(np.float32))
-    meta = jaxsync.upload_packed(plan_chunks(np.array([2, 1]), 2, 3, cfg).fields)
+    meta = jaxsync.upload_packed(plan([2, 1], cfg, buckets=(3,)))
 
     @jax.jit
     def step(state, feats, meta):
         return forward(nnx.merge(graphdef, state), feats, meta)
 
-    emb, finite = step(state, feats, meta)
+    emb, finite, extras = step(state, feats, meta)
     want = encoder(input_features=feats, num_chunks=[2, 1])
     np.testing.assert_allclose(emb, want.embeddings, rtol=1e-5, atol=1e-6)
-    assert np.asarray(finite).tolist() == [True, True]
+    assert np.asarray(finite).tolist() == [True, True, False] and extras is None  # 3rd: padding
     args = step.lower(state, feats, meta).args_info[0][0]
     assert len(jax.tree.leaves(args)) == len(jax.tree.leaves(state))  # weights are arguments
     halved_state = jax.tree.map(lambda w: w * 0.5, state)
     with jaxsync.check.no_recompile():
-        halved, _ = step(halved_state, feats, meta)
+        halved = step(halved_state, feats, meta).rows
     assert not np.allclose(halved, emb)
 
     lens = [7001, 300]
     x = jax.device_put(_batch([_audio(n, i) for i, n in enumerate(lens)], 12800))
-    plan, wmeta = _waveform_meta(encoder, lens, 12800, 2)
-    spec = MelSpec(encoder.mel_config, cfg.chunk_frames, None)
-    waves = jax.jit(lambda s, x, m: forward_waveforms(nnx.merge(graphdef, s), x, m, mel=spec))
-    emb, finite = waves(state, x, wmeta)
+    planned, wmeta = _waveform_meta(encoder, lens, 12800, 2)
+    waves = jax.jit(
+        lambda s, x, m: forward_waveforms(nnx.merge(graphdef, s), x, m, mel=planned.mel)
+    )
+    emb, finite, _ = waves(state, x, wmeta)
     want = encoder(x, lens)
     np.testing.assert_allclose(emb, want.embeddings, rtol=1e-5, atol=1e-6)
-    assert plan.num_tokens.tolist() == list(want.lengths)
+    assert planned.lengths == want.lengths
+    assert np.asarray(finite).tolist() == [True, True]
 
 
 def test_plans_are_cached_per_shape_mix(monkeypatch):

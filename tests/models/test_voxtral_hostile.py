@@ -25,7 +25,7 @@ from jaxsync.models.voxtral import (
     load_model,
     log_mel_floor,
     log_mel_spectrogram,
-    plan_chunks,
+    plan,
 )
 from jaxsync.paths.voxtral import reference as ref
 from jaxsync.weights import WeightError
@@ -295,15 +295,24 @@ def test_bad_checkpoints(tmp_path):
 @hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(st.lists(st.integers(1, 5), min_size=1, max_size=9), st.integers(0, 4))
 def test_chunk_plans_are_consistent(num_chunks, spare):
-    """Any item mix: items own consecutive windows, padding windows belong to no item."""
+    """Any item mix: items own consecutive windows, padding windows belong to no item, the item
+    table is padded to the window bucket, and each item's rows follow the previous item's."""
     counts = np.array(num_chunks)
     total = int(counts.sum())
-    b_pad = jaxsync.bucket(len(counts), minimum=1)
-    plan = plan_chunks(counts, b_pad, total + spare, CFG)
-    rows = plan.fields["row_audio"]
-    assert rows.tolist() == np.repeat(np.arange(len(counts)), counts).tolist() + [b_pad] * spare
-    assert (plan.num_tokens == counts * CFG.tokens_per_chunk).all()
-    assert (plan.offsets == np.concatenate([[0], np.cumsum(plan.num_tokens)[:-1]])).all()
-    assert plan.fields["item_chunks"][: len(counts)].tolist() == num_chunks
-    with pytest.raises(ValueError, match="do not fit"):
-        plan_chunks(counts, b_pad, total - 1, CFG)
+    planned = plan(counts, CFG, buckets=(total + spare,))
+    pad = total + spare
+    assert (planned.chunks, planned.items) == (pad, pad)
+    rows = planned.meta.row_audio
+    assert rows.tolist() == np.repeat(np.arange(len(counts)), counts).tolist() + [pad] * spare
+    assert planned.lengths == tuple(int(n) * CFG.tokens_per_chunk for n in counts)
+    assert planned.meta.item_chunks.tolist() == num_chunks + [0] * (pad - len(counts))
+    with pytest.raises(ValueError, match=f"{total} windows exceed the largest chunk bucket"):
+        plan(counts, CFG, buckets=(total - 1,))
+
+
+def test_two_and_three_items_share_one_plan_shape():
+    """The planner picks every static size itself: 2 and 3 items of 4 windows in all give the
+    same shapes (one program); the item table never adds a static size."""
+    shapes = [jax.tree.map(np.shape, plan(counts, CFG).meta) for counts in ([2, 2], [1, 2, 1], [4])]
+    assert shapes[0] == shapes[1] == shapes[2]
+    assert jax.tree.map(np.shape, plan([1, 1, 1, 1, 1], CFG).meta) != shapes[0]  # control

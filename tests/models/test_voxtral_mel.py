@@ -242,7 +242,7 @@ def test_float32_spectrum_tolerance(audios, bins):
         np.array(_lens(audios)), max(_lens(audios)), 3, cfg, floor="per_audio"
     )
     x = jax.device_put(ref.padded_batch(audios))
-    meta = jaxsync.upload_packed(plan.fields)
+    meta = jaxsync.upload_packed(plan)
     out = {
         p: np.asarray(log_mel_rows(x, meta, spec=MelSpec(cfg, plan.frames, None, p))[0])
         for p in ("float32", "float64")

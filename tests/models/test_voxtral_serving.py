@@ -168,17 +168,17 @@ def _matmul_flops(jaxpr) -> float:
 def test_bench_flops_count_every_matmul_of_the_forward(windows):
     # The bench's TFLOP/s divides an analytic count: it must equal the dot and conv work that
     # the forward actually traces (layers, attention, conv stem, projector).
-    from jaxsync.models.voxtral import forward, plan_chunks
+    from jaxsync.models.voxtral import forward, plan
     from jaxsync.paths.voxtral.bench import encoder_flops
 
     tower = _tower()
     cfg = tower.cfg
-    plan = plan_chunks(np.ones(windows, np.int64), windows, windows, cfg)
+    planned = plan(np.ones(windows, np.int64), cfg, buckets=(windows,))
     features = jnp.zeros((windows, cfg.num_mel_bins, cfg.chunk_frames), jnp.float32)
 
     def run(features, meta):
         return forward(tower, features, meta)
 
-    jaxpr = jax.make_jaxpr(run)(features, jaxsync.upload_packed(plan.fields))
+    jaxpr = jax.make_jaxpr(run)(features, jaxsync.upload_packed(planned))
     assert encoder_flops(cfg, windows) == _matmul_flops(jaxpr.jaxpr)
     assert encoder_flops(cfg, windows + 1) != _matmul_flops(jaxpr.jaxpr)  # control
