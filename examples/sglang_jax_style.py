@@ -61,12 +61,11 @@ class Qwen3OmniAudioPrompt(nnx.Module):
         A runner that plans on the host instead passes `meta` and the lengths stay dynamic.
         """
         if meta is None:
-            plan = qwen3_omni.plan_chunks(
+            plan = qwen3_omni.plan(
                 feature_lens, self.audio_tower.cfg, num_frames=input_features.shape[1]
             )
-            meta = jaxsync.upload_packed(plan.fields, placement=_replicated(self.mesh))
-        rows, _ = qwen3_omni.forward(self.audio_tower, input_features, meta)
-        return rows
+            meta = jaxsync.upload_packed(plan, placement=_replicated(self.mesh))
+        return qwen3_omni.forward(self.audio_tower, input_features, meta).rows
 
     def embed_mm(
         self,
@@ -133,14 +132,22 @@ def rename_axis(rules: PartitionRules, old: str, new: str) -> PartitionRules:
 
 
 def shard(model: nnx.Module, mesh: Mesh, rules: PartitionRules) -> None:
-    """Places every parameter by the first rule whose regex matches its path (else replicated)."""
+    """Places every parameter by the first rule whose regex matches its path (else replicated).
+
+    A rule's axes describe one layer: inside a `jaxsync.LayerStack` the leading layer axis is
+    kept unsharded in front of them.
+    """
+    stacks = [p for p, node in nnx.iter_graph(model) if isinstance(node, jaxsync.LayerStack)]
     state = nnx.state(model)
     flat = []
     for path, var in nnx.to_flat_state(state):
         name = ".".join(str(p) for p in path)
         axes = next((a for regex, a in rules if re.search(regex, name)), None)
         value = var.get_value()
-        spec = partition_spec(axes, value.shape, mesh)
+        if any(tuple(path[: len(s)]) == tuple(s) for s in stacks):
+            spec = PartitionSpec(None, *partition_spec(axes, value.shape[1:], mesh))
+        else:
+            spec = partition_spec(axes, value.shape, mesh)
         flat.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
     nnx.update(model, nnx.from_flat_state(flat))
 
@@ -157,8 +164,9 @@ def _prompt(tokens_per_audio, rng) -> np.ndarray:
 def _check(fused, ids, embedding, expected) -> None:
     """The placeholder rows hold the entry's rows in order; every other row is its text row.
 
-    The entry runs the layers as one scan over packed weights, the server's jit as a loop, so
-    XLA may fuse them differently: the rows agree to float32 rounding, not always bit for bit.
+    The entry's program is the audio forward alone; the runner's jit fuses it with the text
+    embedding and the scatter, so XLA may fuse them differently: the rows agree to float32
+    rounding, not always bit for bit.
     """
     fused, audio = np.asarray(fused), ids == AUDIO_TOKEN_ID
     want = np.concatenate(expected.split())
@@ -171,8 +179,8 @@ def main() -> None:
     mesh = Mesh(np.array(jax.devices()[:tensor]).reshape(1, tensor), ("data", "tensor"))
     model = Qwen3OmniAudioPrompt(TINY, mesh=mesh)
     shard(model, mesh, rename_axis(qwen3_omni.PARTITION_RULES, "model", "tensor"))
-    q_kernel = model.audio_tower.layers[0].self_attn.q_proj.kernel[...]
-    assert q_kernel.sharding.spec == PartitionSpec(None, "tensor"), q_kernel.sharding
+    q_kernel = model.audio_tower.layers.layer.self_attn.q_proj.kernel[...]  # [L, D, D]
+    assert q_kernel.sharding.spec == PartitionSpec(None, None, "tensor"), q_kernel.sharding
     model_def, state = nnx.split(model)
     leaves, state_def = jax.tree_util.tree_flatten(state)
     entry = qwen3_omni.Qwen3OmniAudioEncoder(model.audio_tower)
@@ -196,17 +204,18 @@ def main() -> None:
     np.testing.assert_array_equal(again, first)
     assert not np.allclose(updated, first), "the updated weights were not used"
 
-    # Planned on the host: padded to the frame bucket, the lengths leave the program's key.
+    # Planned on the host: padded to the plan's frame bucket, the lengths leave the program's key.
     mixes = [(150, 37), (120, 61)]
     uploads = []
     for mix in mixes:
-        plan = qwen3_omni.plan_chunks(mix, TINY, num_frames=qwen3_omni.frame_bucket(sum(mix)))
+        plan = qwen3_omni.plan(mix, TINY)
         host = qwen3_omni.pad_features(random_features(TINY, mix, seed=sum(mix)), mix)
+        assert host.shape[1] == plan.num_frames
         feats = jaxsync.async_h2d(host, placement=repl)
-        uploads.append((feats, jaxsync.upload_packed(plan.fields, placement=repl), plan))
+        uploads.append((feats, jaxsync.upload_packed(plan, placement=repl), plan))
     (feats_a, meta_a, _), (feats_b, meta_b, plan_b) = uploads
     embed(leaves, feats_a, None, meta_a)  # warm-up of the bucket's one program
-    ids_b = _prompt(plan_b.audio_tokens.tolist(), rng)
+    ids_b = _prompt(plan_b.lengths, rng)
     assert ids_b.shape == ids.shape, "the example's prompts share one sequence bucket"
     input_ids = jaxsync.async_h2d(ids_b, placement=repl)
     with sync_guard("error"), no_recompile():
