@@ -11,7 +11,7 @@ import jaxsync
 import jaxsync.testing
 from jaxsync import _host
 from jaxsync.models import glm4v, qwen3_omni as q3
-from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonVQVAE
+from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonImageTower
 from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
 from jaxsync.models.voxtral import VoxtralAudioConfig, VoxtralAudioEncoder, VoxtralAudioTower
 from jaxsync.paths.chameleon import reference as chameleon_ref
@@ -68,7 +68,7 @@ def _qwen3_omni():
 
 def _chameleon():
     cfg = ChameleonConfig.from_hf_config(chameleon_ref.tiny_hf_config())
-    enc = ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4, 8))
+    enc = ChameleonImageEncoder(ChameleonImageTower(cfg, rngs=nnx.Rngs(0)), buckets=(4, 8))
     pixels = chameleon_ref.random_pixels(3, cfg.vq, seed=4)
     other = chameleon_ref.random_pixels(6, cfg.vq, seed=5)  # the other bucket
     return enc, pixels, other, (1, 0, 2, 2), "pixel_values"

@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.models import glm4v, qwen3_omni as q3
-from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonVQVAE
+from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonImageTower
 from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
 from jaxsync.models.voxtral import (
     MelConfig,
@@ -63,7 +63,7 @@ def _qwen3_omni():
 
 def _chameleon():
     cfg = ChameleonConfig.from_hf_config(chameleon_ref.tiny_hf_config())
-    enc = ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4,))
+    enc = ChameleonImageEncoder(ChameleonImageTower(cfg, rngs=nnx.Rngs(0)), buckets=(4,))
     return lambda: enc(chameleon_ref.random_pixels(3, cfg.vq, seed=4))
 
 
