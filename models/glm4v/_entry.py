@@ -2,55 +2,25 @@
 
 from __future__ import annotations
 
-import collections
-import copy
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, pos_embeds
-from jaxsync.models.glm4v._plan import (
-    AttentionLayout,
-    VisionPlan,
-    check_grid,
-    plan_batch,
-    resolve_layout,
+from jaxsync.models.glm4v import _plan
+from jaxsync.models.glm4v._modules import (
+    Glm4vVisionTower,
+    forward,
+    forward_encoder_only,
+    pos_embeds,
 )
+from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan, check_grid
 
 
-# Compiled tower programs shared by every encoder of the same module structure, shapes, dtypes
-# and placements: an encoder rebuilt per call (e.g. from a server's `(graphdef, state)`) reuses
-# the compiled program and only repacks its weights. Each entry keeps the packed weights of the
-# last encoder built for it alive.
-_PROGRAMS: collections.OrderedDict[Any, jaxsync.TowerProgram] = collections.OrderedDict()
-_PROGRAMS_LOCK = threading.Lock()
-_MAX_PROGRAMS = 8
 _pos_program = jax.jit(pos_embeds)
-
-
-def _program_for(model: Glm4vVisionTower) -> jaxsync.TowerProgram:
-    graphdef, state = nnx.split(model)
-    key = (graphdef, tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)))
-    with _PROGRAMS_LOCK:
-        shared = _PROGRAMS.get(key)
-    if shared is None:
-        program = jaxsync.TowerProgram(model, forward)
-    else:  # same compiled function, this model's weights
-        program = copy.copy(shared)
-        program.load_state(model)
-    with _PROGRAMS_LOCK:
-        _PROGRAMS[key] = program
-        _PROGRAMS.move_to_end(key)
-        while len(_PROGRAMS) > _MAX_PROGRAMS:
-            _PROGRAMS.popitem(last=False)
-    return program
 
 
 def _home(table: jax.Array) -> jax.Device | jax.sharding.Sharding:
@@ -67,17 +37,17 @@ PIXELS = "pixel_values"
 class Glm4vVisionEncoder:
     """Host entry around a `Glm4vVisionTower`: host plan, one packed upload, one dispatch.
 
-    Building one is cheap after the first of its kind: compiled programs are shared by every
-    encoder of the same config, dtype and placement, so a server may rebuild the encoder from
-    its `(graphdef, state)` per call. The encoder snapshots the weights: after `nnx.update` of
-    the module, call `load_state(model)` (no recompile).
+    It runs `jaxsync.TowerProgram(model, forward)`: the function a server jits over the tower's
+    state leaves, compiled once per tower structure and shared by every encoder of it, so a
+    server may rebuild the encoder from its `(graphdef, state)` per call. The encoder snapshots
+    the weights: after `nnx.update` of the module, call `load_state(model)` (no recompile).
 
     Args:
       model: the tower (e.g. from `load_model`).
-      group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
+      buckets: the static sizes plans pad to (default `Glm4vBuckets()`).
       placement: device or sharding for host uploads (None: beside the weights).
       plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
-      attention_layout: how each image / frame attends only to itself:
+      layout: how each image / frame attends only to itself:
         "ragged" (cuDNN's attention over the segments of the packed rows: work grows with the
         sum of per-image squares; GPU towers with cuDNN attention; one program per patch
         bucket and segment-slot bucket, 8 / 64 / 512 ... segments),
@@ -86,35 +56,37 @@ class Glm4vVisionEncoder:
         "segments" (images of similar size batched, each attending alone: work grows with the
         sum of per-image squares; any backend; one program per patch bucket and size mix),
         or "auto" (default: "ragged" for a tower on one device whose attention runs on cuDNN,
-        else "dense").
+        else "dense"; `plan(grid_thw, model.cfg)` resolves it the same way for one device).
         "ragged" on a tower without cuDNN attention computes the dense mask.
+      encoder_only: return the tokens before the patch merger as the rows (no merger runs).
 
     Attributes:
-      attention_layout: the layout in use ("auto" resolved).
+      cfg: the tower's config (`model.cfg`, with its resolved attention).
+      layout: the layout in use ("auto" resolved).
+      buckets: the checked buckets.
     """
 
     def __init__(
         self,
         model: Glm4vVisionTower,
         *,
-        group_buckets: Sequence[int] | None = None,
+        buckets: Glm4vBuckets | None = None,
         placement=None,
         plan_cache_size: int = 64,
-        attention_layout: AttentionLayout = "auto",
+        layout: AttentionLayout = "auto",
+        encoder_only: bool = False,
     ):
         if not isinstance(model, Glm4vVisionTower):
             raise TypeError(f"model must be a Glm4vVisionTower, got {type(model).__name__}")
-        attention = model.blocks[0].attn.impl if len(model.blocks) else "xla"
-        devices = len(model.post_layernorm.weight[...].sharding.device_set)
-        self.attention_layout = resolve_layout(attention_layout, attention, devices)
         self.cfg = model.cfg
+        self.devices = len(model.post_layernorm.weight[...].sharding.device_set)
+        self.layout = _plan.resolve_layout(layout, self.cfg.attention, self.devices)
         self.dtype = model.dtype
-        self.group_buckets = (
-            None
-            if group_buckets is None
-            else tuple(jaxsync.host_int(b, name="group_buckets", minimum=1) for b in group_buckets)
+        self.buckets = _plan.check_buckets(buckets)
+        self.encoder_only = bool(encoder_only)
+        self._program = jaxsync.TowerProgram(
+            model, forward_encoder_only if self.encoder_only else forward
         )
-        self._program = _program_for(model)
         self._table = model.embeddings.position_embedding[...]
         self.placement = _home(self._table) if placement is None else placement
         self._plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
@@ -129,14 +101,21 @@ class Glm4vVisionEncoder:
         self._program.load_state(model)
         self._table = model.embeddings.position_embedding[...]
 
-    def plan(self, grid_thw, num_patches: int | None = None) -> VisionPlan:
-        """The host plan of a batch (validates `grid_thw`)."""
-        return plan_batch(
+    @property
+    def program(self) -> jaxsync.TowerProgram:
+        """The compiled forward over the tower's state leaves (`.leaves`, `.num_state_args`)."""
+        return self._program
+
+    def plan(self, grid_thw, num_patches: int | None = None) -> Glm4vPlan:
+        """The host plan of a batch with this encoder's buckets and layout (validates
+        `grid_thw`)."""
+        return _plan.plan(
             grid_thw,
             self.cfg,
+            buckets=self.buckets,
+            layout=self.layout,
+            devices=self.devices,
             num_patches=num_patches,
-            group_buckets=self.group_buckets,
-            attention_layout=self.attention_layout,
         )
 
     def _planned(self, grid_thw, num_patches: int | None, placement, on_miss=None):
@@ -153,8 +132,8 @@ class Glm4vVisionEncoder:
 
         def build():
             plan = self.plan(grid_thw, num_patches)  # validates the grid
-            meta = jaxsync.upload_packed(plan.fields, placement=placement)
-            return plan, meta, jaxsync.Embeddings.layout(plan.tokens_per_item)
+            meta = jaxsync.upload_packed(plan, placement=placement)
+            return plan, meta, jaxsync.Embeddings.layout(plan.lengths)
 
         return self._plans.get((key, num_patches, placement), build, on_miss=on_miss)
 
@@ -176,7 +155,7 @@ class Glm4vVisionEncoder:
             return NamedSharding(sharding.mesh, PartitionSpec())
         return next(iter(have)) if len(have) == 1 else self.placement
 
-    def _host_pixels(self, pixel_values, plan: VisionPlan) -> jax.Array:
+    def _host_pixels(self, pixel_values, plan: Glm4vPlan) -> jax.Array:
         shape = (plan.padded_patches, self.cfg.patch_dim)  # padding patches are zero pixels
         return jaxsync.default_staging.put(  # NaN / inf refused as they are copied
             pixel_values, shape, dtype=self.dtype, placement=self.placement, finite=PIXELS
@@ -204,10 +183,11 @@ class Glm4vVisionEncoder:
           image_grid_thw: [B, 3] host (t, h, w) per item, in patches (numpy, list, torch CPU).
 
         Returns:
-          `jaxsync.Embeddings`: merged tokens [G_bucket, out_hidden_size] (item i at
-          `offsets[i]`, `lengths[i]` = t*h*w / m^2 rows), extras "hidden" (the same rows before
-          the patch merger) and "finite" (bool [G_bucket]: entry i < B is True when every
-          output of item i is finite; computed on device, never read back).
+          `jaxsync.Embeddings`, `Embeddings.of(forward(...), plan)`: merged tokens
+          [G_bucket, out_hidden_size] (item i at `offsets[i]`, `lengths[i]` = t*h*w / m^2 rows),
+          extras "hidden" (the same rows before the patch merger; with `encoder_only` those are
+          the rows and there is no "hidden") and "finite" (bool [I_bucket]: entry i < B is True
+          when every output of item i is finite; computed on device, never read back).
 
         Raises:
           TypeError: non-integer or device `image_grid_thw`, non-float pixels.
@@ -232,17 +212,13 @@ class Glm4vVisionEncoder:
                 f"a device pixel array must already be padded to the bucket: "
                 f"{plan.padded_patches} rows, got {pixels.shape[0]}"
             )
-        finish = jaxsync.Embeddings.assembler(layout, ("hidden", "finite"))
-        run = self._program.prepared(meta, finish=finish, name="pixel_values")
+        run = self._program.prepared(meta, finish=_assembler(layout), name="pixel_values")
         return self._calls.keep(key, run)(pixels)
 
     def _encode(self, pixels: jax.Array, meta: jaxsync.Packed, layout) -> jaxsync.Embeddings:
-        merged, hidden, finite = self._program(pixels, meta)
-        return jaxsync.Embeddings.from_layout(
-            merged, layout, extras={"hidden": hidden, "finite": finite}
-        )
+        return _assembler(layout)(self._program(pixels, meta))
 
-    def lower(self, pixels: jax.Array, meta: jaxsync.Packed):
+    def lower(self, pixels: jax.Array, meta: jaxsync.Packed) -> Any:
         """`jax.jit(...).lower` of the tower program (argument counts, HLO, cost analysis)."""
         return self._program.lower(pixels, meta)
 
@@ -252,3 +228,14 @@ class Glm4vVisionEncoder:
         (upstream's `pos_embeds_interpolate`); rows >= sum(t*h*w) are padding."""
         _, meta, _ = self._planned(image_grid_thw, None, self.placement)
         return _pos_program(self._table, meta)
+
+
+def _assembler(layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+    """`Encoded -> Embeddings` with the plan's cached row layout: `Embeddings.of(encoded, plan)`
+    without recomputing the layout per call."""
+
+    def finish(out: jaxsync.Encoded) -> jaxsync.Embeddings:
+        extras = {"finite": out.finite, **out.extras} if out.extras else {"finite": out.finite}
+        return jaxsync.Embeddings.from_layout(out.rows, layout, extras)
+
+    return finish

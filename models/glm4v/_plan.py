@@ -1,72 +1,122 @@
 """Host-side plan of a packed vision batch: everything derived from `grid_thw`, in numpy.
 
-Upstream derives coordinates, per-patch target sizes and attention segment lengths on the device
-(post-PR still with a blocking `lengths` upload and a `lengths[i]` read-back). Here they are pure
-functions of host metadata, computed once in numpy and moved in ONE packed transfer.
+Coordinates, per-patch target sizes, attention segments and item ids are pure functions of host
+metadata: computed once in numpy and moved in ONE packed transfer (`jaxsync.upload_packed(plan)`).
+Every static size of the device program (patches, items, attention slots) comes from a bucket,
+so many batches share one program.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 import jaxsync
 from jaxsync import _compat
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
+from jaxsync.models.glm4v._segments import MAX_GROUPS, ragged_segments, segment_groups
 
 
 # Merged-token buckets: powers of two and their 1.5x midpoints from 8 up (8, 12, 16, 24, ...), so
 # padding wastes at most a third of a batch (a 336x336 image, 144 tokens, runs at 192, not 256)
-# while one program still serves a whole range of image sizes.
+# while one program still serves a whole range of image sizes. The largest (1.5 * 2^20) holds the
+# released image processor's largest image (28 * 28 * 15000 pixels: 15,000 tokens) many times.
 DEFAULT_GROUP_BUCKETS: tuple[int, ...] = tuple(
     sorted({b for k in range(3, 21) for b in (2**k, 3 * 2 ** (k - 1))})
 )
-
-
-# Patch-count buckets of one segment (frame) in the "segments" attention layout, and the slot
-# counts of a group: a layout is one compiled program, so both are coarse.
+# Item-count buckets (the length of the per-item finite flags): coarse, as the ragged layout's
+# segment slots, so one program serves 1 to 8 images, 9 to 64, ...; a padding flag costs nothing.
+DEFAULT_ITEM_BUCKETS: tuple[int, ...] = tuple(8**k for k in range(1, 8))
+# Patch-count buckets of one segment (frame) in the "segments" attention layout: a layout is one
+# compiled program, so they are coarse.
 DEFAULT_SEGMENT_BUCKETS: tuple[int, ...] = (4, 8, 16, *(4 * b for b in DEFAULT_GROUP_BUCKETS))
-_SLOT_BUCKETS: tuple[int, ...] = tuple(2**k for k in range(16))
-# Field-name prefix of a segment group's row index in the plan (`segment_L` -> [G, L]).
-SEGMENT_GROUP = "segment_"
-# Segment slots of the "ragged" layout: coarse, so nearly every batch of a patch bucket shares
-# one program; unused slots cost the kernel next to nothing.
-_RAGGED_SLOTS: tuple[int, ...] = tuple(8**k for k in range(1, 8))
 LAYOUTS = ("dense", "segments", "ragged")
 AttentionLayout = Literal["dense", "segments", "ragged", "auto"]
 
 
-@dataclasses.dataclass(frozen=True)
-class VisionPlan:
-    """Host metadata of one packed batch.
+class Glm4vBuckets(NamedTuple):
+    """The static sizes a plan pads to (each a strictly increasing tuple of positive ints).
 
     Attributes:
-      grid_thw: [B, 3] int64 (t, h, w) per item, in patches.
-      num_patches: real patch count (sum of t*h*w).
-      padded_patches: the bucketed patch count (a multiple of merge_size**2).
-      tokens_per_item: merged output tokens per item (t*h*w / merge_size**2).
-      fields: the arrays for `upload_packed`, each [padded_patches]:
-        h, w (int32 patch coordinates in merge-block order), th, tw (int32 target grid of the
-        patch's image), seg (int32 attention segment: one per frame; padding gets its own),
-        item (int32 item index; padding gets the item count). The "segments" layout adds, per
-        segment length bucket L, `segment_L` [G, L]: the rows of G segments (frames) of at most
-        L patches, padded with the index P. The "ragged" layout adds `seq_lengths` [M] and
-        `seq_offsets` [M + 1] (rows per segment and first row of each, then the end; -1 in
-        unused slots), the padding rows forming the last segment.
+      tokens: merged-token buckets of a batch (patches = tokens * merge**2).
+      items: item-count buckets (the length of the per-item finite flags).
+      segment_rows: patch-count buckets of one segment in the "segments" layout.
     """
 
+    tokens: tuple[int, ...] = DEFAULT_GROUP_BUCKETS
+    items: tuple[int, ...] = DEFAULT_ITEM_BUCKETS
+    segment_rows: tuple[int, ...] = DEFAULT_SEGMENT_BUCKETS
+
+
+class Glm4vMeta(NamedTuple):
+    """The device metadata of one batch: the arrays `jaxsync.upload_packed(plan)` moves.
+
+    P is the padded patch count, I the padded item count. Every layout has every field; the
+    fields of the layouts not in use are empty, so the forward tells the layout from static
+    shapes.
+
+    Attributes:
+      h, w: int32 [P] patch row and column in merge-block order (0 for padding).
+      th, tw: int32 [P] the target grid of the patch's image (1 for padding).
+      seg: int32 [P] attention segment: one per frame; the padding rows form their own.
+      item: int32 [P] item index; padding rows get I (outside every item).
+      item_tokens: int32 [I] merged tokens per item (0 for padding items).
+      seq_lengths, seq_offsets: int32 [M], [M + 1] (the "ragged" layout, else [0]): rows and
+        first row of each segment, then the end; -1 in unused slots.
+      group_0 .. group_3: int32 [G_k, L_k] (the "segments" layout, else [0, 0]): the rows of G_k
+        segments of at most L_k patches, padded with the index P.
+    """
+
+    h: np.ndarray
+    w: np.ndarray
+    th: np.ndarray
+    tw: np.ndarray
+    seg: np.ndarray
+    item: np.ndarray
+    item_tokens: np.ndarray
+    seq_lengths: np.ndarray
+    seq_offsets: np.ndarray
+    group_0: np.ndarray
+    group_1: np.ndarray
+    group_2: np.ndarray
+    group_3: np.ndarray
+
+    @property
+    def groups(self) -> tuple[np.ndarray, ...]:
+        """The non-empty segment groups."""
+        return tuple(g for g in (self.group_0, self.group_1, self.group_2, self.group_3) if g.size)
+
+
+class Glm4vPlan(NamedTuple):
+    """Host plan of one packed batch.
+
+    Attributes:
+      meta: the device metadata (`jaxsync.upload_packed(plan)` uploads it in one transfer).
+      lengths: merged output rows per item, t*h*w / merge**2.
+      grid_thw: [B, 3] int64 (t, h, w) per item, in patches.
+      layout: the attention layout the meta describes ("dense", "segments" or "ragged").
+      num_patches: real patch count (sum of t*h*w).
+      padded_patches: P, the bucketed patch count (a multiple of merge**2): pixel rows.
+      padded_items: I, the bucketed item count: the length of the forward's finite flags.
+    """
+
+    meta: Glm4vMeta
+    lengths: tuple[int, ...]
     grid_thw: np.ndarray
+    layout: str
     num_patches: int
     padded_patches: int
-    tokens_per_item: tuple[int, ...]
-    fields: dict[str, np.ndarray]
+    padded_items: int
+
+    @property
+    def num_items(self) -> int:
+        return len(self.lengths)
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.tokens_per_item)
+        return sum(self.lengths)
 
 
 def _holds_bool(x) -> bool:
@@ -100,6 +150,24 @@ def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np
     return grid
 
 
+def check_buckets(buckets: Glm4vBuckets | None) -> Glm4vBuckets:
+    """`buckets` with every size a host int >= 1 (None: the defaults).
+
+    Raises:
+      TypeError: not a `Glm4vBuckets`, or a size that is not an int.
+    """
+    if buckets is None:
+        return Glm4vBuckets()
+    if not isinstance(buckets, Glm4vBuckets):
+        raise TypeError(f"buckets must be a Glm4vBuckets, got {type(buckets).__name__}")
+    return Glm4vBuckets(
+        *(
+            tuple(jaxsync.host_int(b, name=f"buckets.{name}", minimum=1) for b in sizes)
+            for name, sizes in zip(Glm4vBuckets._fields, buckets, strict=True)
+        )
+    )
+
+
 def merge_block_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
     """Row/column of every patch of an h x w grid, enumerated block-row, block-col, inner-row,
     inner-col (the order the patches arrive in and `rot_pos_emb` uses)."""
@@ -111,77 +179,8 @@ def merge_block_coords(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarr
     ).ravel()
 
 
-def plan_batch(
-    grid_thw: Sequence[Sequence[int]] | np.ndarray,
-    cfg: Glm4vVisionConfig,
-    *,
-    num_patches: int | None = None,
-    group_buckets: Sequence[int] | None = None,
-    attention_layout: AttentionLayout = "dense",
-    segment_buckets: Sequence[int] | None = None,
-    attention: str = "xla",
-) -> VisionPlan:
-    """Plans a packed batch of images (t = 1) and videos (t frames, each its own segment).
-
-    Args:
-      grid_thw: [B, 3] (t, h, w) per item in patches, host data.
-      cfg: the tower config.
-      num_patches: rows of the pixel array, checked against sum(t*h*w) when given.
-      group_buckets: buckets for the merged-token count (default `DEFAULT_GROUP_BUCKETS`).
-      attention_layout: "dense" (one [P, P] segment mask: one program per patch bucket),
-        "segments" (segments grouped by length bucket, attention work sum(G * L^2): one
-        program per patch bucket and group mix) or "ragged" (segment lengths and offsets for
-        cuDNN's ragged attention, work sum(L^2): one program per patch bucket and slot bucket),
-        or "auto" (see `resolve_layout`).
-      segment_buckets: patch-count buckets of one segment (default `DEFAULT_SEGMENT_BUCKETS`).
-      attention: the tower's attention implementation (`model.blocks[0].attn.impl`), which
-        "auto" resolves by.
-
-    Raises:
-      ValueError: see `check_grid`; or `num_patches` disagrees with `grid_thw`; or an unknown
-        layout.
-    """
-    attention_layout = resolve_layout(attention_layout, attention)
-    merge = cfg.spatial_merge_size
-    grid = check_grid(grid_thw, merge)
-    real = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
-    if num_patches is not None and num_patches != real:
-        raise ValueError(f"grid_thw describes {real} patches but the pixel array has {num_patches}")
-    # Bucket the merged-token count so the padded patch count stays a multiple of merge**2: every
-    # padding group is then a whole merge block and never mixes with a real one.
-    padded = (
-        merge
-        * merge
-        * jaxsync.bucket(real // (merge * merge), group_buckets or DEFAULT_GROUP_BUCKETS)
-    )
-
-    h = np.zeros(padded, np.int32)
-    w = np.zeros(padded, np.int32)
-    th = np.ones(padded, np.int32)
-    tw = np.ones(padded, np.int32)
-    seg = np.zeros(padded, np.int32)
-    item = np.full(padded, len(grid), np.int32)
-    start, frame = 0, 0
-    for index, (t, gh, gw) in enumerate(grid.tolist()):
-        item[start : start + t * gh * gw] = index
-        rows, cols = merge_block_coords(gh, gw, merge)
-        for _ in range(t):  # every frame gets the same coordinates and its own segment
-            end = start + gh * gw
-            h[start:end], w[start:end], th[start:end], tw[start:end] = rows, cols, gh, gw
-            seg[start:end] = frame
-            start, frame = end, frame + 1
-    seg[real:] = frame  # padding attends only to padding, so its rows stay finite
-    tokens = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
-    fields = {"h": h, "w": w, "th": th, "tw": tw, "seg": seg, "item": item}
-    if attention_layout == "segments":
-        fields.update(segment_groups(grid, padded, segment_buckets or DEFAULT_SEGMENT_BUCKETS))
-    elif attention_layout == "ragged":
-        fields.update(ragged_segments(seg))
-    return VisionPlan(grid, real, padded, tokens, fields)
-
-
 def resolve_layout(layout: str, attention: str, devices: int = 1) -> str:
-    """The layout an encoder plans with: "auto" is "ragged" for a tower on one device whose
+    """The attention layout "auto" stands for: "ragged" for a tower on one device whose
     attention runs on cuDNN (and the installed jax offers its ragged form), else "dense"; both
     compile one program per patch bucket. A tower over several devices keeps the dense mask
     under "auto": the ragged call's partitioning over a mesh is not proven here.
@@ -193,37 +192,76 @@ def resolve_layout(layout: str, attention: str, devices: int = 1) -> str:
         ragged = attention == "cudnn" and devices == 1 and _compat.ragged_attention_available()
         return "ragged" if ragged else "dense"
     if layout not in LAYOUTS:
-        raise ValueError(f"attention_layout must be one of {(*LAYOUTS, 'auto')}, got {layout!r}")
+        raise ValueError(f"layout must be one of {(*LAYOUTS, 'auto')}, got {layout!r}")
     return layout
 
 
-def ragged_segments(seg: np.ndarray) -> dict[str, np.ndarray]:
-    """`seq_lengths` [M] and `seq_offsets` [M + 1] of the runs of equal ids in `seg` [P] (every
-    row in one segment), M the slot bucket of the run count, -1 in unused slots."""
-    starts = np.flatnonzero(np.diff(seg, prepend=-1))  # first row of each run
-    count = len(starts)
-    slots = jaxsync.bucket(count, _RAGGED_SLOTS, minimum=1)
-    lengths = np.full(slots, -1, np.int32)
-    offsets = np.full(slots + 1, -1, np.int32)
-    lengths[:count] = np.diff(np.append(starts, len(seg)))
-    offsets[: count + 1] = np.append(starts, len(seg))
-    return {"seq_lengths": lengths, "seq_offsets": offsets}
+def plan(
+    grid_thw: Sequence[Sequence[int]] | np.ndarray,
+    cfg: Glm4vVisionConfig,
+    *,
+    buckets: Glm4vBuckets | None = None,
+    layout: AttentionLayout = "auto",
+    devices: int = 1,
+    num_patches: int | None = None,
+) -> Glm4vPlan:
+    """Plans a packed batch of images (t = 1) and videos (t frames, each its own segment).
 
+    Args:
+      grid_thw: [B, 3] (t, h, w) per item in patches, host data.
+      cfg: the tower's config, `tower.cfg`: it carries the tower's resolved attention
+        (`cfg.attention`), which "auto" reads; a bare `Glm4vVisionConfig` plans for XLA
+        attention.
+      buckets: the static sizes to pad to (default `Glm4vBuckets()`).
+      layout: "dense" (one [P, P] segment mask: one program per patch bucket), "segments"
+        (segments grouped by length bucket, attention work sum(G * L^2): one program per patch
+        bucket and group mix), "ragged" (segment lengths and offsets for cuDNN's ragged
+        attention, work sum(L^2): one program per patch bucket and slot bucket), or "auto"
+        (`resolve_layout`: what `Glm4vVisionEncoder` runs for this tower).
+      devices: the devices the tower's weights span ("auto" keeps the dense mask on several).
+      num_patches: rows of the pixel array, checked against sum(t*h*w) when given.
 
-def segment_groups(grid: np.ndarray, padded: int, buckets: Sequence[int]) -> dict[str, np.ndarray]:
-    """Row indices of every segment (frame), grouped by length bucket: `segment_L` [G, L] with G
-    slots (a power of two), empty places holding `padded` (one past the last row)."""
-    lengths = [gh * gw for t, gh, gw in grid.tolist() for _ in range(t)]
-    by_bucket: dict[int, list[tuple[int, int]]] = {}
-    start = 0
-    for n in lengths:
-        by_bucket.setdefault(jaxsync.bucket(n, tuple(buckets), minimum=1), []).append((start, n))
-        start += n
-    out = {}
-    for size in sorted(by_bucket):
-        members = by_bucket[size]
-        index = np.full((jaxsync.bucket(len(members), _SLOT_BUCKETS, minimum=1), size), padded)
-        for slot, (first, n) in enumerate(members):
-            index[slot, :n] = np.arange(first, first + n)
-        out[f"{SEGMENT_GROUP}{size:08d}"] = index.astype(np.int32)
-    return out
+    Raises:
+      ValueError: see `check_grid`; `num_patches` disagrees with `grid_thw`; an unknown layout;
+        a size past its largest bucket.
+    """
+    layout = resolve_layout(layout, getattr(cfg, "attention", "xla"), devices)
+    buckets = check_buckets(buckets)
+    merge = cfg.spatial_merge_size
+    grid = check_grid(grid_thw, merge)
+    real = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+    if num_patches is not None and num_patches != real:
+        raise ValueError(f"grid_thw describes {real} patches but the pixel array has {num_patches}")
+    # Bucket the merged-token count so the padded patch count stays a multiple of merge**2: every
+    # padding group is then a whole merge block and never mixes with a real one.
+    padded = merge * merge * jaxsync.bucket(real // (merge * merge), buckets.tokens)
+    items = jaxsync.bucket(len(grid), buckets.items)
+
+    h = np.zeros(padded, np.int32)
+    w = np.zeros(padded, np.int32)
+    th = np.ones(padded, np.int32)
+    tw = np.ones(padded, np.int32)
+    seg = np.zeros(padded, np.int32)
+    item = np.full(padded, items, np.int32)
+    start, frame = 0, 0
+    for index, (t, gh, gw) in enumerate(grid.tolist()):
+        item[start : start + t * gh * gw] = index
+        rows, cols = merge_block_coords(gh, gw, merge)
+        for _ in range(t):  # every frame gets the same coordinates and its own segment
+            end = start + gh * gw
+            h[start:end], w[start:end], th[start:end], tw[start:end] = rows, cols, gh, gw
+            seg[start:end] = frame
+            start, frame = end, frame + 1
+    seg[real:] = frame  # padding attends only to padding, so its rows stay finite
+    lengths = tuple(int(t * gh * gw) // (merge * merge) for t, gh, gw in grid.tolist())
+    item_tokens = np.zeros(items, np.int32)
+    item_tokens[: len(lengths)] = lengths
+    seq_lengths = seq_offsets = np.zeros(0, np.int32)
+    groups = [np.zeros((0, 0), np.int32)] * MAX_GROUPS
+    if layout == "ragged":
+        seq_lengths, seq_offsets = ragged_segments(seg)
+    elif layout == "segments":
+        found = segment_groups(grid, padded, buckets.segment_rows)
+        groups[: len(found)] = found
+    meta = Glm4vMeta(h, w, th, tw, seg, item, item_tokens, seq_lengths, seq_offsets, *groups)
+    return Glm4vPlan(meta, lengths, grid, layout, real, padded, items)

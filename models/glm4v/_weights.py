@@ -43,7 +43,7 @@ def _flat_patch(cfg: Glm4vVisionConfig) -> Transform:
             raise ValueError(f"flat_patch maps onto [{c * t * p * p}, D], not {shape}")
         return (shape[1], c, t, p, p)
 
-    return Transform(lambda w: jnp.transpose(w.reshape(w.shape[0], -1)), stored, "flat_patch")
+    return Transform(lambda w: w.reshape(w.shape[0], -1).T, stored, "flat_patch")
 
 
 def _flat_block(cfg: Glm4vVisionConfig) -> Transform:
@@ -86,11 +86,13 @@ def rules(cfg: Glm4vVisionConfig) -> tuple[Rule, ...]:
 # Megatron-style split of every wide matmul over a "model" mesh axis: the fused qkv and the MLP
 # gate/up projections by output column, the attention output and MLP down projections by input
 # row (so each pair needs one reduction). Norms, the tables and the convs stay replicated; axis
-# names a mesh lacks and sizes it does not divide fall back to replication.
+# names a mesh lacks and sizes it does not divide fall back to replication. The paths are the
+# stacked blocks' (`blocks.layer.*`) and the axes describe one layer: the loader keeps the
+# leading layer axis unsharded.
 PARTITION_RULES: PartitionRules = (
-    (r"blocks\.\d+\.attn\.qkv\.kernel", (None, "model")),
-    (r"blocks\.\d+\.attn\.qkv\.bias", ("model",)),
-    (r"blocks\.\d+\.attn\.proj\.kernel", ("model", None)),
+    (r"blocks\.layer\.attn\.qkv\.kernel", (None, "model")),
+    (r"blocks\.layer\.attn\.qkv\.bias", ("model",)),
+    (r"blocks\.layer\.attn\.proj\.kernel", ("model", None)),
     (r"mlp\.(gate|up)_proj\.kernel", (None, "model")),
     (r"mlp\.down_proj\.kernel", ("model", None)),
 )

@@ -70,29 +70,34 @@ def test_one_upload_per_new_grid_and_none_when_cached(model, monkeypatch):
     monkeypatch.setattr(jaxsync, "upload_packed", lambda f, **k: calls.append(f) or real(f, **k))
     px, g = _inputs()[-1]
     enc(px, g)
-    assert len(calls) == 1 and set(calls[0]) == {"h", "w", "th", "tw", "seg", "item"}
+    assert len(calls) == 1 and isinstance(calls[0], glm4v.Glm4vPlan)
+    assert type(calls[0].meta) is glm4v.Glm4vMeta
     enc(px * 2, g)
     assert len(calls) == 1
 
 
 def test_plan_layout():
-    plan = glm4v.plan_batch([[2, 2, 4], [1, 2, 2]], CFG)
-    assert (plan.num_patches, plan.padded_patches, plan.tokens_per_item) == (20, 32, (4, 1))
-    f = plan.fields
+    plan = glm4v.plan([[2, 2, 4], [1, 2, 2]], CFG)
+    assert (plan.num_patches, plan.padded_patches, plan.lengths) == (20, 32, (4, 1))
+    assert (plan.num_items, plan.padded_items, plan.layout) == (2, 8, "dense")
+    f = plan.meta
     # merge-block order: block-row, block-col, inner-row, inner-col; both frames identical
-    np.testing.assert_array_equal(f["h"][:16], [0, 0, 1, 1, 0, 0, 1, 1] * 2)
-    np.testing.assert_array_equal(f["w"][:16], [0, 1, 0, 1, 2, 3, 2, 3] * 2)
-    np.testing.assert_array_equal(f["seg"], [0] * 8 + [1] * 8 + [2] * 4 + [3] * 12)
-    np.testing.assert_array_equal(f["tw"][:20], [4] * 16 + [2] * 4)
-    np.testing.assert_array_equal(f["item"], [0] * 16 + [1] * 4 + [2] * 12)
+    np.testing.assert_array_equal(f.h[:16], [0, 0, 1, 1, 0, 0, 1, 1] * 2)
+    np.testing.assert_array_equal(f.w[:16], [0, 1, 0, 1, 2, 3, 2, 3] * 2)
+    np.testing.assert_array_equal(f.seg, [0] * 8 + [1] * 8 + [2] * 4 + [3] * 12)
+    np.testing.assert_array_equal(f.tw[:20], [4] * 16 + [2] * 4)
+    np.testing.assert_array_equal(f.item, [0] * 16 + [1] * 4 + [8] * 12)  # padding: item I
+    np.testing.assert_array_equal(f.item_tokens, [4, 1, 0, 0, 0, 0, 0, 0])
+    # the other layouts' fields are empty in a dense plan
+    assert f.seq_lengths.shape == (0,) and f.groups == ()
 
 
 def test_padding_never_changes_real_outputs(model):
     """The same batch in its tight bucket and in a 4x larger one: real rows agree."""
     grid = [[2, 6, 4], [1, 8, 8], [1, 2, 12]]  # 48 + 64 + 24 patches = 34 merged tokens
     px = ref.pixels(grid, CFG, seed=11)
-    tight = glm4v.Glm4vVisionEncoder(model, group_buckets=[34])
-    loose = glm4v.Glm4vVisionEncoder(model, group_buckets=[136])
+    tight = glm4v.Glm4vVisionEncoder(model, buckets=glm4v.Glm4vBuckets(tokens=(34,)))
+    loose = glm4v.Glm4vVisionEncoder(model, buckets=glm4v.Glm4vBuckets(tokens=(136,)))
     a, b = tight(px, grid), loose(px, grid)
     assert (a.embeddings.shape[0], b.embeddings.shape[0]) == (34, 136)
     assert_close(np.asarray(b.embeddings)[:34], np.asarray(a.embeddings), rtol=1e-6)
@@ -119,7 +124,9 @@ def test_released_config_shapes():
     assert model.embeddings.position_embedding.shape == (576, 1536)
     assert model.patch_embed.proj.kernel.shape == (3 * 2 * 14 * 14, 1536)
     assert model.downsample.kernel.shape == (4 * 1536, 4096)
-    assert len(model.blocks) == 24 and model.blocks[0].mlp.gate_proj.kernel.shape == (1536, 4096)
+    # the 24 blocks stored stacked: one [L, ...] parameter per weight kind
+    assert len(model.blocks) == 24
+    assert model.blocks.layer.mlp.gate_proj.kernel.shape == (24, 1536, 4096)
 
 
 @requires_torch
@@ -154,7 +161,7 @@ def test_pure_forward_in_a_server_jit_takes_weights_as_arguments(model, enc):
     px, grid = _inputs()[1]
     plan = enc.plan(grid, px.shape[0])
     pixels = jaxsync.async_h2d(_padded(enc, px, grid))
-    meta = jaxsync.upload_packed(plan.fields)
+    meta = jaxsync.upload_packed(plan)
 
     @jax.jit
     def step(state, pixels, meta):
@@ -165,11 +172,13 @@ def test_pure_forward_in_a_server_jit_takes_weights_as_arguments(model, enc):
     # negative control: the same forward closing over the module bakes its weights in
     baked = jax.jit(lambda pixels, meta: glm4v.forward(model, pixels, meta))
     assert len(_weight_constants(baked.lower(pixels, meta).as_text())) >= CFG.depth
-    merged, hidden, finite = step(state, pixels, meta)
+    encoded = step(state, pixels, meta)
+    assert isinstance(encoded, jaxsync.Encoded)
     out = enc(px, grid)
-    assert_close(np.asarray(merged), np.asarray(out.embeddings), rtol=1e-6, atol=1e-6)
-    assert_close(np.asarray(hidden), np.asarray(out.extras["hidden"]), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(finite), np.asarray(out.extras["finite"]))
+    assert_close(np.asarray(encoded.rows), np.asarray(out.embeddings), rtol=1e-6, atol=1e-6)
+    hidden = np.asarray(encoded.extras["hidden"])
+    assert_close(hidden, np.asarray(out.extras["hidden"]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(encoded.finite), np.asarray(out.extras["finite"]))
 
 
 def test_encoder_rebuilt_per_call_compiles_nothing_after_warm_up(model):
@@ -227,16 +236,17 @@ def test_load_state_takes_new_weights_without_recompiling():
 
 
 @pytest.mark.parametrize("depth", [1, 5])
-def test_program_argument_count_is_small_at_any_depth(depth):
+def test_program_argument_count_is_the_same_at_any_depth(depth):
     cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "depth": depth})
     enc = glm4v.Glm4vVisionEncoder(glm4v.Glm4vVisionTower(cfg, rngs=nnx.Rngs(0)))
     grid = [[1, 6, 6]]
     plan = enc.plan(grid)
     pixels = jaxsync.async_h2d(np.zeros((plan.padded_patches, cfg.patch_dim), np.float32))
-    lowered = enc.lower(pixels, jaxsync.upload_packed(plan.fields))
+    lowered = enc.lower(pixels, jaxsync.upload_packed(plan))
     count = len(jax.tree.leaves(lowered.args_info))
-    assert count <= 6, count
-    assert count == 3  # one packed state buffer (one dtype), the pixels, the packed meta
+    # the state's 21 leaves (one per weight kind; the blocks stacked), the pixels, the meta
+    assert enc.program.num_state_args == 21
+    assert count == 21 + 2, count
 
 
 # --- processor outputs go straight in ---
@@ -317,9 +327,12 @@ def test_model_sharded_weights_equal_single_device(tmp_path):
     cfg = glm4v.Glm4vVisionConfig(**fields)
     mesh = _mesh((2, 4), ("data", "model"))
     sharded = glm4v.load_model(ckpt, cfg, mesh=mesh)
-    qkv = sharded.blocks[0].attn.qkv.kernel[...]
-    assert qkv.sharding.spec == P(None, "model") and not qkv.sharding.is_fully_replicated
-    assert sharded.blocks[1].mlp.down_proj.kernel[...].sharding.spec == P("model", None)
+    # stacked [L, ...]: the rules' axes describe one layer, the layer axis stays unsharded
+    qkv = sharded.blocks.layer.attn.qkv.kernel[...]
+    assert qkv.sharding.spec == P(None, None, "model") and not qkv.sharding.is_fully_replicated
+    down = sharded.blocks.layer.mlp.down_proj.kernel[...]
+    assert down.sharding.spec == P(None, "model", None)
+    assert sharded.blocks.layer.attn.qkv.bias[...].sharding.spec == P(None, "model")
     assert sharded.post_layernorm.weight[...].sharding.is_fully_replicated
     single = glm4v.Glm4vVisionEncoder(glm4v.load_model(ckpt, cfg))
     enc = glm4v.Glm4vVisionEncoder(sharded)

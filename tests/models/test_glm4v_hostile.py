@@ -63,7 +63,8 @@ def test_weight_errors_name_the_key(tmp_path):
     state = {f"model.visual.{k}": v for k, v in model.state_dict().items()}
     del state["model.visual.blocks.1.attn.qkv.bias"]
     path = jaxsync.testing.save_torch_state(state, tmp_path / "missing.safetensors")
-    with pytest.raises(WeightError, match=r"blocks\.1\.attn\.qkv\.bias"):
+    # the blocks are stacked: the error names the stacked parameter and the missing layer
+    with pytest.raises(WeightError, match=r"blocks\.layer\.attn\.qkv\.bias.*layers \[1\]"):
         glm4v.load_model(path, CFG)
     state["model.visual.blocks.1.attn.qkv.bias"] = torch.zeros(144)
     state["model.visual.blocks.0.attn.rope_scale"] = torch.zeros(3)
@@ -165,10 +166,13 @@ def test_device_inputs_misplaced_deleted_or_device_grid(enc):
 
 
 def test_torch_tensors_off_cpu_and_bad_buckets():
-    with pytest.raises(TypeError, match="group_buckets must be an int"):
-        glm4v.Glm4vVisionEncoder(
-            glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0)), group_buckets=[8, 16.0]
-        )
+    tower = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="buckets.tokens must be an int"):
+        glm4v.Glm4vVisionEncoder(tower, buckets=glm4v.Glm4vBuckets(tokens=(8, 16.0)))
+    with pytest.raises(TypeError, match="buckets.items must be an int"):
+        glm4v.plan([[1, 6, 6]], CFG, buckets=glm4v.Glm4vBuckets(items=(4, True)))
+    with pytest.raises(TypeError, match="Glm4vBuckets"):
+        glm4v.Glm4vVisionEncoder(tower, buckets=[8, 16])
     with pytest.raises(TypeError, match="Glm4vVisionTower"):
         glm4v.Glm4vVisionEncoder(object())
 

@@ -26,8 +26,8 @@ def test_poisoned_image_never_changes_the_others(impl, bad, layout):
     """One image with a NaN / inf patch: its own outputs go non-finite (as upstream), every
     other image is bit-identical to the clean run, and the on-device flag names the image."""
     model = glm4v.Glm4vVisionTower(CFG, rngs=nnx.Rngs(0), attention=impl)
-    assert model.blocks[0].attn.impl == impl
-    enc = glm4v.Glm4vVisionEncoder(model, attention_layout=layout)
+    assert model.blocks.at(0).attn.impl == impl
+    enc = glm4v.Glm4vVisionEncoder(model, layout=layout)
     px = ref.pixels(POISON_GRID, CFG, seed=4)
     plan = enc.plan(POISON_GRID, px.shape[0])
     clean = np.zeros((plan.padded_patches, CFG.patch_dim), np.float32)
@@ -81,7 +81,7 @@ def test_ragged_cudnn_is_sync_free_and_isolates_each_image():
     cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "hidden_size": 64, "num_heads": 4})  # H = 16
     model = glm4v.Glm4vVisionTower(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     enc = glm4v.Glm4vVisionEncoder(model)
-    assert model.blocks[0].attn.impl == "cudnn" and enc.attention_layout == "ragged"
+    assert model.blocks.at(0).attn.impl == "cudnn" and enc.layout == "ragged"
     grids = [POISON_GRID, [[1, 8, 8], [2, 4, 6], [1, 6, 6]], [[1, 10, 10], [1, 6, 6], [1, 2, 2]]]
     assert len({enc.plan(g).padded_patches for g in grids}) == 1
     inputs = [(ref.pixels(g, cfg, seed=i), g) for i, g in enumerate(grids)]

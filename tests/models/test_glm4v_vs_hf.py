@@ -112,7 +112,7 @@ def test_interpolate_pos_embed_standalone_8x8():
 def test_tower_fp32(tiny, name, layout):
     _, torch_model, cfg, _, enc = tiny
     if layout != "dense":
-        enc = glm4v.Glm4vVisionEncoder(glm4v.load_model(tiny[3], cfg), attention_layout=layout)
+        enc = glm4v.Glm4vVisionEncoder(glm4v.load_model(tiny[3], cfg), layout=layout)
     grid = BATCHES[name]
     px = ref.pixels(grid, cfg, seed=len(name))
     out = enc(px, grid)
