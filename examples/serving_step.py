@@ -2,15 +2,15 @@
 
 One multimodal request at a time, the way a server runs it:
 
-1. prefill, ONE jitted step of the server's own: Chameleon's VQ tokenizer (`forward`, pixels ->
-   VQ codes) and `img2bpe` (codes -> BPE ids) with the tokenizer's weights as step arguments, the
-   image tokens embedded and merged into the prompt at the `<image>` placeholders
+1. prefill, ONE jitted step of the server's own: Chameleon's image tower (`forward`: pixels ->
+   VQ codes -> BPE ids -> their text embedding rows) with the tower's weights as step
+   arguments, the embedded image tokens merged into the prompt at the `<image>` placeholders
    (`merge_image_tokens`, positions planned on the host from the prompt), the toy layer, and the
    logits with the image-token mask (`compute_logits`), and the prompt's KV rows written into
    the paged cache (`jaxsync.kv.write_slots`, the cache donated: updated in place). The
    request's host metadata (image validity, merge positions, prompt ids, and the KV slots
    planned by `jaxsync.kv.plan_slots` from a host-side block table) goes up in one packed
-   transfer; the cached tables (`img2bpe`, the logit mask column) are plain step arguments;
+   transfer; the cached logit mask column is a plain step argument;
 2. decode: each step embeds the previous token *on device*, computes the masked logits, picks
    the next token and writes its KV row, in one jitted step with one packed upload (the slot);
 3. between steps the scheduler swaps a block out to pinned host memory and back (block ids are
@@ -55,12 +55,10 @@ from jaxsync.kv import (
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,
-    ChameleonVQVAE,
+    ChameleonImageTower,
     compute_logits,
     forward,
-    img2bpe,
     merge_image_tokens,
-    plan_images,
     plan_merge,
 )
 from jaxsync.paths.chameleon.reference import tiny_hf_config
@@ -95,16 +93,15 @@ def _next_token(logits, last):  # [T, V], index of the last real row -> [1] int3
     return jnp.argmax(jax.lax.dynamic_slice_in_dim(logits, last, 1), axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=7)
-def prefill_step(vq_merge, vq_leaves, lm, pixels, req, table, mask, cache):
+@partial(jax.jit, static_argnums=0, donate_argnums=6)
+def prefill_step(tower_merge, tower_leaves, lm, pixels, req, mask, cache):
     """Image tokens, merge, layer, masked logits and the KV write of one request: one program of
     the server."""
-    codes, finite = forward(vq_merge(vq_leaves), pixels, req)  # [Bp, T] VQ codes, [Bp]
-    image = jnp.take(lm["embed"], img2bpe(codes, table).reshape(-1), axis=0)  # [Bp*T, D]
+    image = forward(tower_merge(tower_leaves), pixels, req)  # rows [Bp*T, D], finite [Bp]
     text = jnp.take(lm["embed"], req["prompt"], axis=0)  # [S, D], S = the prompt's bucket
-    hidden, kv = _layer(lm, merge_image_tokens(text, image, req["positions"]))
+    hidden, kv = _layer(lm, merge_image_tokens(text, image.rows, req.positions))
     logits = compute_logits(hidden, lm["lm_head"], mask)  # image columns at finfo.min
-    return _next_token(logits, req["last"][0]), _write(cache, kv, req["slots"]), finite
+    return _next_token(logits, req["last"][0]), _write(cache, kv, req["slots"]), image.finite
 
 
 @partial(jax.jit, donate_argnums=3)
@@ -118,13 +115,14 @@ def decode_step(lm, token, mask, cache, slot):
 class Server:
     def __init__(self, seed: int = 0):
         cfg = ChameleonConfig.from_hf_config(tiny_hf_config())
-        vq = ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(seed))
-        # The encoder supplies the cached tables; the server runs the pure forwards itself.
-        self.encoder = ChameleonImageEncoder(cfg, vq, buckets=(1,))
-        self.vq_leaves, self.vq_merge = jaxsync.flat_state(*nnx.split(vq))
+        tower = ChameleonImageTower(cfg, rngs=nnx.Rngs(seed))
+        # The encoder supplies the plans and the mask; the server runs the pure forwards itself.
+        self.encoder = ChameleonImageEncoder(tower, buckets=(1,))
+        self.tower_leaves, self.tower_merge = jaxsync.flat_state(*nnx.split(tower))
         self.cfg = cfg
-        self.lm = toy_lm(cfg.vocab_size, 32, seed)
-        self.table = self.encoder.img2bpe_table()
+        self.lm = toy_lm(cfg.vocab_size, cfg.hidden_size, seed)
+        # One text embedding: the tower embeds the image tokens with the table the LM uses.
+        self.lm["embed"] = tower.embed_tokens.embedding[...]
         self.mask = self.encoder.mask_column(cfg.vocab_size)
         shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
         self.cache = stack_layers({f"layer{i}": jnp.zeros(shape) for i in range(LAYERS)})
@@ -140,7 +138,7 @@ class Server:
     def prefill(self, pixels: np.ndarray, text_ids: list[int]) -> tuple[jax.Array, list[int], int]:
         prompt = self.prompt(text_ids)
         n, size = len(prompt), jaxsync.bucket(len(prompt))
-        images = plan_images(len(pixels), self.encoder.buckets)
+        images = self.encoder.plan(len(pixels))
         merge = plan_merge(
             (size,),
             images.rows * self.cfg.vq.tokens_per_image,
@@ -151,8 +149,8 @@ class Server:
         blocks = [self.free_blocks.pop(0) for _ in range(-(-(n + 1) // BLOCK))]
         slots = (np.asarray(blocks)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
         fields = {
-            **images.fields,
-            **merge.fields,
+            **images.meta._asdict(),
+            **merge.meta._asdict(),
             **plan_slots(self.cache, slots),  # validated and padded to the prompt's bucket
             "prompt": np.pad(prompt, (0, size - n)),
             "last": np.array([n - 1], np.int32),
@@ -162,7 +160,7 @@ class Server:
         staging[: len(pixels)] = pixels
         px = jaxsync.async_h2d(staging, copy=False)
         token, self.cache, _ = prefill_step(
-            self.vq_merge, self.vq_leaves, self.lm, px, req, self.table, self.mask, self.cache
+            self.tower_merge, self.tower_leaves, self.lm, px, req, self.mask, self.cache
         )
         return token, blocks, n
 

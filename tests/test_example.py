@@ -55,7 +55,9 @@ def test_prefill_step_equals_the_standalone_entry_points():
     prompt = server.prompt([5, 6, 7])
     token, _, n = server.prefill(pixels, [5, 6, 7])
     assert n == len(prompt)
-    image = jnp.take(server.lm["embed"], enc.get_image_tokens(pixels).reshape(-1), axis=0)
+    image = enc(pixels).rows  # the tower's embedded image tokens (the LM's own table)
+    want = jnp.take(server.lm["embed"], enc.get_image_tokens(pixels).reshape(-1), axis=0)
+    np.testing.assert_array_equal(np.asarray(image), np.asarray(want))
     text = jnp.take(server.lm["embed"], jnp.asarray(prompt), axis=0)
     merged = enc.merge_image_embeddings(text, image, input_ids=prompt)
     hidden, kv = example._layer(server.lm, merged)
@@ -71,13 +73,14 @@ def test_prefill_step_equals_the_standalone_entry_points():
     rows = StackedCache(jnp.pad(kv, ((0, size - n), (0, 0), (0, 0), (0, 0))), server.cache.layers)
     empty = jax.tree.map(jnp.zeros_like, server.cache)
     assert_close(server.cache.kv, inject_kv(empty, rows, slots).kv, rtol=1e-5)
-    # the step takes the server's own arguments only: tokenizer weights, LM weights, pixels,
-    # one packed request upload (KV slots included), the two cached tables and the cache (one
+    # the step takes the server's own arguments only: image tower weights, LM weights, pixels,
+    # one packed request upload (KV slots included), the cached mask and the cache (one
     # stacked array, whatever the layer count)
-    leaves = jax.tree.leaves(server.vq_leaves) + jax.tree.leaves(server.lm)
+    leaves = jax.tree.leaves(server.tower_leaves) + jax.tree.leaves(server.lm)
     req = example.jaxsync.upload_packed(
         {
             "valid": np.ones(1, bool),
+            "img2bpe": enc.plan(1).meta.img2bpe,
             "positions": np.zeros(128, np.int32),
             "slots": np.zeros(128, np.int32),
             "prompt": np.zeros(128, np.int32),
@@ -85,16 +88,15 @@ def test_prefill_step_equals_the_standalone_entry_points():
         }
     )
     lowered = example.prefill_step.lower(
-        server.vq_merge,
-        server.vq_leaves,
+        server.tower_merge,
+        server.tower_leaves,
         server.lm,
         jnp.zeros((1, *enc.image_shape)),
         req,
-        server.table,
         server.mask,
         server.cache,
     )
-    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 5
+    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 4
 
 
 def test_each_step_is_one_program_with_the_kv_write_inside():
