@@ -58,8 +58,8 @@ def _chameleon(depth: int):
     from jaxsync.paths.chameleon import reference as ref
 
     cfg = chameleon.ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=depth))
-    vq = chameleon.ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
-    enc = chameleon.ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    tower = chameleon.ChameleonImageTower(cfg, rngs=nnx.Rngs(0))
+    enc = chameleon.ChameleonImageEncoder(tower, buckets=(4,))
     pixels = jnp.zeros((3, *enc.image_shape), jnp.float32)
     return lambda x: enc(x), pixels
 
@@ -225,8 +225,8 @@ def test_chameleon_full_bucket_kept_calls_match_and_refuse_deleted_pixels():
     from jaxsync.paths.chameleon import reference as ref
 
     cfg = chameleon.ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=1))
-    vq = chameleon.ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0))
-    enc = chameleon.ChameleonImageEncoder(cfg, vq, buckets=(4,))
+    tower = chameleon.ChameleonImageTower(cfg, rngs=nnx.Rngs(0))
+    enc = chameleon.ChameleonImageEncoder(tower, buckets=(4,))
     x = jax.random.normal(jax.random.key(0), (4, *enc.image_shape), jnp.float32)
     first_rows, first_ids = enc(x), enc.get_image_tokens(x)
     again_rows, again_ids = enc(x), enc.get_image_tokens(x)  # both kept: no pad, one program
@@ -234,7 +234,7 @@ def test_chameleon_full_bucket_kept_calls_match_and_refuse_deleted_pixels():
     np.testing.assert_array_equal(np.asarray(again_ids), np.asarray(first_ids))
     assert again_rows.lengths == first_rows.lengths and again_ids.shape == (4, enc.tokens_per_image)
     np.testing.assert_array_equal(
-        np.asarray(again_ids).reshape(-1), np.asarray(again_rows.embeddings)
+        np.asarray(again_ids).reshape(-1), np.asarray(again_rows.extras["ids"])
     )
     x.delete()
     for entry in (enc, enc.get_image_tokens):
