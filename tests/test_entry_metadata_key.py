@@ -78,7 +78,7 @@ def test_gemma3n_mask_mutated_in_place_is_planned_again():
     from jaxsync.paths.gemma3n import reference as ref
 
     cfg = ref.tiny_config()
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)))
     feats = jnp.ones((2, 40, cfg.input_feat_size), jnp.float32)
     mask = np.ones((2, 40), bool)
     full = np.asarray(enc(feats, mask).embeddings)

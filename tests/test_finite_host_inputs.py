@@ -44,7 +44,7 @@ def _glm4v():
 
 def _gemma3n():
     cfg = gemma3n_ref.tiny_config()
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg, frame_buckets=64)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), frame_buckets=64)
     feats, mask = gemma3n_ref.mel_batch([41, 7, 29], 41, cfg.input_feat_size, seed=5)
     other, other_mask = gemma3n_ref.mel_batch([13, 30], 30, cfg.input_feat_size, seed=6)
 
@@ -138,7 +138,7 @@ def test_gemma3n_clip_list_goes_straight_into_its_bucket(monkeypatch):
     """vLLM's form, a list of `[S_i, F]` clips: copied once, into the staging buffer, with the
     check in the same pass; the same rows as the zero-padded batch with its mask."""
     cfg = gemma3n_ref.tiny_config()
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg, frame_buckets=64)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), frame_buckets=64)
     lengths = [41, 7, 29]
     rng = np.random.default_rng(8)
     clips = [rng.standard_normal((n, cfg.input_feat_size)).astype(np.float32) for n in lengths]

@@ -50,7 +50,7 @@ def _glm4v():
 
 def _gemma3n():
     cfg = gemma3n_ref.tiny_config()
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg, frame_buckets=64)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), frame_buckets=64)
     feats, mask = gemma3n_ref.mel_batch([41, 7, 29], 41, cfg.input_feat_size, seed=5)
     return lambda: enc(feats, mask)
 

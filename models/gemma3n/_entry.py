@@ -4,6 +4,7 @@ Host metadata (the frame mask, frame count, placeholder positions) is validated 
 before anything is dispatched; device data is never read back.
 """
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -14,22 +15,20 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.check import entry_point
-from jaxsync.models._merge import scatter_rows
-from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
-from jaxsync.models.gemma3n._modules import Gemma3nAudioModel, forward
-from jaxsync.models.gemma3n._plan import (
+from jaxsync.models.gemma3n._forward import encode, forward
+from jaxsync.models.gemma3n._inputs import (
     FEATURES,
-    AudioTruncationWarning,
     check_host_finite,
     frame_mask,
     host_clips,
     host_features,
-    plan_audio,
     stage_features,
 )
+from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
+from jaxsync.models.gemma3n._plan import AudioTruncationWarning, Gemma3nBuckets, plan
 
 
-__all__ = ["Gemma3nAudioEncoder", "merge_audio_embeddings"]
+__all__ = ["Gemma3nAudioEncoder"]
 
 
 def _devices(placement: jax.Device | jax.sharding.Sharding) -> frozenset:
@@ -41,11 +40,10 @@ def _devices(placement: jax.Device | jax.sharding.Sharding) -> frozenset:
 class Gemma3nAudioEncoder:
     """Audio features -> `soft_tokens` embedding rows per clip, on the device.
 
-    A call is host validation, a cached plan (frame mask and count, uploaded once per distinct
-    mask), one upload of host features, and one dispatch of `jaxsync.TowerProgram` over
-    `forward`. The padding token's embedding is computed once per weights and placement and
-    cached on the device. The entry snapshots the model's weights: after `nnx.update`, call
-    `load_state(model)` (no recompile).
+    A call is host validation, a cached plan (`gemma3n.plan`, uploaded once per distinct mask),
+    one upload of host features, and one dispatch of `jaxsync.TowerProgram(model, forward)`: the
+    function a server jits, over the state's leaves. The entry snapshots the model's weights:
+    after `nnx.update`, call `load_state(model)` (no recompile).
 
     Overflow (more than `soft_tokens` tower positions, i.e. more than ~30 s at the released
     config) follows `cfg.overflow`: "error" raises `ValueError` like transformers; "truncate"
@@ -53,38 +51,39 @@ class Gemma3nAudioEncoder:
     clips that lose real (non-padding) positions.
 
     Args:
-        model: the loaded `Gemma3nAudioModel`.
-        cfg: its config.
-        frame_buckets: an int G rounds host frames up to a multiple of G; a sequence lists them.
-        batch_buckets: clip-count buckets for host features; default powers of two.
+        model: the loaded `Gemma3nAudioModel` (its `cfg` is the entry's).
+        embed: True: the embedder's rows (`forward`); False: the audio tower's encodings
+            `[*, D_a]` per clip, before the embedder (`encode`; no overflow policy).
+        overflow: "error" or "truncate" in place of `model.cfg.overflow`; None keeps it.
+        frame_buckets: frame buckets for host features: increasing sizes, or an int G (a
+            multiple of G); default `gemma3n.FRAME_BUCKETS` (the released processor's shapes).
+        batch_buckets: clip-count buckets for host features; default `gemma3n.CLIP_BUCKETS`.
         placement: where host features go (a device, or a sharding such as
             `NamedSharding(mesh, P("data"))` for data-parallel clips); default: next to the
             weights. Device features stay where they are.
         plan_cache_size: distinct (mask, placement) plans kept.
+
+    Attributes:
+        cfg: the config the entry plans with.
+        program: the `jaxsync.TowerProgram`.
     """
 
     def __init__(
         self,
         model: Gemma3nAudioModel,
-        cfg: Gemma3nAudioConfig,
         *,
-        frame_buckets: int | Sequence[int] = 512,
+        embed: bool = True,
+        overflow: str | None = None,
+        frame_buckets: int | Sequence[int] | None = None,
         batch_buckets: Sequence[int] | None = None,
         placement: Any = None,
         plan_cache_size: int = 64,
     ):
-        self.cfg = cfg
-        self.frame_buckets = (
-            tuple(jaxsync.host_ints(frame_buckets, name="frame_buckets", minimum=1).tolist())
-            if isinstance(frame_buckets, Sequence | np.ndarray)
-            else jaxsync.host_int(frame_buckets, name="frame_buckets", minimum=1)
-        )
-        self.batch_buckets = (
-            None
-            if batch_buckets is None
-            else tuple(jaxsync.host_ints(batch_buckets, name="batch_buckets", minimum=1).tolist())
-        )
-        self.program = jaxsync.TowerProgram(model, forward)
+        cfg = model.cfg
+        self.cfg = cfg if overflow is None else dataclasses.replace(cfg, overflow=overflow)
+        self.embed = bool(embed)
+        self.buckets = _buckets(frame_buckets, batch_buckets)
+        self.program = jaxsync.TowerProgram(model, forward if self.embed else encode)
         # The padding embedding needs the embedder only: its state as plain jit arguments.
         graphdef = nnx.split(model.embed_audio)[0]
         pad_id, dtype = model.pad_id, model.dtype
@@ -115,10 +114,11 @@ class Gemma3nAudioEncoder:
         """Takes new weights (same structure and placement) without recompiling."""
         self.program.load_state(model)
         self._take_weights(model)
-        self._calls.clear()  # kept calls hold the old pad embedding
+        self._calls.clear()
 
     def pad_embedding(self, placement: Any = None) -> jax.Array:
-        """The padding token's embedding `[D]`, computed once per placement, then cached."""
+        """The padding token's embedding `[D]` (the rows `forward` puts at padded positions),
+        computed once per weights and placement, then cached."""
         key = self._home if placement is None else placement
         hit = self._pads.get(key)
         if hit is not None:
@@ -130,16 +130,16 @@ class Gemma3nAudioEncoder:
             self._pads[key] = pad
         return pad
 
-    def _plan(self, key: Any, valid: Any, placement: Any, on_miss: Any = None, **buckets: Any):
+    def _plan(self, key: Any, valid: Any, placement: Any, buckets: Gemma3nBuckets, on_miss=None):
         """(plan, uploaded meta, row layout) cached per mask content, placement and buckets;
         `valid()` gives the checked mask on a miss, after `on_miss()`."""
 
         def build():
-            plan = plan_audio(valid(), self.cfg, **buckets)
-            meta = jaxsync.upload_packed(plan.fields, placement=placement)
-            return plan, meta, jaxsync.Embeddings.layout(plan.lengths, plan.offsets)
+            p = plan(valid(), self.cfg, buckets=buckets, embed=self.embed)
+            meta = jaxsync.upload_packed(p, placement=placement)
+            return p, meta, jaxsync.Embeddings.layout(p.lengths)
 
-        key = (key, placement, tuple(sorted(buckets.items())))
+        key = (key, placement, buckets)
         return self.plans.get(key, build, on_miss=on_miss)
 
     @entry_point
@@ -154,15 +154,17 @@ class Gemma3nAudioEncoder:
                 (already bucketed: used at its shape) with a host mask.
 
         Returns:
-            `jaxsync.Embeddings`: `[R, D]` rows, `soft_tokens` per clip in order, in the model
-            dtype; `extras["finite"]` `[B]` bool (on the device) is False for a clip whose
-            features or rows hold a NaN / inf (host features are refused instead).
+            `jaxsync.Embeddings.of(forward(...), plan)`: `[R, D]` rows, `soft_tokens` per clip
+            in order (with `embed=False`: the tower's positions per clip, `[R, D_a]`), in the
+            model dtype; `extras["finite"]` `[B_pad]` bool (on the device, clip i at entry i) is
+            False for a clip whose features or rows hold a NaN / inf (host features are
+            refused instead).
 
         Raises:
             TypeError: non-float features, a non-integer mask, traced input.
             ValueError: mel bins, shapes, a clip without a real frame, non-finite host
-                features, deleted or misplaced device features, or (overflow="error") more
-                tower positions than `soft_tokens`.
+                features, deleted or misplaced device features, more frames or clips than the
+                largest bucket, or (overflow="error") more tower positions than `soft_tokens`.
         """
         run, call_key = self._calls.find(input_features, input_features_mask)
         if run is not None:
@@ -181,10 +183,10 @@ class Gemma3nAudioEncoder:
                 mask = frame_mask(mask, shape)
                 key = jaxsync.metadata_key(mask)
             placement = jaxsync.replicated_near(feats)
-            plan, meta, layout = self._plan(
-                (key, shape), lambda: frame_mask(mask, shape), placement,
-                frame_buckets=shape[1], batch_buckets=(shape[0],),
-            )  # fmt: skip
+            exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
+            p, meta, layout = self._plan(
+                (key, shape), lambda: frame_mask(mask, shape), placement, exact
+            )
         else:
             n_mel = cfg.input_feat_size
             if isinstance(input_features, list | tuple):  # clips go straight into the bucket
@@ -194,33 +196,27 @@ class Gemma3nAudioEncoder:
                     input_features, input_features_mask, n_mel, check_finite=False
                 )
             placement = self._meta_placement()
-            buckets = dict(frame_buckets=self.frame_buckets, batch_buckets=self.batch_buckets)
             key = (valid.shape, valid.tobytes())
             # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
             # the features are copied into their staging buffer (one pass over them).
-            plan, meta, layout = self._plan(
-                key, lambda: valid, placement, lambda: check_host_finite(host), **buckets
+            p, meta, layout = self._plan(
+                key, lambda: valid, placement, self.buckets, lambda: check_host_finite(host)
             )
-            feats = stage_features(host, (plan.batch, plan.frame_bucket, n_mel), self.placement)
+            feats = stage_features(host, (p.batch, p.frame_bucket, n_mel), self.placement)
         if not on_device:
-            return self._embed(feats, plan, meta, layout, placement, stacklevel=4)
-        if plan.truncation or plan.num_clips != plan.batch:
+            return self._embed(feats, p, meta, layout, stacklevel=4)
+        if p.truncation:
             run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
-                lambda x: self._embed(x, plan, meta, layout, placement, stacklevel=6), FEATURES
+                lambda x: self._embed(x, p, meta, layout, stacklevel=6), FEATURES
             )
         else:  # the common case: the program and the output's assembly, nothing else
-            finish = jaxsync.Embeddings.assembler(layout, ("finite",))
-            pad = self.pad_embedding(placement)  # `load_state` drops the kept calls
-            run = self.program.prepared(meta, pad, finish=finish, name=FEATURES)
+            run = self.program.prepared(meta, finish=_assembler(layout), name=FEATURES)
         return self._calls.keep(call_key, run)(feats)
 
-    def _embed(self, feats, plan, meta, layout, placement, stacklevel) -> jaxsync.Embeddings:
-        if plan.truncation:  # stacklevel: the warning points at the caller's line
-            warnings.warn(plan.truncation, AudioTruncationWarning, stacklevel=stacklevel)
-        rows, finite = self.program(feats, meta, self.pad_embedding(placement))
-        if plan.num_clips != plan.batch:
-            finite = _head(finite, plan.num_clips)
-        return jaxsync.Embeddings.from_layout(rows, layout, extras={"finite": finite})
+    def _embed(self, feats, p, meta, layout, stacklevel) -> jaxsync.Embeddings:
+        if p.truncation:  # stacklevel: the warning points at the caller's line
+            warnings.warn(p.truncation, AudioTruncationWarning, stacklevel=stacklevel)
+        return _assembler(layout)(self.program(feats, meta))
 
     def _meta_placement(self) -> Any:
         p = self.placement
@@ -244,49 +240,26 @@ class Gemma3nAudioEncoder:
             )
 
 
-# The first n entries; jitted with n static (an eager slice would upload its start index).
-_head = jax.jit(lambda x, n: x[:n], static_argnums=1)
+def _buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
+    """The entry's bucket options, checked (ints >= 1); None takes the planner's default."""
+    default = Gemma3nBuckets()
+    if frames is None:
+        frames = default.frames
+    elif isinstance(frames, Sequence | np.ndarray):
+        frames = tuple(jaxsync.host_ints(frames, name="frame_buckets", minimum=1).tolist())
+    else:
+        frames = jaxsync.host_int(frames, name="frame_buckets", minimum=1)
+    if clips is None:
+        return Gemma3nBuckets(frames, default.clips)
+    return Gemma3nBuckets(
+        frames, tuple(jaxsync.host_ints(clips, name="batch_buckets", minimum=1).tolist())
+    )
 
 
-@jax.jit
-def _scatter(text: jax.Array, rows: jax.Array, up: jaxsync.Packed) -> jax.Array:
-    return scatter_rows(text, rows, up["positions"])
+def _assembler(layout: tuple[tuple[int, ...], tuple[int, ...]]):
+    """`encoded -> Embeddings.of(encoded, plan)` over the plan's row layout computed once."""
 
+    def assemble(encoded: jaxsync.Encoded) -> jaxsync.Embeddings:
+        return jaxsync.Embeddings.from_layout(encoded.rows, layout, {"finite": encoded.finite})
 
-@entry_point
-def merge_audio_embeddings(
-    text_embeds: jax.Array, audio: jaxsync.Embeddings, input_ids: Any, *, audio_token_id: int
-) -> jax.Array:
-    """Writes audio embeddings into the text embeddings at the audio placeholder tokens.
-
-    Same result as transformers' `masked_scatter(input_ids == audio_token_id, audio_features)`;
-    the placeholder positions come from the host token ids, so nothing is read back.
-
-    Args:
-        text_embeds: `[..., T, D]` device embeddings of the prompt.
-        audio: the encoder's `Embeddings` (its `num_tokens` rows fill the placeholders in order).
-        input_ids: host token ids with the shape of `text_embeds[..., 0]`.
-        audio_token_id: the placeholder id (`cfg.audio_token_id`).
-
-    Raises:
-        TypeError: non-integer ids or placeholder id.
-        ValueError: shape mismatch, or placeholder count != `audio.num_tokens` (as transformers).
-    """
-    ids = jaxsync.host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
-    token = jaxsync.host_int(audio_token_id, name="audio_token_id")
-    if ids.shape != tuple(text_embeds.shape[:-1]):
-        raise ValueError(
-            f"input_ids shape {ids.shape} != text_embeds shape[:-1] {tuple(text_embeds.shape[:-1])}"
-        )
-    rows = audio.embeddings
-    if rows.ndim != 2 or rows.shape[1] != text_embeds.shape[-1]:
-        raise ValueError(f"audio rows {rows.shape} do not fit text_embeds {text_embeds.shape}")
-    pos = np.flatnonzero(ids.reshape(-1) == token)
-    if pos.size != audio.num_tokens:
-        raise ValueError(
-            f"{pos.size} audio placeholder tokens but {audio.num_tokens} audio embeddings"
-        )
-    slots = np.full(rows.shape[0], ids.size, np.int32)
-    slots[: pos.size] = pos
-    up = jaxsync.upload_packed({"positions": slots}, placement=jaxsync.replicated_near(text_embeds))
-    return _scatter(text_embeds, rows, up)
+    return assemble

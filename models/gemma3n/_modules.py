@@ -1,13 +1,10 @@
-"""Gemma 3n audio path as NNX modules, and its pure forward.
+"""Gemma 3n audio path as NNX modules.
 
 `Gemma3nAudioTower` is transformers' `Gemma3nAudioEncoder` (SSCP, conformer, reduction),
 `Gemma3nMultimodalEmbedder` its `Gemma3nMultimodalEmbedder`, and `Gemma3nAudioModel` holds both
-under the checkpoint names (`audio_tower.*`, `embed_audio.*`). `forward` is the audio part of
-`Gemma3nModel.forward`: features -> `soft_tokens` embeddings per clip, the padding token's
-embedding filling padded and missing positions.
+under the checkpoint names (`audio_tower.*`, `embed_audio.*`). The pure forwards over them are in
+`_forward.py`.
 """
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +28,6 @@ __all__ = [
     "Gemma3nAudioModel",
     "Gemma3nAudioTower",
     "Gemma3nMultimodalEmbedder",
-    "forward",
 ]
 
 
@@ -70,12 +66,15 @@ class Gemma3nAudioTower(nnx.Module):
         self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.cfg = cfg
         self.time_stride = cfg.time_stride
         self.reduction = cfg.conf_reduction_factor
         self.dtype = dtype
         self.subsample_conv_projection = SubSampleConvProjection(cfg, **kw)
-        self.conformer = nnx.List(
-            [ConformerBlock(cfg, **kw) for _ in range(cfg.conf_num_hidden_layers)]
+        self.conformer = jaxsync.LayerStack(
+            lambda r: ConformerBlock(cfg, rngs=r, dtype=dtype, param_dtype=param_dtype),
+            cfg.conf_num_hidden_layers,
+            rngs=rngs,
         )
 
     def subsample(
@@ -100,7 +99,7 @@ class Gemma3nAudioTower(nnx.Module):
         Returns encodings `[B, T_a, D_a]` (zero at padding) and padding `[B, T_a]`.
         """
         x, padding = self.subsample(features, padding, frames)
-        x = jaxsync.run_layers(self.conformer, x, ~padding)
+        x = self.conformer(x, ~padding)  # one scan over the stacked blocks
         return self.reduce(x, padding)
 
 
@@ -138,67 +137,27 @@ class Gemma3nMultimodalEmbedder(nnx.Module):
 
 class Gemma3nAudioModel(nnx.Module):
     """The audio tower and audio embedder of `Gemma3nModel` (checkpoint `model.audio_tower.*`,
-    `model.embed_audio.*`); `layers` names the conformer blocks for `jaxsync.TowerProgram`.
+    `model.embed_audio.*`).
+
+    Attributes:
+        cfg: the `Gemma3nAudioConfig` it was built from (the tower holds the same `cfg`).
+        audio_tower: the `Gemma3nAudioTower`; its conformer blocks are one `jaxsync.LayerStack`
+            (`audio_tower.conformer`, layer i: `audio_tower.conformer.at(i)`).
+        embed_audio: the `Gemma3nMultimodalEmbedder`.
     """
 
     def __init__(
         self, cfg: Gemma3nAudioConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32
     ):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.cfg = cfg
         self.pad_id = cfg.text_vocab_size - 1
         self.soft_tokens = cfg.soft_tokens
         self.dtype = dtype
         self.audio_tower = Gemma3nAudioTower(cfg, **kw)
         self.embed_audio = Gemma3nMultimodalEmbedder(cfg, **kw)
 
-    @property
-    def layers(self) -> nnx.List:
-        """The conformer blocks (`audio_tower.conformer`): the layer list a program scans."""
-        return self.audio_tower.conformer
-
-    @layers.setter
-    def layers(self, value: nnx.List) -> None:
-        self.audio_tower.conformer = value
-
     def pad_embedding(self) -> jax.Array:
         """The padding token `text_vocab_size - 1` through the hard path: `[D]`, model dtype."""
         ids = jnp.full((1,), self.pad_id, jnp.int32)
         return self.embed_audio.embed_ids(ids)[0].astype(self.dtype)
-
-
-def forward(
-    model: Gemma3nAudioModel, features: jax.Array, meta: Any, pad_embedding: Any = None
-) -> tuple[jax.Array, jax.Array]:
-    """Features -> `soft_tokens` embeddings per clip (the audio part of `Gemma3nModel.forward`).
-
-    Pure: callable inside any jit (weights arrive with `model`, e.g. `nnx.merge(graphdef,
-    state)`); the conformer runs through `jaxsync.run_layers`.
-
-    Args:
-        model: the loaded `Gemma3nAudioModel`.
-        features: `[B, T, F]` log-mel features (any float dtype).
-        meta: `plan.fields` as uploaded (`jaxsync.Packed` or a dict): `valid` `[B, T]` bool
-            (True = real frame) and `frames` `[1]` int32 (the frame count upstream saw when `T`
-            is a bucket).
-        pad_embedding: `[D]` embedding of the padding token (`model.pad_embedding()`, cached by
-            the entry); None computes it here.
-
-    Returns:
-        rows `[B * soft_tokens, D]` (clip `i` owns rows `i*N : (i+1)*N`: tower positions first,
-        padding positions and the tail up to `soft_tokens` take the padding embedding, positions
-        past `soft_tokens` are dropped) and finite `[B]` bool (the clip's features and rows
-        are all finite).
-    """
-    pad = model.pad_embedding() if pad_embedding is None else pad_embedding
-    tower = model.audio_tower
-    x, padding = tower.subsample(features, ~meta["valid"], meta["frames"][0])
-    x = jaxsync.run_layers(tower.conformer, x, ~padding)
-    enc, padding = tower.reduce(x, padding)  # [B, T_a, D_a], [B, T_a]
-    emb = model.embed_audio.embed_soft(enc).astype(model.dtype)  # [B, T_a, D]
-    b, t_a, d = emb.shape
-    n = model.soft_tokens
-    fill = jnp.broadcast_to(pad.astype(emb.dtype), (b, max(n, t_a), d))
-    emb = jnp.where(padding[:, :, None], fill[:, :t_a], emb)
-    emb = emb[:, :n] if t_a >= n else jnp.concatenate([emb, fill[:, : n - t_a]], axis=1)
-    finite = jnp.isfinite(features).all(axis=(1, 2)) & jnp.isfinite(emb).all(axis=(1, 2))
-    return emb.reshape(b * n, d), finite

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsync import LayerStack
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig, from_hf_config
-from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
+from jaxsync.models.gemma3n._modules import ConformerBlock, Gemma3nAudioModel
 from jaxsync.weights import Rule, checkpoint_dtype, conv, linear, load_weights
 
 
@@ -91,8 +92,16 @@ def load_model(
     if not isinstance(cfg, Gemma3nAudioConfig):
         raise TypeError(f"cfg must be a Gemma3nAudioConfig, got {type(cfg).__name__}")
     dt = checkpoint_dtype(checkpoint, _SELECT, _STRIP) if dtype is None else jnp.dtype(dtype)
-    return load_weights(
-        lambda: Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt),
+    no_blocks = cfg.conf_num_hidden_layers == 0
+
+    def build() -> Gemma3nAudioModel:
+        model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
+        if no_blocks:  # the loader counts a zero-layer stack's parameters as missing keys
+            model.audio_tower.conformer = None
+        return model
+
+    model = load_weights(
+        build,
         checkpoint,
         AUDIO_RULES,
         select=_SELECT,
@@ -101,3 +110,12 @@ def load_model(
         mesh=mesh,
         partition_rules=partition_rules if mesh is not None else None,
     )
+    if no_blocks:  # the empty stack: no weights to read, its [0, ...] arrays beside the others
+        empty = LayerStack(
+            lambda r: ConformerBlock(cfg, rngs=r, dtype=dt, param_dtype=dt), 0, rngs=nnx.Rngs(0)
+        )
+        if mesh is not None:
+            replicated = jax.NamedSharding(mesh, jax.P())
+            nnx.update(empty, jax.device_put(nnx.state(empty), replicated))
+        model.audio_tower.conformer = empty
+    return model

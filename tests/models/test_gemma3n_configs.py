@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxsync.models.gemma3n import Gemma3nAudioEncoder, forward, load_model, plan_audio
+from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nBuckets, forward, load_model, plan
 from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import rel_err, requires_torch
 
@@ -89,7 +89,7 @@ def _mixed(cfg):
 def test_host_and_device_features(setup):
     ref, model = setup
     cfg = ref.cfg
-    enc = Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)
+    enc = Gemma3nAudioEncoder(model, frame_buckets=BUCKET)
     feats, mask = _mixed(cfg)
     want = R.reference_embed(ref, feats, mask)
     assert rel_err(R.per_clip(enc(feats, mask)), want) <= FP32_TOL
@@ -104,8 +104,8 @@ def test_pure_forward(setup):
     ref, model = setup
     cfg = ref.cfg
     feats, mask = _mixed(cfg)
-    plan = plan_audio(mask, cfg, frame_buckets=BUCKET)
-    x = np.zeros((plan.batch, plan.frame_bucket, cfg.input_feat_size), np.float32)
+    p = plan(mask, cfg, buckets=Gemma3nBuckets(frames=BUCKET))
+    x = np.zeros((p.batch, p.frame_bucket, cfg.input_feat_size), np.float32)
     x[: feats.shape[0], : feats.shape[1]] = feats
     graphdef, state = nnx.split(model)
 
@@ -113,6 +113,6 @@ def test_pure_forward(setup):
     def step(state, x, meta):
         return forward(nnx.merge(graphdef, state), x, meta)
 
-    rows, _ = step(state, jnp.asarray(x), {k: jnp.asarray(v) for k, v in plan.fields.items()})
+    rows = step(state, jnp.asarray(x), jax.tree.map(jnp.asarray, p.meta)).rows
     got = np.asarray(rows)[: len(mask) * SOFT_TOKENS].reshape(len(mask), SOFT_TOKENS, -1)
     assert rel_err(got, R.reference_embed(ref, feats, mask)) <= FP32_TOL

@@ -20,11 +20,12 @@ from jaxsync.check import no_recompile
 from jaxsync.models.gemma3n import (
     Gemma3nAudioEncoder,
     Gemma3nAudioModel,
+    Gemma3nBuckets,
     from_hf_config,
     host_features,
     load_model,
     merge_audio_embeddings,
-    plan_audio,
+    plan,
 )
 from jaxsync.paths.gemma3n import reference as R
 from jaxsync.weights import WeightError
@@ -40,7 +41,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def encoder(cfg):
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg, frame_buckets=BUCKET)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), frame_buckets=BUCKET)
     feats, mask = R.mel_batch([20, 9], 20, cfg.input_feat_size)
     enc(feats, mask)  # warm: a refused call must not compile either
     return enc
@@ -237,19 +238,21 @@ def test_plan_on_any_mask(cfg, lengths, frames, dtype):
         with pytest.raises(TypeError):
             host_features(feats, mask, cfg.input_feat_size)
         with pytest.raises(TypeError):
-            plan_audio(mask, cfg)
+            plan(mask, cfg)
         return
     _, valid = host_features(feats, mask, cfg.input_feat_size)
     if min(lengths) == 0:
         with pytest.raises(ValueError, match="no valid frame"):
-            plan_audio(valid, cfg)
+            plan(valid, cfg)
         return
     big = dataclasses.replace(cfg, soft_tokens=64)
-    plan = plan_audio(valid, big, frame_buckets=8)
-    assert plan.frames == frames and plan.frame_bucket % 8 == 0
-    assert plan.lengths == (64,) * len(lengths) and plan.offsets[-1] == 64 * (len(lengths) - 1)
-    assert np.array_equal(plan.fields["valid"][: len(lengths), :frames], valid)
-    assert not plan.fields["valid"][len(lengths) :].any()
+    p = plan(valid, big, buckets=Gemma3nBuckets(frames=8))
+    assert p.frames == frames and p.frame_bucket % 8 == 0
+    assert p.lengths == (64,) * len(lengths) and p.offsets[-1] == 64 * (len(lengths) - 1)
+    assert np.array_equal(p.meta.valid[: len(lengths), :frames], valid)
+    assert not p.meta.valid[len(lengths) :].any()
+    assert p.meta.frames.tolist() == [frames]
+    assert p.meta.positions.tolist() == [big.num_tower_positions(frames)]
 
 
 @pytest.mark.parametrize(
@@ -266,4 +269,4 @@ def test_plan_on_any_mask(cfg, lengths, frames, dtype):
 def test_entry_settings(cfg, kwargs, exc):
     model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
     with pytest.raises(exc, match="frame_buckets|batch_buckets|placement"):
-        Gemma3nAudioEncoder(model, cfg, **kwargs)
+        Gemma3nAudioEncoder(model, **kwargs)

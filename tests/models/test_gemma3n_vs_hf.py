@@ -42,7 +42,7 @@ def model(ref):
 
 @pytest.fixture(scope="module")
 def embedder(ref, model):
-    return Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
+    return Gemma3nAudioEncoder(model, frame_buckets=BUCKET)
 
 
 def _noisy_padding(feats, mask, seed=1):
@@ -62,6 +62,30 @@ def test_tower_parity(ref, model, lengths):
     enc, pad = jax.jit(lambda f, p: model.audio_tower(f, p))(feats, ~mask)
     assert np.array_equal(np.asarray(pad), want.audio_mel_mask.numpy())
     assert rel_err(enc, want.last_hidden_state.numpy()) <= FP32_TOL
+
+
+@pytest.mark.parametrize("lengths,frames", [([23, 9, 1], 23), ([71, 70, 30], 71), ([5], 60)])
+def test_encoder_only_rows_are_the_tower_encodings(ref, model, lengths, frames):
+    """`embed=False`: each clip's rows are transformers' tower output for the batch (before the
+    embedder), overflow or not, packed contiguously from row 0."""
+    import torch
+
+    enc = Gemma3nAudioEncoder(model, embed=False, frame_buckets=BUCKET)
+    feats, mask = R.mel_batch(lengths, frames, ref.cfg.input_feat_size, seed=frames)
+    feats = _noisy_padding(feats, mask)
+    with torch.no_grad():
+        want = ref.tower(torch.from_numpy(feats), ~torch.from_numpy(mask), return_dict=True)
+    want = want.last_hidden_state.numpy()  # [B, T_a, D_a]
+    out = enc(feats, mask)
+    t_a = ref.cfg.num_tower_positions(frames)
+    assert want.shape[1] == t_a and out.lengths == (t_a,) * len(lengths)
+    assert out.offsets == tuple(range(0, t_a * len(lengths), t_a))
+    assert out.rows.shape[1] == ref.cfg.hidden_size
+    rows = np.asarray(out.rows)
+    assert rel_err(rows[: out.num_tokens].reshape(want.shape), want) <= FP32_TOL
+    assert not rows[out.num_tokens :].any()  # padding rows after the clips
+    finite = np.asarray(out.finite)
+    assert finite[: len(lengths)].all() and len(finite) >= len(lengths)
 
 
 def test_embedder_parity(ref, model):
@@ -92,7 +116,7 @@ def test_pipeline_parity(ref, embedder, lengths, frames):
     pad = np.asarray(embedder.pad_embedding())
     padding_clip = np.asarray(out.embeddings)[3 * n :]
     assert np.array_equal(padding_clip, np.broadcast_to(pad, padding_clip.shape))
-    assert np.asarray(out.extras["finite"]).tolist() == [True] * 3
+    assert np.asarray(out.extras["finite"]).tolist() == [True] * 4  # 3 clips and a padding clip
 
 
 def test_list_input_matches_vllm_batching(ref, embedder):
@@ -120,19 +144,24 @@ def test_overflow_error_like_transformers(ref, embedder, frames):
 
 
 def test_overflow_truncate_like_vllm(ref, model):
-    cfg = dataclasses.replace(ref.cfg, overflow="truncate")
-    emb = Gemma3nAudioEncoder(model, cfg, frame_buckets=BUCKET)
-    feats, mask = R.mel_batch([71, 70, 30], 71, cfg.input_feat_size, seed=7)
+    emb = Gemma3nAudioEncoder(model, overflow="truncate", frame_buckets=BUCKET)
+    assert emb.cfg == dataclasses.replace(ref.cfg, overflow="truncate")
+    feats, mask = R.mel_batch([71, 70, 30], 71, ref.cfg.input_feat_size, seed=7)
     with pytest.warns(AudioTruncationWarning, match=r"\{0: 1, 1: 1\}"):
         got = R.per_clip(emb(feats, mask))
     assert rel_err(got, R.reference_embed(ref, feats, mask, truncate=True)) <= FP32_TOL
+    # the same through a model whose own config truncates
+    truncating = load_model(ref.checkpoint, emb.cfg)
+    with pytest.warns(AudioTruncationWarning, match=r"\{0: 1, 1: 1\}"):
+        again = R.per_clip(Gemma3nAudioEncoder(truncating, frame_buckets=BUCKET)(feats, mask))
+    np.testing.assert_array_equal(again, got)
 
 
 def test_bf16(ref):
     import torch
 
     model = load_model(ref.checkpoint, ref.cfg, dtype=jnp.bfloat16)
-    emb = Gemma3nAudioEncoder(model, ref.cfg, frame_buckets=BUCKET)
+    emb = Gemma3nAudioEncoder(model, frame_buckets=BUCKET)
     feats, mask = R.mel_batch([57, 40, 13], 57, ref.cfg.input_feat_size, seed=57)
     out = emb(feats, mask)
     assert out.embeddings.dtype == jnp.bfloat16
@@ -230,14 +259,21 @@ def test_configs_of_other_models_are_refused(ref):
 
 def test_bench_rows_time_device_and_host_features_alike():
     # Each workload is timed on device features (next to transformers, whose inputs are on the
-    # device too) and on host features (the upload included): same clips, same embeddings.
+    # device too) and on host features (the upload included), each through the entry and the
+    # server form: same clips, same embeddings.
     from jaxsync import registry
+    from jaxsync.testing import assert_same_math
 
     cases = registry.benches(["gemma3n"])["gemma3n"]("cpu", "tiny")
-    assert [c.name.rsplit(", ", 1)[1] for c in cases] == ["device features]", "host features]"] * 2
-    for on_device, on_host in zip(cases[::2], cases[1::2], strict=True):
+    kinds = ["device features]", "host features]"]
+    kinds = [k for kind in kinds for k in (kind, f"{kind} · server form")]
+    assert [c.name.rsplit(", ", 1)[1] for c in cases] == kinds * 2
+    for on_device, device_server, on_host, host_server in zip(*[iter(cases)] * 4, strict=True):
         assert set(on_device.torch_fns) == {"transformers_eager"} and not on_host.torch_fns
+        assert not device_server.torch_fns and not host_server.torch_fns
         a, b = on_device.jax_fn(), on_host.jax_fn()  # both rotate to the same batch
         assert a.lengths == b.lengths
         for x, y in zip(a.split(), b.split(), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        for server in (device_server, host_server):  # the entry's program on the same batch
+            assert_same_math(server.jax_fn(), b.rows)

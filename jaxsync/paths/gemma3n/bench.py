@@ -1,12 +1,18 @@
-"""Registers the Gemma 3n audio benchmark for `jaxsync bench` (jaxsync vs transformers eager)."""
+"""Registers the Gemma 3n audio benchmark for `jaxsync bench` (jaxsync vs transformers eager).
+
+Each workload is timed through the entry and, beside it, through the server form: `forward` in
+a server's own jit over the flat state leaves, its meta uploaded once outside the timed call.
+"""
 
 import functools as ft
 import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxsync.models.gemma3n import Gemma3nAudioEncoder, load_model
+import jaxsync
+from jaxsync.models.gemma3n import Gemma3nAudioEncoder, load_model, plan
 from jaxsync.paths.gemma3n import reference as R
 from jaxsync.registry import BenchCase, register_bench
 
@@ -22,7 +28,27 @@ def _bench_models(size: str, device: str):
     model = load_model(ref.checkpoint, ref.cfg, dtype=jnp.bfloat16)
     ref.tower.to(device=device, dtype=torch.bfloat16)
     ref.embedder.to(device=device, dtype=torch.bfloat16)
-    return ref, Gemma3nAudioEncoder(model, ref.cfg)
+    return ref, model, Gemma3nAudioEncoder(model)
+
+
+def _server_runner(model, emb: Gemma3nAudioEncoder, batches, *, on_device: bool, state: dict):
+    """The server form on the same rotated batches: each batch planned (the entry's buckets)
+    and its meta uploaded once, outside the timed call; features padded to the plan's shape,
+    on the device already (`on_device`) or uploaded per call as a server's host features are."""
+    step, leaves = R.server_step(model)
+    staged = []
+    for feats, mask in batches:
+        p = plan(mask, emb.cfg, buckets=emb.buckets)
+        x = np.zeros((p.batch, p.frame_bucket, feats.shape[2]), np.float32)
+        x[: feats.shape[0], : feats.shape[1]] = feats
+        staged.append((jax.device_put(x) if on_device else x, jaxsync.upload_packed(p)))
+
+    def run():
+        state["i"] = (state["i"] + 1) % len(staged)
+        x, meta = staged[state["i"]]
+        return step(leaves, x if on_device else jax.device_put(x), meta).rows
+
+    return run
 
 
 @register_bench("gemma3n")
@@ -30,7 +56,7 @@ def _bench(device: str, size: str) -> list[BenchCase]:
     """jaxsync vs transformers eager (bf16): 1-8 clips of 5-30 s (released) or tiny frames."""
     import torch
 
-    ref, emb = _bench_models(size, device)
+    ref, model, emb = _bench_models(size, device)
     cfg = ref.cfg
     shapes = [(1, 5), (1, 30), (8, 30)] if size == "released" else [(1, 0.2), (3, 0.5)]
     cases = []
@@ -70,7 +96,11 @@ def _bench(device: str, size: str) -> list[BenchCase]:
             return e
 
         name = f"gemma3n.audio_embed[{size}, {clips}x{seconds}s"
+        server_device = _server_runner(model, emb, batches, on_device=True, state={"i": 0})
+        server_host = _server_runner(model, emb, batches, on_device=False, state={"i": 0})
         cases.append(BenchCase(f"{name}, device features]", jax_device,
                                {"transformers_eager": hf_eager}))  # fmt: skip
+        cases.append(BenchCase(f"{name}, device features] · server form", server_device))
         cases.append(BenchCase(f"{name}, host features]", jax_fn))
+        cases.append(BenchCase(f"{name}, host features] · server form", server_host))
     return cases

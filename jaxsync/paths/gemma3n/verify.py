@@ -31,9 +31,7 @@ def _parity() -> Parity:
     from jaxsync.testing import rel_err
 
     ref = R.build_reference(tempfile.mkdtemp(prefix="jaxsync-gemma3n-"))
-    emb = Gemma3nAudioEncoder(
-        load_model(ref.checkpoint, ref.cfg), ref.cfg, frame_buckets=_TINY_BUCKET
-    )
+    emb = Gemma3nAudioEncoder(load_model(ref.checkpoint, ref.cfg), frame_buckets=_TINY_BUCKET)
     worst = 0.0
     for feats, mask in _inputs(ref.cfg):
         got = R.per_clip(emb(feats, mask))
@@ -49,12 +47,12 @@ def _build(checkpoint: str | None) -> PathCase:
     if checkpoint is None:
         cfg = R.tiny_config()
         model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
-        emb = Gemma3nAudioEncoder(model, cfg, frame_buckets=_TINY_BUCKET)
+        emb = Gemma3nAudioEncoder(model, frame_buckets=_TINY_BUCKET)
         return PathCase(fn=emb, inputs=_inputs(cfg), parity=_parity)
     cfg = from_hf_config(checkpoint)
-    emb = Gemma3nAudioEncoder(load_model(checkpoint, cfg, dtype=jnp.bfloat16), cfg)
+    emb = Gemma3nAudioEncoder(load_model(checkpoint, cfg, dtype=jnp.bfloat16))
     inputs = []
-    for seconds in (5, 4, 3):  # one 512-frame bucket
+    for seconds in (5, 4, 3):  # one 512-frame bucket of the default frame buckets
         feats, mask = R.mel_batch([seconds * 100], seconds * 100, cfg.input_feat_size)
         inputs.append((feats, mask))
     return PathCase(fn=emb, inputs=inputs, parity=None)
