@@ -90,7 +90,7 @@ def test_tester_config_matches_transformers_through_the_loader(tester):
     hf_cfg.to_json_file(str(path / "config.json"))
     assert "ignore_index" in (path / "config.json").read_text()  # saved as the tester builds it
     tower = load_model(path)  # the config comes from config.json
-    cfg = tower.config
+    cfg = tower.cfg
     assert (cfg.hidden_size, cfg.frames_per_token, cfg.chunk_frames) == (16, 1, 60)
     assert (cfg.num_mel_bins, cfg.text_hidden_size) == (80, 32)
     mel = _mel(2, cfg)
