@@ -4,7 +4,8 @@ Every family's `from_hf_config` diffs the HF config against the HF class default
 non-default field it does not handle, so an unsupported checkpoint variant fails loudly instead of
 loading into the wrong computation. Keys that cannot change a family's result (the text model's
 token ids, dropout probabilities, training-only flags, attributes the upstream module never reads)
-are listed once per family, each with the reason, and passed here as `ignored`.
+are listed once per family, each with the reason, and passed here as `ignored`; settings that
+transformers itself drops when it loads a config (`DROPPED_BY_TRANSFORMERS`) are skipped for all.
 
 A config read from disk (`as_dict` of a path) fails as `jaxsync.weights.WeightError` naming the
 path the caller gave: a path that does not exist (a Hub id is not downloaded), a folder without
@@ -45,6 +46,20 @@ GENERIC_FIELDS = frozenset(
         "transformers_version",
         "use_cache",
     }
+)
+
+# Settings that older transformers saved in model configs and that transformers' own
+# `PreTrainedConfig` now drops when it loads one (generation settings, the Hub revision), so no
+# module ever reads them. A test pins the list to the installed transformers.
+DROPPED_BY_TRANSFORMERS = frozenset(
+    "_commit_hash assistant_confidence_threshold assistant_lookbehind bad_words_ids "
+    "begin_suppress_tokens diversity_penalty do_sample early_stopping "
+    "encoder_no_repeat_ngram_size encoder_repetition_penalty epsilon_cutoff eta_cutoff "
+    "exponential_decay_length_penalty forced_bos_token_id forced_eos_token_id length_penalty "
+    "max_length min_length no_repeat_ngram_size num_assistant_tokens "
+    "num_assistant_tokens_schedule num_beam_groups num_beams num_return_sequences output_scores "
+    "remove_invalid_values repetition_penalty return_dict_in_generate suppress_tokens "
+    "target_lookbehind temperature top_k top_p typical_p use_cache".split()
 )
 
 
@@ -126,15 +141,15 @@ def unhandled_fields(
     *,
     ignored: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """Fields of `actual` that are not handled, not ignored, not generic, and either unknown to
-    `default` or different from it.
+    """Fields of `actual` that are not handled, not ignored, not generic (nor dropped by
+    transformers), and either unknown to `default` or different from it.
 
     >>> unhandled_fields({"a": 1, "b": [1, 2], "dtype": "f32"}, {"a": 1, "b": (1, 2)}, ())
     {}
     >>> unhandled_fields({"a": 2, "new": 0}, {"a": 1}, ())
     {'a': 2, 'new': 0}
     """
-    skip = GENERIC_FIELDS | set(handled) | set(ignored)
+    skip = GENERIC_FIELDS | DROPPED_BY_TRANSFORMERS | set(handled) | set(ignored)
     missing = object()
     return {
         k: v

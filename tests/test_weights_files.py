@@ -212,3 +212,28 @@ def test_every_family_load_model_without_config_json(tmp_path, monkeypatch, fami
         module.load_model("no_config")
     with pytest.raises(WeightError, match="does not exist. Hub ids are not downloaded"):
         module.load_model(HUB_ID)
+
+
+def test_settings_transformers_drops_are_the_ones_it_drops():
+    pytest.importorskip("transformers")
+    from transformers import GenerationConfig, PretrainedConfig
+
+    from jaxsync.hfconfig import DROPPED_BY_TRANSFORMERS
+
+    generation = set(GenerationConfig._get_default_generation_params())
+    assert DROPPED_BY_TRANSFORMERS == generation | {"_commit_hash"}
+    loaded = PretrainedConfig.from_dict({k: 7 for k in DROPPED_BY_TRANSFORMERS}).to_dict()
+    assert not DROPPED_BY_TRANSFORMERS & set(loaded)
+
+
+def _with_generation_settings(d: dict) -> dict:
+    """`d` as older transformers saved it: generation settings in every (sub-)config."""
+    nested = {k: _with_generation_settings(v) if k.endswith("_config") else v for k, v in d.items()}
+    return {**nested, "num_beams": 4, "max_length": 7, "bad_words_ids": None, "_commit_hash": "a"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_accepts_settings_transformers_drops(family):
+    _, config_class, d = _family_configs()[family]
+    got = config_class.from_hf_config(_with_generation_settings(d))
+    assert got == config_class.from_hf_config(d)
