@@ -47,8 +47,7 @@ class Glm4vMultimodal(nnx.Module):
         host[: plan.num_patches] = pixel_values  # padding patches are zeros
         pixels = jaxsync.async_h2d(host, copy=False)
         graphdef, state = nnx.split(self.visual)
-        merged, _, _ = _encode(graphdef, state, pixels, meta)
-        out = jaxsync.Embeddings(merged, plan.tokens_per_item)
+        out = jaxsync.Embeddings.of(_encode(graphdef, state, pixels, meta), plan)
         return tuple(out.split())  # static slices at host offsets: nothing is read back
 
     get_multimodal_embeddings = embed_multimodal  # the name older tpu-inference releases call
@@ -62,14 +61,14 @@ def _planned(cfg: glm4v.Glm4vVisionConfig, grid_thw):
     key = np.asarray(grid_thw, np.int64).tobytes()
 
     def build():
-        plan = glm4v.plan_batch(grid_thw, cfg)
-        return plan, jaxsync.upload_packed(plan.fields)
+        plan = glm4v.plan(grid_thw, cfg)  # `tower.cfg`: the layout its encoder would run
+        return plan, jaxsync.upload_packed(plan)
 
     return _plans.get(key, build)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _encode(graphdef, state, pixels, meta):
+def _encode(graphdef, state, pixels, meta) -> jaxsync.Encoded:
     # The server's jit: the weights are arguments, so a state update needs no recompile.
     return glm4v.forward(nnx.merge(graphdef, state), pixels, meta)
 

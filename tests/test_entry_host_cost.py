@@ -1,7 +1,8 @@
 """Entry calls on the serving thread: few jit arguments at any depth, and kept calls.
 
 Every entry's main program (the one doing the most work of those a call dispatches) takes at
-most 6 jit arguments whatever the model's depth (a shallow and a deep model are compared). A
+most 6 jit arguments, or its state's leaves and inputs for an entry on `jaxsync.TowerProgram`,
+whatever the model's depth (a shallow and a deep model are compared). A
 repeated call on device inputs is served by the entry's kept call: it skips the checks on a
 short hot path and gives the same answer, refuses a deleted or misplaced input, sees new
 weights, and keeps nothing traced.
@@ -94,6 +95,9 @@ ENTRIES = {
     "qwen3_omni": (_qwen3_omni, (1, 7)),
     "kv_stacked": (_kv_stacked, (2, 17)),
 }
+# Entries on `jaxsync.TowerProgram`: the state's leaves (one per weight kind, the layers
+# stacked) and the inputs.
+MAX_ARGS = {"glm4v": 21 + 2}
 
 
 @pytest.mark.parametrize("family", sorted(ENTRIES))
@@ -103,7 +107,7 @@ def test_entry_main_program_takes_few_jit_arguments_at_any_depth(family):
     for depth in depths:
         call, x = build(depth)
         counts.append(main_program_args(lambda call=call, x=x: call(x)))
-    assert counts[0] == counts[1] and 2 <= counts[0] <= 6, counts
+    assert counts[0] == counts[1] and 2 <= counts[0] <= MAX_ARGS.get(family, 6), counts
 
 
 def test_argument_count_sees_a_per_leaf_program():
