@@ -23,9 +23,11 @@ class _Ignored(NamedTuple):
 
 IGNORED_FIELDS = _Ignored(
     # `ChameleonConfig`: the text decoder's architecture (outside the image-token paths, which
-    # never run the decoder); its token ids and `initializer_range` (training-only); and keys
-    # no Chameleon module reads at all, which transformers' own tester config passes
-    # (`hidden_dropout_prob`, `attention_probs_dropout_prob`, `type_vocab_size`, `is_decoder`).
+    # never run the decoder); its token ids (`pad_token_id` only marks the embedding row that
+    # initialisation zeroes and training leaves alone: a loaded table is looked up the same);
+    # `initializer_range` (fresh weights only); and keys no Chameleon module reads at all,
+    # which transformers' own tester config passes (`hidden_dropout_prob`,
+    # `attention_probs_dropout_prob`, `type_vocab_size`, `is_decoder`).
     config=frozenset(
         "attention_bias attention_dropout hidden_act intermediate_size max_position_embeddings "
         "mlp_bias model_parallel_size num_attention_heads num_hidden_layers num_key_value_heads "
