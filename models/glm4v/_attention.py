@@ -102,7 +102,7 @@ def segment_attention(
 
 
 class RaggedSegments(NamedTuple):
-    """The "ragged" layout's segments of P packed rows (see `plan_batch`)."""
+    """The "ragged" layout's segments of P packed rows (see `plan`)."""
 
     lengths: jax.Array  # int32 [M]: rows per segment, -1 in unused slots
     offsets: jax.Array  # int32 [M + 1]: first row of each segment, then the end; -1 after
