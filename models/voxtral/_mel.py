@@ -138,7 +138,10 @@ def log_mel_rows(x: jax.Array, meta: Any, *, spec: MelSpec) -> tuple[jax.Array, 
         )
     x = x.astype(jnp.float32)
     b, w = x.shape
-    row_audio, frame0, row_frames = meta.row_audio, meta.row_frame0, meta.row_frames
+    # Host arrays (a plan made while tracing) become constants of the program.
+    length, signal = jnp.asarray(length), jnp.asarray(signal)
+    row_audio, frame0 = jnp.asarray(meta.row_audio), jnp.asarray(meta.row_frame0)
+    row_frames = jnp.asarray(meta.row_frames)
     audio = jnp.minimum(row_audio, b - 1)  # padding rows read a real buffer row, masked below
     n_rows = row_audio.shape[0]
     nblk = -(-n_fft // hop)  # hops spanned by one window

@@ -188,11 +188,13 @@ def forward(
     if project:
         out = tower.multi_modal_projector(out)  # [C, P/g, V]
     ok = jnp.all(jnp.isfinite(features), axis=(1, 2)) & jnp.all(jnp.isfinite(out), axis=(1, 2))
-    items = meta.item_chunks.shape[0]
+    item_chunks = jnp.asarray(meta.item_chunks)  # host arrays: constants of the program
     # Padding windows (row_audio >= I) fall outside every segment; an empty item keeps the
     # identity of `segment_min` (the int32 max), so it needs its own "has windows" test.
-    worst = jax.ops.segment_min(ok.astype(jnp.int32), meta.row_audio, num_segments=items)
-    finite = (worst == 1) & (meta.item_chunks > 0)
+    worst = jax.ops.segment_min(
+        ok.astype(jnp.int32), jnp.asarray(meta.row_audio), num_segments=item_chunks.shape[0]
+    )
+    finite = (worst == 1) & (item_chunks > 0)
     return jaxsync.Encoded(out.reshape(-1, out.shape[-1]), finite)
 
 

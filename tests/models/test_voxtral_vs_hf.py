@@ -66,6 +66,11 @@ def test_encoder_and_audio_features_parity(tiny, chunks):
     assert emb.shape == (chunks * cfg.tokens_per_chunk, cfg.text_hidden_size)
     assert rel_err(enc, want_enc) <= RTOL, rel_err(enc, want_enc)
     assert rel_err(emb, want_emb) <= RTOL, rel_err(emb, want_emb)
+    # The entry's encoder-only rows: transformers' last_hidden_state, window after window.
+    hidden = VoxtralAudioEncoder(jmodel, project=False)(input_features=mel, num_chunks=[chunks])
+    assert hidden.lengths == (chunks * cfg.max_source_positions,)
+    want_rows = np.asarray(want_enc).reshape(-1, cfg.hidden_size)
+    assert rel_err(hidden.rows[: hidden.lengths[0]], want_rows) <= RTOL
 
 
 @pytest.mark.parametrize("g", [None, 1.5])
