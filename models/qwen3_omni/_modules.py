@@ -29,8 +29,7 @@ from jaxsync.models.qwen3_omni._plan import Qwen3OmniMeta
 _LN_EPS = 1e-5  # torch.nn.LayerNorm default (nnx defaults to 1e-6)
 
 
-# Built once: a layer keeps its activation as a static attribute, and layers stack (scan) only
-# when those compare equal, i.e. are the same function object.
+# Built once per size and shared read-only: a constant of every trace, never a jit argument.
 @functools.cache
 def sinusoid_table(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
     """[length, channels] `[sin | cos]` table, float32 like HF's `SinusoidsPositionEmbedding`."""
