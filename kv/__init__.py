@@ -11,7 +11,21 @@ buckets (one compiled program per bucket) and handles all layers of a cache in o
 
 Inside a server's own jitted step: `write_slots` / `read_slots` / `copy_pairs` are the entries'
 bodies as pure functions of device ids, planned on the host by `plan_slots` / `plan_copy` (the
-entries' validation and padding, as fields for the step's one `jaxsync.upload_packed`).
+entries' validation and padding, as fields for the step's one `jaxsync.upload_packed`). Pass
+them the uploaded plan: it records the cache geometry it was planned for, checked while tracing.
+
+Padded tokens: a slot of -1 (vLLM's padding in `slot_mapping`) writes nothing and reads zeros in
+every slot path; any other negative slot, or one past the cache, is refused on the host.
+
+Quantized caches: an fp8 cache (`float8_e4m3fn` or `float8_e5m2`, vLLM's `kv_cache_dtype="fp8"`)
+takes `KVScales` (k and v scales, float32 per tensor or per kv head, kept on the device) in
+`write_slots` / `inject_kv` / `concat_and_cache_mla`, which quantize as vLLM does (float32
+`x / scale`, saturated, cast to nearest even), and in `read_slots` / `extract_kv`, which
+dequantize (`float32(q) * scale` in the compute dtype). Block copies, swaps and files move the
+fp8 bytes unchanged. nvfp4 is not offered: vLLM's nvfp4 cache packs two e2m1 values per byte
+with an fp8 scale per 16 values and a per-tensor scale, and needs Blackwell GPUs. JAX has the
+`float4_e2m1fn` type for storage; a cache of it would be worth offering once JAX computes with a
+native fp4 type on the hardware served, which is not established here.
 """
 
 from jaxsync.kv._copy import copy_blocks as copy_blocks, copy_pairs as copy_pairs
@@ -30,12 +44,14 @@ from jaxsync.kv._pool import (
     swap_in as swap_in,
     swap_out as swap_out,
 )
+from jaxsync.kv._quant import KVScales as KVScales
 from jaxsync.kv._slot_plan import (
     plan_slots as plan_slots,
     row_sharding as row_sharding,
     slot_mapping_for as slot_mapping_for,
 )
 from jaxsync.kv._slots import (
+    concat_and_cache_mla as concat_and_cache_mla,
     extract_kv as extract_kv,
     inject_kv as inject_kv,
     read_slots as read_slots,

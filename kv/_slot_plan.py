@@ -88,9 +88,12 @@ def check_id_array(ids: jax.Array, name: str) -> None:
         raise ValueError(f"{name} must be 1-D, got shape {ids.shape}")
 
 
-def check_rows(leaves: list, treedef: Any, kv: Cache, size: int, n: int | None = None) -> list:
+def check_rows(
+    leaves: list, treedef: Any, kv: Cache, size: int, n: int | None = None, quantized=False
+) -> list:
     """Per-token rows `kv` fit the cache (`leaves`, `treedef`) at a bucket of `size` slots, `n`
-    of them real: same structure, `row_shape` shapes, same dtypes. Returns kv's leaves."""
+    of them real: same structure, `row_shape` shapes, same dtypes (`quantized`: any float
+    dtype, quantized on the way in). Returns kv's leaves."""
     kv_leaves, kv_def = jax.tree_util.tree_flatten(kv)
     if kv_def != treedef:
         raise ValueError(f"kv structure {kv_def} does not match the caches' {treedef}")
@@ -100,11 +103,12 @@ def check_rows(leaves: list, treedef: Any, kv: Cache, size: int, n: int | None =
         if not isinstance(rows, jax.core.Tracer) and rows.is_deleted():
             raise ValueError("kv holds a deleted (donated) array")
         want = row_shape(leaf.shape, size)
-        if tuple(rows.shape) != want or rows.dtype != leaf.dtype:
+        fits = jnp.issubdtype(rows.dtype, jnp.floating) if quantized else rows.dtype == leaf.dtype
+        if tuple(rows.shape) != want or not fits:
             count = f"{size} slots" if n is None else f"{n} slots (bucket {size})"
+            dtype = "of a float dtype" if quantized else str(leaf.dtype)
             raise ValueError(
-                f"kv rows must be {want} {leaf.dtype} for {count}, "
-                f"got {tuple(rows.shape)} {rows.dtype}"
+                f"kv rows must be {want} {dtype} for {count}, got {tuple(rows.shape)} {rows.dtype}"
             )
     return kv_leaves
 

@@ -1,8 +1,10 @@
 """`save_kv` / `load_kv`: a request's KV on disk, one safetensors file per layer (ExampleConnector).
 
 Layout as upstream: `{root}/{md5(token bytes + "-".join(mm_hashes))}/{layer}.safetensors`, one
-tensor "kv_cache" (`[T, K, X]` attention rows or `[T, L]` MLA rows); a separate-K/V layer stores
-"k_cache" and "v_cache". The key hashes the kept tokens (the first `(n - 1) // S * S`, see
+tensor "kv_cache" in vLLM's layout by default (`format="vllm"`: `[T, K, 2H]` packed rows,
+`[2, T, K*H]` for separate K and V, K then V, `[T, L]` MLA rows), or jaxsync's
+(`format="jaxsync"`: "k_cache" and "v_cache" for separate K and V; see `_file_format`). The key
+hashes the kept tokens (the first `(n - 1) // S * S`, see
 `slot_mapping_for`) as int64 bytes, like upstream's `token_ids.numpy().tobytes()`.
 
 Loading lands on each cache's own device or sharding (upstream hard-codes "cuda") and
@@ -25,9 +27,10 @@ from safetensors.numpy import save_file
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.kv._file_format import Format, check_format, from_tensors, tensor_specs, to_tensors
 from jaxsync.kv._ids import check_range, host_ids
 from jaxsync.kv._layout import Cache, StackedCache, cache_leaves
-from jaxsync.kv._slot_plan import check_slots, row_shape, row_sharding, slot_mapping_for
+from jaxsync.kv._slot_plan import check_slots, row_sharding, slot_mapping_for
 from jaxsync.kv._slots import extract_kv, inject_kv
 
 
@@ -109,15 +112,6 @@ def _per_layer_rows(rows: Any, caches: Cache) -> dict[str, list[np.ndarray]]:
     return {n: [x[:, i] for x in leaves] for i, n in enumerate(caches.layers)}
 
 
-def _tensor_names(leaves: list, layer: str) -> list[str]:
-    """The tensors of one layer's file: "kv_cache", or "k_cache" and "v_cache"."""
-    if len(leaves) == 1:
-        return ["kv_cache"]
-    if len(leaves) == 2:
-        return ["k_cache", "v_cache"]
-    raise ValueError(f"layer {layer!r} must be an array or a (k, v) pair")
-
-
 def _check_storable(caches: Cache) -> None:
     """Every leaf's dtype is one a safetensors file can hold (checked before any gather, so an
     unsupported cache never leaves a half-written folder behind)."""
@@ -179,6 +173,7 @@ def save_kv(
     block_ids: Any,
     *,
     mm_hashes: Sequence[str] = (),
+    format: Format = "vllm",
 ) -> str | None:
     """Saves a request's KV rows, one safetensors file per layer.
 
@@ -193,6 +188,9 @@ def save_kv(
       block_ids: its block table (host); a -1 entry is padding: its tokens' rows are saved as
         zeros, and a load with -1 there writes nothing.
       mm_hashes: multimodal hashes mixed into the folder key.
+      format: "vllm" (vLLM's ExampleConnector layout: one "kv_cache" per layer, `[T, K, 2H]`
+        packed, `[2, T, K*H]` K then V for a (k, v) pair, `[T, L]` MLA; vLLM loads these
+        files) or "jaxsync" (a (k, v) pair as "k_cache" and "v_cache", `[T, K, H]` each).
 
     Returns:
       The folder written, or None when no whole block is kept (nothing to save).
@@ -202,16 +200,16 @@ def save_kv(
       OSError: the folder cannot be created or written (e.g. NotADirectoryError when `root` is
         a file, PermissionError).
     """
+    check_format(format)
     slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes)
     if slots.size == 0:
         return None
     _writable_folder(folder)
     rows = jax.device_get(extract_kv(caches, slots))  # explicit: the one readback, all layers
+    layers = _layers(caches)
     for layer, arrays in _per_layer_rows(rows, caches).items():
-        names = _tensor_names(arrays, layer)
-        tensors = {
-            k: np.ascontiguousarray(a[: slots.size]) for k, a in zip(names, arrays, strict=True)
-        }
+        kept = [a[: slots.size] for a in arrays]
+        tensors = to_tensors(kept, layers[layer], format)
         save_file(tensors, os.path.join(folder, f"{layer}.safetensors"))
     return folder
 
@@ -225,6 +223,7 @@ def load_kv(
     *,
     mm_hashes: Sequence[str] = (),
     buckets: tuple[int, ...] | None = None,
+    format: Format = "vllm",
 ) -> Cache:
     """Loads a request's KV rows saved by `save_kv` into `caches` (donated), without waiting.
 
@@ -233,6 +232,7 @@ def load_kv(
       caches: `{layer: cache}` in device memory; each layer's rows land on its own sharding.
       token_ids, block_ids, mm_hashes: as for `save_kv` (block ids may differ from the save).
       buckets: slot-count buckets (default: powers of two >= 8).
+      format: the files' layout, as for `save_kv` ("vllm": files vLLM's connector wrote load).
 
     Returns:
       The updated caches (`caches` itself when no whole block is kept).
@@ -245,6 +245,7 @@ def load_kv(
         tensor), or a stored tensor whose shape or dtype does not fit the cache.
       FileNotFoundError: a layer file is missing.
     """
+    check_format(format)
     slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes, buckets)
     n = int(slots.size)
     if n == 0:
@@ -255,16 +256,16 @@ def load_kv(
         path = os.path.join(folder, f"{layer}.safetensors")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no saved KV for layer {layer!r}: {path}")
-        host[layer] = []
-        for name, leaf in zip(_tensor_names(leaves, layer), leaves, strict=True):
+        tensors = {}
+        for name, (want, dtype) in tensor_specs(leaves, n, format).items():
             stored = _read(path, name)
-            want = row_shape(leaf.shape, n)
-            if stored.shape != want or stored.dtype != leaf.dtype:
+            if stored.shape != want or stored.dtype != dtype:
                 raise ValueError(
-                    f"{path}:{name} is {stored.shape} {stored.dtype}, cache needs {want} "
-                    f"{leaf.dtype}"
+                    f"{path}:{name} is {stored.shape} {stored.dtype}, the cache needs {want} "
+                    f"{dtype} ({format!r} format)"
                 )
-            host[layer].append(stored)
+            tensors[name] = stored
+        host[layer] = from_tensors(tensors, leaves, format)
     return inject_kv(caches, _upload_rows(caches, host, n, size), slots, buckets=buckets)
 
 

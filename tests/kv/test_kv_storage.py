@@ -43,7 +43,8 @@ def test_save_matches_torch_and_load_round_trips(tmp_path, kind):
     dims = {"packed": heads, "separate": heads, "mla": dict(latent_dim=5)}[kind]
     layout = KVLayout(kind=kind, num_blocks=9, block_size=4, dtype=jnp.bfloat16, **dims)
     cache = layout.random(LAYERS, jax.random.key(0))
-    folder = save_kv(tmp_path, cache, TOKENS, [6, 2, 8])
+    # rows as the connector gathers them per leaf (vLLM's file layout: test_kv_file_format)
+    folder = save_kv(tmp_path, cache, TOKENS, [6, 2, 8], format="jaxsync")
     assert folder == kv_folder(tmp_path, TOKENS[:8])
     slots = slot_mapping_for([6, 2, 8], 4, len(TOKENS))
     for layer in LAYERS:
@@ -58,7 +59,7 @@ def test_save_matches_torch_and_load_round_trips(tmp_path, kind):
 
     # Load into other blocks of a different cache: the rows land at the new block table.
     target = layout.random(LAYERS, jax.random.key(1))
-    out = load_kv(tmp_path, target, TOKENS, [0, 5, 1])
+    out = load_kv(tmp_path, target, TOKENS, [0, 5, 1], format="jaxsync")
     back = extract_kv(out, slot_mapping_for([0, 5, 1], 4, len(TOKENS)))
     saved = extract_kv(cache, slots)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(saved), strict=True):

@@ -52,7 +52,7 @@ def torch_dequantize(q, scale, dtype):
 def _scale(scale: Any):
     import torch
 
-    return None if scale is None else torch.as_tensor(np.asarray(scale), dtype=torch.float32)
+    return None if scale is None else torch.tensor(np.array(scale), dtype=torch.float32)
 
 
 def torch_reshape_and_cache(key_cache, value_cache, key, value, slots, k_scale=None, v_scale=None):
