@@ -48,7 +48,7 @@ def _gemma3n(depth: int):
     from jaxsync.paths.gemma3n import reference as ref
 
     cfg = dataclasses.replace(ref.tiny_config(), conf_num_hidden_layers=depth)
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)))
     feats = jnp.zeros((3, 57, cfg.input_feat_size), jnp.float32)
     mask = np.arange(57)[None, :] < np.array([57, 40, 13])[:, None]
     return lambda x: enc(x, mask), feats
@@ -97,7 +97,7 @@ ENTRIES = {
 }
 # Entries on `jaxsync.TowerProgram`: the state's leaves (one per weight kind, the layers
 # stacked) and the inputs.
-MAX_ARGS = {"glm4v": 21 + 2, "qwen3_omni": 29 + 2}
+MAX_ARGS = {"glm4v": 21 + 2, "qwen3_omni": 29 + 2, "gemma3n": 31 + 2}
 
 
 @pytest.mark.parametrize("family", sorted(ENTRIES))
@@ -252,7 +252,7 @@ def test_gemma3n_kept_call_sees_new_weights_after_load_state():
 
     cfg = ref.tiny_config()
     model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))
-    enc = Gemma3nAudioEncoder(model, cfg)
+    enc = Gemma3nAudioEncoder(model)
     feats = jnp.ones((2, 40, cfg.input_feat_size), jnp.float32)
     mask = np.arange(40)[None, :] < np.array([40, 9])[:, None]  # clip 1 ends in pad rows
     enc(feats, mask)
@@ -261,7 +261,7 @@ def test_gemma3n_kept_call_sees_new_weights_after_load_state():
     nnx.update(model.embed_audio, jax.tree.map(lambda w: w * 1.5 + 0.25, state))
     enc.load_state(model)
     after = np.asarray(enc(feats, mask).embeddings)
-    want = np.asarray(Gemma3nAudioEncoder(model, cfg)(feats, mask).embeddings)
+    want = np.asarray(Gemma3nAudioEncoder(model)(feats, mask).embeddings)
     np.testing.assert_array_equal(after, want)  # pad rows included: no stale pad embedding
     assert not np.array_equal(after, before)
 

@@ -64,7 +64,7 @@ def _gemma3n():
     from jaxsync.paths.gemma3n import reference as ref
 
     cfg = ref.tiny_config()
-    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), cfg, frame_buckets=64)
+    enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), frame_buckets=64)
     feats = jnp.zeros((3, 57, cfg.input_feat_size), jnp.float32)
     mask = np.arange(57)[None, :] < np.array([57, 40, 13])[:, None]  # [3, 57] real frames
     return lambda: enc(feats, mask)
