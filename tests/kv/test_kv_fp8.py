@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import jaxsync
+import jaxsync.check
 from jaxsync.check import no_recompile, sync_guard
 from jaxsync.kv import (
     KVLayout,
     KVScales,
+    StackedCache,
     concat_and_cache_mla,
     copy_blocks,
     extract_kv,
@@ -215,3 +217,39 @@ def test_scales_that_do_not_fit_are_refused_before_any_upload():
     assert_refused(TypeError, "jax.Array", inject_kv, cache, rows, [2], scales=KVScales(1.0, one),
                    keep=cache)  # fmt: skip
     inject_kv(cache, rows, [2], scales=KVScales(one, one))  # control
+
+
+def test_scaled_entries_are_sync_free_with_one_program_per_bucket():
+    cache = fp8_cache("packed", jnp.float8_e5m2)
+    scales = KVScales(jnp.float32(0.5), jnp.full((HEADS,), 2.0, jnp.float32))
+    slots = SLOTS.tolist()
+    more = [(cache, slots[:k]) for k in (10, 12, 16)]
+    jaxsync.check.assert_sync_free(
+        ft.partial(extract_kv, scales=scales, dtype=jnp.bfloat16), cache, slots, inputs=more
+    )
+    rows = extract_kv(cache, slots, scales=scales, dtype=jnp.bfloat16)
+
+    def step(cache, rows, slots):  # inject donates the cache: give every call its own copy
+        return inject_kv(fresh_copy(cache), rows, slots, scales=scales)
+
+    shifted = [(s + 1) % (BLOCKS * BLOCK) if s >= 0 else -1 for s in slots]
+    more = [(cache, rows, shifted[:k]) for k in (10, 12)]
+    jaxsync.check.assert_sync_free(step, cache, rows, slots, inputs=more)
+
+
+def test_concat_and_cache_mla_compiles_once_per_bucket():
+    cache = fp8_cache("mla", jnp.float8_e4m3fn, stacked=True, layers=("a", "b"))
+    kv_c = StackedCache(jnp.zeros((8, 2, 32), jnp.bfloat16), cache.layers)  # [N, L, Lc]
+    k_pe = StackedCache(jnp.ones((8, 2, 16), jnp.bfloat16), cache.layers)  # [N, L, R]
+
+    @ft.partial(jax.jit, donate_argnums=0)
+    def write(cache, plan, scale):
+        return concat_and_cache_mla(cache, kv_c, k_pe, plan, scales=KVScales(scale))
+
+    cache = write(cache, jaxsync.upload_packed(plan_slots(cache, [1])), jnp.float32(1))
+    scales = [jnp.float32(0.5), jnp.float32(4.0)]
+    with no_recompile(), sync_guard("error"):
+        for slots, scale in (([2, -1, 5], scales[0]), ([9] + [-1] * 7, scales[1])):
+            cache = write(cache, jaxsync.upload_packed(plan_slots(cache, slots)), scale)
+    row = np.asarray(cache.kv[1, 0, 1], np.float32)  # slot 9: block 1, layer a, offset 1
+    np.testing.assert_array_equal(row, np.r_[np.zeros(32), np.full(16, 0.25)])  # 1 / 4
