@@ -202,8 +202,7 @@ def test_every_family_load_model_names_the_path_given(tmp_path, monkeypatch, fam
         module.load_model("no_weights")
 
 
-# qwen3_omni's load_model checks for config.json itself (a ValueError naming the folder).
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_omni"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_load_model_without_config_json(tmp_path, monkeypatch, family):
     module, _, _ = _family_configs()[family]
     monkeypatch.chdir(tmp_path)

@@ -130,7 +130,7 @@ def load_model(
       ValueError / TypeError: an invalid or unsupported config.
     """
     if cfg is None:
-        cfg = Qwen3OmniAudioConfig.from_hf_config(_config_source(checkpoint))
+        cfg = Qwen3OmniAudioConfig.from_hf_config(checkpoint)  # reads the config.json beside it
     elif not isinstance(cfg, Qwen3OmniAudioConfig):
         raise TypeError(f"cfg must be a Qwen3OmniAudioConfig or None, got {type(cfg).__name__}")
     prefix = find_prefix(checkpoint)
@@ -151,12 +151,3 @@ def load_model(
         mesh=mesh,
         partition_rules=partition_rules if mesh is not None else None,
     )
-
-
-def _config_source(checkpoint: str | Path) -> Path:
-    """The `config.json` next to (or in) a checkpoint path."""
-    path = Path(checkpoint)
-    path = path if path.is_dir() else path.parent
-    if not (path / "config.json").is_file():
-        raise ValueError(f"cfg=None needs a config.json in {path}; pass cfg explicitly")
-    return path
