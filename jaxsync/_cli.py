@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxsync._verify_table import HEADER, format_row, path_listing, summary_line
+from jaxsync._verify_table import HEADER, Progress, format_row, path_listing, summary_line
 
 
 def _one_line(e: BaseException) -> str:
@@ -29,12 +29,15 @@ def _build(spec: Any, checkpoint: str | None) -> Any:
         raise CheckpointError(f"--checkpoint {checkpoint}: {spec.name}: {_one_line(e)}") from e
 
 
-def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool) -> dict[str, Any]:
+def _verify_one(
+    spec: Any, checkpoint: str | None, probe: bool, precompile: bool, progress: Progress
+) -> dict[str, Any]:
     from jaxsync._precompile import Target, precompile as run_precompile
     from jaxsync.check import check_sync_free
 
     row: dict[str, Any] = {"path": spec.name, "description": spec.description}
     t0 = time.perf_counter()
+    progress.stage("building", spec.name)
     try:
         case = _build(spec, checkpoint)
     except CheckpointError:
@@ -44,9 +47,11 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
         return row
     row["build_s"] = round(time.perf_counter() - t0, 2)
     if precompile:  # the same instance verify then runs, so its programs are the warm ones
-        done = run_precompile([Target(spec.name, case)])
+        progress.stage("precompiling every bucket")
+        done = run_precompile([Target(spec.name, case)], progress=False)
         row["precompiled_buckets"] = [c.bucket for c in done]
 
+    progress.stage("parity against the reference")
     if case.parity is None:
         row["parity"] = {"status": "none", "detail": "no reference registered"}
     else:
@@ -69,7 +74,9 @@ def _verify_one(spec: Any, checkpoint: str | None, probe: bool, precompile: bool
 
     first, *rest = case.inputs
     try:
-        report = check_sync_free(case.fn, *first, inputs=rest, probe=probe, **case.kwargs)
+        report = check_sync_free(
+            case.fn, *first, inputs=rest, probe=probe, progress=progress.stage, **case.kwargs
+        )
         row["checks"] = [{"check": r.check, "ok": r.ok, "detail": r.detail} for r in report.rows]
         row["compiles_in_bucket"] = report.compiles
         if report.host_ms is not None:
@@ -131,15 +138,19 @@ class CheckpointError(Exception):
     """A path could not be built from the checkpoint given with `--checkpoint`."""
 
 
-def _lower_rows(specs: Sequence[Any], checkpoint: str | None, platform: str) -> list[dict]:
+def _lower_rows(
+    specs: Sequence[Any], checkpoint: str | None, platform: str, progress: Progress
+) -> list[dict]:
     from jaxsync.check import lower_for
 
     rows = []
     for spec in specs:
         row: dict[str, Any] = {"path": spec.name, "platform": platform}
+        progress.stage("building", spec.name)
         try:
             case = _build(spec, checkpoint)
             first = case.inputs[0]
+            progress.stage(f"exporting for {platform}")
             findings = lower_for(case.fn, *first, platform=platform, **case.kwargs)
             row["findings"] = [str(f) for f in findings]
         except CheckpointError:
@@ -148,10 +159,12 @@ def _lower_rows(specs: Sequence[Any], checkpoint: str | None, platform: str) -> 
             row["findings"] = [f"build or trace failed: {e!r:.200}"]
         row["ok"] = not row["findings"]
         rows.append(row)
+        progress.done()
     return rows
 
 
-def _verify_parser() -> argparse.ArgumentParser:
+def _verify_parser(listing: bool = True) -> argparse.ArgumentParser:
+    """verify's parser; `listing` loads the registry for the path list in `--help`."""
     from jaxsync import registry
 
     ap = argparse.ArgumentParser(
@@ -159,7 +172,7 @@ def _verify_parser() -> argparse.ArgumentParser:
         description="Verify registered paths: parity against the reference, no host callback or "
         "transfer (static), no host read (runtime guard), no recompile within a bucket, and the "
         "dispatch probe. A path whose parity could not run (no torch) counts as skipped.",
-        epilog=path_listing(registry.paths()),
+        epilog=path_listing(registry.paths()) if listing else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
@@ -185,29 +198,39 @@ def _verify_parser() -> argparse.ArgumentParser:
 
 
 def verify(argv: Sequence[str]) -> int:
-    ap = _verify_parser()
+    ap = _verify_parser(listing="-h" in argv or "--help" in argv)
     args = ap.parse_args(argv)
+    what = "jaxsync verify" + (f" --lower-for {args.lower_for}" if args.lower_for else "")
+    progress = Progress(what)  # on stderr from the first second
+    try:
+        return _verify(ap, args, progress)
+    finally:
+        progress.close()
 
+
+def _verify(ap: argparse.ArgumentParser, args: argparse.Namespace, progress: Progress) -> int:
+    progress.stage("loading jax and the registered paths")
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
     specs = _select(ap, args.paths, args.checkpoint)
     backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind}, jax {jax.__version__})"
+    progress.start(len(specs))
     if args.lower_for:
-        return _lower_for(specs, args, backend)
+        return _lower_for(specs, args, backend, progress)
     if not args.json:  # rows stream as they finish: a slow or killed run still shows its results
-        print(f"jaxsync verify — backend: {backend}")
-        print(HEADER)
-        print("-" * len(HEADER), flush=True)
+        progress.write(f"jaxsync verify — backend: {backend}\n{HEADER}\n{'-' * len(HEADER)}")
     rows = []
     try:
         for spec in specs:
-            rows.append(_verify_one(spec, args.checkpoint, not args.no_probe, args.precompile))
-            if not args.json:
-                print(format_row(rows[-1]), flush=True)
+            row = _verify_one(spec, args.checkpoint, not args.no_probe, args.precompile, progress)
+            rows.append(row)
+            progress.done(None if args.json else format_row(row))
     except CheckpointError as e:
+        progress.close()
         print(f"jaxsync verify: error: {e}", file=sys.stderr)
         return 2
+    progress.close()
     if args.json:
         print(json.dumps({"backend": backend, "paths": rows}, indent=2, default=str))
     else:
@@ -217,12 +240,16 @@ def verify(argv: Sequence[str]) -> int:
     return 1 if not rows or failed or (args.strict and skipped) else 0
 
 
-def _lower_for(specs: Sequence[Any], args: argparse.Namespace, backend: str) -> int:
+def _lower_for(
+    specs: Sequence[Any], args: argparse.Namespace, backend: str, progress: Progress
+) -> int:
     try:
-        rows = _lower_rows(specs, args.checkpoint, args.lower_for)
+        rows = _lower_rows(specs, args.checkpoint, args.lower_for, progress)
     except CheckpointError as e:
+        progress.close()
         print(f"jaxsync verify: error: {e}", file=sys.stderr)
         return 2
+    progress.close()
     if args.json:
         print(json.dumps({"backend": backend, "lower_for": rows}, indent=2))
     else:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,22 +81,24 @@ def precompile(
     """
     items = _items(paths, buckets)
     done: list[Compiled] = []
-    total = len(items)
     if jax.config.jax_compilation_cache_dir and progress:
         print(
             f"persistent compilation cache: {jax.config.jax_compilation_cache_dir}", file=sys.stderr
         )
-    for i, (name, b, fn, args, kwargs) in enumerate(items, 1):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args, **kwargs))
-        done.append(Compiled(name, b, time.perf_counter() - t0))
-        if progress:
-            filled = int(30 * i / total)
-            label = f"{name}" + (f" bucket={b}" if b is not None else "")
-            print(
-                f"\rprecompile [{'#' * filled}{'.' * (30 - filled)}] {i}/{total} {label:<40}",
-                end="" if i < total else "\n",
-                file=sys.stderr,
-                flush=True,
-            )
+    bar = tqdm(
+        total=len(items),
+        desc="precompile",
+        unit="program",
+        bar_format="{desc} {n_fmt}/{total_fmt} [{bar:30}] {elapsed}{postfix}",
+        ascii=" #",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    with bar:
+        for name, b, fn, args, kwargs in items:
+            bar.set_postfix_str(name + (f" bucket={b}" if b is not None else ""))
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args, **kwargs))
+            done.append(Compiled(name, b, time.perf_counter() - t0))
+            bar.update(1)
     return done

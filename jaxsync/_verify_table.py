@@ -1,7 +1,9 @@
-"""How `jaxsync verify` prints its results: one row per path, the summary line, the path list."""
+"""How `jaxsync verify` prints its results: one row per path, the summary line, the path list,
+and the progress bar on stderr."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,3 +65,51 @@ def path_listing(specs: Sequence[Any]) -> str:
         lines.append(f"  {s.name:<{width}}  {s.description}{note}")
     lines.append("families: " + ", ".join(sorted({s.family for s in specs})))
     return "\n".join(lines)
+
+
+class Progress:
+    """A `tqdm` bar on stderr over the paths of a run, naming the path and what it is doing.
+
+    Rows go to stdout through `row` (printed above the bar, in order, as soon as each path is
+    done); the bar itself never touches stdout, so `--json` output stays machine-readable.
+    """
+
+    def __init__(self, what: str):
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.bar = tqdm(
+            total=None,
+            desc=what,
+            unit="path",
+            bar_format="{desc} {n_fmt}/{total_fmt} [{bar:20}] {elapsed}{postfix}",
+            ascii=" #",
+            file=sys.stderr,
+            mininterval=0.2,
+            leave=False,  # erased when done: what stays is the table, the summary or the error
+        )
+        self.path = ""
+
+    def start(self, total: int) -> None:
+        """The paths are known: `total` of them."""
+        self.bar.reset(total=total)
+
+    def stage(self, text: str, path: str | None = None) -> None:
+        """Shows `path: text` (the current path when `path` is None)."""
+        if path is not None:
+            self.path = path
+        self.bar.set_postfix_str(f"{self.path}: {text}" if self.path else text)
+
+    def write(self, text: str) -> None:
+        """Prints `text` on stdout above the bar."""
+        self._tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+    def done(self, row: str | None = None) -> None:
+        """One path finished; its table row (if any) is printed on stdout above the bar."""
+        if row is not None:
+            self.write(row)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

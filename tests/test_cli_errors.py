@@ -51,7 +51,9 @@ def _broken_checkpoints(root: Path) -> dict[str, Path]:
 
 
 def _assert_one_line_usage_error(rc, err):
-    lines = [line for line in err.splitlines() if line.strip()]
+    # What a terminal shows: the progress bar redraws one line with \r and is erased at the end.
+    lines = [line.split("\r")[-1] for line in err.split("\n")]
+    lines = [line for line in lines if line.strip()]
     assert rc == 2, err
     assert len(lines) == 1 and lines[0].startswith("jaxsync verify: error: --checkpoint"), err
     assert "Traceback" not in err

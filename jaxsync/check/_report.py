@@ -95,11 +95,17 @@ def check_sync_free(
     queue_ms: float = 30.0,
     static: bool = True,
     name: str | None = None,
+    progress: Callable[[str], None] | None = None,
     **kwargs: Any,
 ) -> Report:
-    """Runs every check and returns the report without raising (see `assert_sync_free`)."""
+    """Runs every check and returns the report without raising (see `assert_sync_free`).
+
+    `progress`, when given, is called with the name of each stage as it starts.
+    """
+    stage = progress or (lambda text: None)
     report = Report(name or getattr(fn, "__qualname__", repr(fn)))
     if static:
+        stage("static scans: tracing, lowering, compiling")
         report.rows.append(
             _findings_row("jaxpr: no host callback", scan_jaxpr(fn, *args, **kwargs))
         )
@@ -109,6 +115,7 @@ def check_sync_free(
         except Exception as e:  # an untraceable fn was already reported by the jaxpr scan
             report.rows.append(Row("hlo: no host transfer", False, f"could not lower: {e!r:.200}"))
 
+    stage("guarded calls")
     calls = [tuple(args)] + [tuple(i) for i in (inputs or [])]
     jax.block_until_ready(fn(*calls[0], **kwargs))  # warm-up: compiles the bucket
     if any(leaf.is_deleted() for leaf in _device_leaves(calls[0], kwargs)):
@@ -139,6 +146,7 @@ def check_sync_free(
     report.rows.append(Row("no recompile", log.count == 0, detail))
 
     if probe:
+        stage("dispatch probe")
         b = measure_blocking(
             fn, *args, queue_ms=queue_ms, max_blocked_fraction=max_blocked_fraction, **kwargs
         )

@@ -1,19 +1,20 @@
-"""A one-line progress bar on stderr for slow loads (no dependency; silent for fast ones)."""
+"""The loader's progress bar on stderr (`tqdm`), shown only for loads slow enough to need one."""
 
 from __future__ import annotations
 
 import sys
 import time
 
+from tqdm import tqdm
+
 
 clock = time.monotonic  # module-level so tests can drive time
 DELAY_S = 2.0  # a load that finishes sooner prints nothing
-_REDRAW_S = 0.1
-_WIDTH = 30
+_FORMAT = "{desc} [{bar:30}] {percentage:3.0f}% {n_fmt}/{total_fmt}, {postfix} {elapsed}"
 
 
 class Progress:
-    """Counts loaded bytes; draws `\\r`-updated lines once the load has run for `DELAY_S`.
+    """Counts loaded bytes; shows a `tqdm` bar once the load has run for `DELAY_S`.
 
     Args:
       total: bytes the load will read.
@@ -26,29 +27,31 @@ class Progress:
         self.enabled = isatty() if enabled is None else enabled
         self.total, self.done, self.tensors = max(total, 1), 0, 0
         self.start = clock()
-        self.drawn_at: float | None = None
+        self.bar: tqdm | None = None
 
     def update(self, nbytes: int) -> None:
         self.done += nbytes
         self.tensors += 1
-        now = clock()
-        if not self.enabled or now - self.start < DELAY_S:
+        if not self.enabled:
             return
-        if self.drawn_at is None or now - self.drawn_at >= _REDRAW_S:
-            self._draw(now)
+        if self.bar is None:
+            if clock() - self.start < DELAY_S:
+                return  # started lazily: a fast load never shows a bar
+            self.bar = tqdm(
+                total=self.total,
+                desc="loading weights",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                bar_format=_FORMAT,
+                ascii=" #",
+                file=self.stream,
+                mininterval=0.1,
+            )
+            nbytes = self.done  # the bytes read before the bar appeared count too
+        self.bar.set_postfix_str(f"{self.tensors} tensors", refresh=False)
+        self.bar.update(nbytes)
 
     def close(self) -> None:
-        if self.drawn_at is not None:  # only a bar that was shown is finished (100%, newline)
-            self._draw(clock())
-            self.stream.write("\n")
-            self.stream.flush()
-
-    def _draw(self, now: float) -> None:
-        self.drawn_at = now
-        frac = self.done / self.total
-        bar = "#" * int(frac * _WIDTH) + "-" * (_WIDTH - int(frac * _WIDTH))
-        self.stream.write(
-            f"\rloading weights [{bar}] {frac:4.0%} {self.done / 2**20:,.0f}/"
-            f"{self.total / 2**20:,.0f} MiB, {self.tensors} tensors, {now - self.start:.1f} s"
-        )
-        self.stream.flush()
+        if self.bar is not None:  # only a bar that was shown is finished (100%, newline)
+            self.bar.close()
