@@ -14,6 +14,12 @@ from jaxsync._dispatch_watch import (
     main_arg_count as main_arg_count,
     watch_uploads as watch_uploads,
 )
+from jaxsync._distributed import (
+    DistributedContext as DistributedContext,
+    DistributedError as DistributedError,
+    distributed_fixture as distributed_fixture,
+    run_distributed as run_distributed,
+)
 
 
 def _host(x: Any) -> np.ndarray:

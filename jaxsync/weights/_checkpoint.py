@@ -117,7 +117,9 @@ def _resolve(checkpoint: str | Path) -> tuple[dict[str, Path] | None, list[Path]
 def open_shard(file: Path) -> Iterator[Any]:
     """`safe_open`s one shard; tensors read from it land on the host CPU device (bf16 kept)."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.default_device(jax.devices("cpu")[0]))
+        # This process's own CPU device: under `jax.distributed` the first global one may be
+        # another process's, where no array of this process can live.
+        stack.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))
         try:
             handle = stack.enter_context(safe_open(str(file), framework="flax"))
         except (SafetensorError, OSError) as e:
@@ -131,6 +133,15 @@ def read_tensor(handle: Any, info: TensorInfo) -> jax.Array:
         return handle.get_tensor(info.key)
     except (SafetensorError, OSError) as e:
         raise WeightError(f"cannot read {info.key!r} from {info.file}: {e}") from e
+
+
+def read_slice(handle: Any, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
+    """Reads one block of a stored tensor (`index`: a slice per stored axis) onto the host; only
+    the block's bytes are read from the file."""
+    try:
+        return np.asarray(handle.get_slice(info.key)[index])
+    except (SafetensorError, OSError) as e:
+        raise WeightError(f"cannot read {info.key!r}{list(index)} from {info.file}: {e}") from e
 
 
 def selects(key: str, select: str | None, strip: str) -> bool:

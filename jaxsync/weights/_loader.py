@@ -28,11 +28,22 @@ from jaxsync.weights._checkpoint import (
     TensorInfo,
     WeightError,
     open_shard,
+    read_slice,
     read_tensor,
     selected_tensors,
 )
 from jaxsync.weights._placement import PartitionRules, Placement, ShardingFn, placement
 from jaxsync.weights._rules import Rule, expected_stored_shape
+from jaxsync.weights._sliced import BlockReader, LoadStats, sharded_array, splits_reading
+
+
+_last_stats: LoadStats | None = None
+
+
+def last_load_stats() -> LoadStats | None:
+    """What the last `load_weights` call of this process read (bytes, tensors, parameters read
+    by blocks); None before the first load."""
+    return _last_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +104,15 @@ def load_weights(
     stacked parameter is assembled on the host from its L slices and placed once, so host memory
     peaks at about one stacked parameter; other tensors are placed as they are read. Transforms
     and casts run in numpy on the host: no device program is compiled per tensor.
+
+    Under `jax.distributed`, a parameter whose sharding spans devices of other processes is
+    built with `jax.make_array_from_callback` from the blocks this process's devices hold: each
+    distinct block is read alone (`get_slice(key)[index]`), its index mapped back through the
+    rule's transform when that is an axis permutation (`linear`, `conv`, `transpose`, their
+    compositions). A tensor whose transform cannot map an index (a reshape, arithmetic) is read
+    whole in each process and sliced after its transform. `last_load_stats()` reports the bytes
+    read. Parameters this process's devices hold whole (every single-process load) are read
+    whole and placed with one `jax.device_put`.
 
     Args:
       factory: zero-argument callable building the module (run under `nnx.eval_shape`).
@@ -174,20 +194,44 @@ def load_weights(
         assigned[target, index] = key
     _check_complete(flat, targets, assigned, stacked)
 
-    bar = _progress.Progress(sum(i.info.nbytes for g in groups.values() for i in g), progress)
+    total = sum(i.info.nbytes for g in groups.values() for i in g)
+    stats = LoadStats(selected_bytes=total)
+    bar = _progress.Progress(total, progress)
     try:
         with contextlib.ExitStack() as files:
             handles: dict[Path, Any] = {}
 
-            def read(item: _Load) -> np.ndarray:
+            def handle(item: _Load) -> Any:
                 if item.info.file not in handles:
                     handles[item.info.file] = files.enter_context(open_shard(item.info.file))
-                value = _host_value(item, read_tensor(handles[item.info.file], item.info))
+                return handles[item.info.file]
+
+            def read_block(item: _Load, index: tuple[slice, ...] | None) -> np.ndarray:
+                """One tensor (index None) or one block of it, transformed and cast."""
+                if index is None:
+                    raw = np.asarray(read_tensor(handle(item), item.info))
+                else:
+                    raw = read_slice(handle(item), item.info, index)
+                stats.bytes_read += raw.nbytes
+                stats.tensors += 1
+                return _host_value(item, raw)
+
+            def read(item: _Load) -> np.ndarray:
+                value = read_block(item, None)
                 bar.update(item.info.nbytes)
                 return value
 
             for target, items in groups.items():
                 variable = flat[targets[target]]
+                if splits_reading(places[target]):  # this process reads only its own blocks
+                    expected = variable.get_value()
+                    reader = BlockReader(items, tuple(expected.shape), read_block)
+                    (stats.sliced if reader.mapped else stats.whole).append(target)
+                    value = sharded_array(reader, places[target], expected.dtype)
+                    variable.set_value(value)
+                    for item in items:  # the bar follows the checkpoint, not the bytes read
+                        bar.update(item.info.nbytes)
+                    continue
                 if items[0].index is None:
                     host = read(items[0])
                 else:  # one host buffer for the L slices, placed once
@@ -199,6 +243,8 @@ def load_weights(
                 del host
     finally:
         bar.close()
+        global _last_stats
+        _last_stats = stats
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
