@@ -9,8 +9,8 @@ from jaxsync import registry
 from jaxsync.testing import requires_torch
 
 
-KV_PATHS = ["kv.copy_blocks", "kv.extract_kv", "kv.inject_kv", "kv.load_kv", "kv.swap_in",
-            "kv.swap_in_pool", "kv.swap_out", "kv.swap_out_pool"]  # fmt: skip
+KV_PATHS = ["kv.copy_blocks", "kv.extract_kv", "kv.inject_kv", "kv.inject_kv_fp8", "kv.load_kv",
+            "kv.swap_in", "kv.swap_in_pool", "kv.swap_out", "kv.swap_out_pool"]  # fmt: skip
 
 
 def test_registered():
