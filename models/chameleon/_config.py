@@ -202,6 +202,12 @@ class ChameleonConfig:
         if bad:
             raise ValueError(f"vocabulary_map ids outside [0, {self.vocab_size}): {_head(bad)}")
 
+    def __hash__(self) -> int:
+        # By content, the map included: a module holding the config as a static attribute
+        # keys compiled programs by it (jaxsync.TowerProgram shares them per structure).
+        fields = (self.vocab_size, self.hidden_size, self.vq)
+        return hash((*fields, frozenset(self.vocabulary_map.items())))
+
     @property
     def image_token_id(self) -> int | None:
         """The `<image>` placeholder id (None if the map has none)."""

@@ -73,11 +73,13 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         error).
       cache: the `DeviceCache` for the text-side tables (default: the process-wide one).
 
-    The encoder snapshots the weights: after `nnx.update(model, ...)` call `load_state(model)`
-    (no recompile). Compilation: one program per batch bucket, shared by every encoder of the
-    same tower structure; the first call of a bucket also compiles the tiny row slices (and row
-    pads for device pixels) for every batch size of that bucket, so later calls in the bucket
-    compile nothing.
+    It runs `jaxsync.TowerProgram(model, forward, packed=True)`: the function a server jits over
+    the tower's state leaves, here given a state on one placement as one buffer per dtype and
+    per layer stack (a sharded state leaf by leaf). The encoder snapshots the weights: after
+    `nnx.update(model, ...)` call `load_state(model)` (no recompile). Compilation: one program
+    per batch bucket, shared by every encoder of the same tower structure; the first call of a
+    bucket also compiles the tiny row slices (and row pads for device pixels) for every batch
+    size of that bucket, so later calls in the bucket compile nothing.
     """
 
     def __init__(
@@ -108,10 +110,11 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         self._embedding_calls, self._token_calls = jaxsync.CallCache(), jaxsync.CallCache()
         self._warm: set[tuple] = set()
         self._placings: dict[Any, tuple[int, Any]] = {}
+        # The server form's function; a state on one placement goes in as packed buffers.
         self._program = jaxsync.TowerProgram(
-            model, forward_encoder_only if self.encoder_only else forward
+            model, forward_encoder_only if self.encoder_only else forward, packed=True
         )
-        self._vq = jaxsync.TowerProgram(model, _vq_outputs)
+        self._vq = jaxsync.TowerProgram(model, _vq_outputs, packed=True)
         self._devices, weights_at = weights_devices(model)
         if placement is None and len(self._devices) > 1:  # host pixels go to the weights
             self.placement = replicated_on(weights_at)

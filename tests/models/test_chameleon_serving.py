@@ -132,7 +132,6 @@ def test_server_form_equals_the_entry_bit_for_bit_and_takes_new_weights_without_
     # the state's leaves are the jit arguments, plus the pixels and the one packed meta
     lowered = step.lower(leaves, _padded(px, plan.rows), meta)
     assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 2
-    assert enc.program.num_state_args == len(leaves)
     halved = [w * 0.5 if jnp.issubdtype(w.dtype, jnp.floating) else w for w in leaves]
     with jaxsync.check.no_recompile():
         other = step(halved, _padded(px, plan.rows), meta)
@@ -153,12 +152,18 @@ def test_plans_of_2_and_3_images_share_one_program():
 @pytest.mark.parametrize("blocks", [1, 3])
 def test_state_leaves_are_the_jit_arguments_and_do_not_grow_with_depth(blocks):
     tower = ref.tiny_tower(num_res_blocks=blocks)
+    px = _px(2, ChameleonImageEncoder(tower))
+    meta = jaxsync.upload_packed(chameleon.plan(2, tower.cfg, buckets=(2,)))
+    step, leaves = _server_step(tower)
+    lowered = step.lower(leaves, jnp.asarray(px), meta)
+    assert len(leaves) == len(jax.tree.leaves(nnx.state(tower))) == 58  # at 1 and 3 blocks
+    assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 2  # + pixels, packed meta
+    # The entry: the same forward over the state packed one buffer per dtype and per stack
+    # (here fp32: the flat leaves and 6 stacks), at any depth.
     enc = ChameleonImageEncoder(tower, buckets=(2,))
-    pixels = jax.device_put(_px(2, enc))
-    lowered = enc.program.lower(pixels, jaxsync.upload_packed(enc.plan(2)))
-    leaves = len(jax.tree.leaves(nnx.state(tower)))
-    assert enc.program.num_state_args == leaves == 58  # the same at 1 and 3 blocks per level
-    assert len(jax.tree.leaves(lowered.args_info)) == leaves + 2  # + pixels, the packed meta
+    lowered = enc.program.lower(jax.device_put(px), meta)
+    assert enc.program.num_state_args == 1 + 6
+    assert len(jax.tree.leaves(lowered.args_info)) == 1 + 6 + 2
 
 
 @pytest.mark.parametrize("blocks", [2, 4])
@@ -181,6 +186,20 @@ def test_every_layer_stack_reaches_the_rows(enc):
     meta = jaxsync.upload_packed(chameleon.plan(3, tower.cfg, buckets=(4,)))
     jaxsync.testing.assert_layers_run(tower, chameleon.forward, px, meta)
     jaxsync.testing.assert_layers_run(tower, chameleon.forward_encoder_only, px, meta)
+
+
+def test_encoders_of_one_tower_structure_share_their_program():
+    # An equal config of another object and other weights: the compiled program is reused (a
+    # server may rebuild its encoder from (graphdef, state) per call).
+    first = ChameleonImageEncoder(ref.tiny_tower(seed=0), buckets=(4,))
+    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
+    assert cfg == first.cfg and cfg is not first.cfg
+    second = ChameleonImageEncoder(ChameleonImageTower(cfg, rngs=nnx.Rngs(1)), buckets=(4,))
+    px = jax.device_put(_px(3, first, seed=2))
+    rows = np.asarray(first(px).rows)
+    with jaxsync.check.no_recompile():
+        other = np.asarray(second(px).rows)
+    assert not np.array_equal(rows, other)  # its own weights
 
 
 def test_load_state_takes_new_weights_without_recompiling():

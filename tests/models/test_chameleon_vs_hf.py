@@ -37,7 +37,7 @@ def tiny(tmp_path_factory):
     tower = load_model(ckpt, cfg)
     enc = ChameleonImageEncoder(tower, buckets=BUCKETS)
     hidden = ChameleonImageEncoder(tower, encoder_only=True, buckets=BUCKETS)
-    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, enc=enc, hidden=hidden)
+    return dict(hf_cfg=hf_cfg, model=model, ckpt=ckpt, cfg=cfg, tower=tower, enc=enc, hidden=hidden)
 
 
 def _codes(enc, ids):
@@ -124,6 +124,30 @@ def test_image_tokens_fp32_equal_hf(tiny, batch):
     np.testing.assert_array_equal(np.asarray(out.extras["ids"][:n]), want["tokens"].reshape(-1))
     # the test is only meaningful if the codes vary
     assert np.unique(want["codes"]).size > 20
+
+
+def test_every_encoder_block_equals_hf_through_its_stack_slice(tiny):
+    """Each checkpoint block (`encoder.down.{i}.block.{j}`, `.attn.{j}`, `.downsample`, the mid
+    blocks) against its stack slice `stack.at(k)`: the loader put every layer where the forward
+    runs it."""
+    from jaxsync.models.chameleon._layout import encoder_layout
+
+    hf_encoder = tiny["model"].model.vqmodel.encoder
+    encoder = tiny["tower"].vqmodel.encoder
+    layout = encoder_layout(tiny["cfg"].vq)
+    rng = np.random.default_rng(0)
+    assert set(layout.slots) >= {"down.0.block.0", "down.0.attn.0", "down.0.downsample"}
+    for block, slot in layout.slots.items():
+        hf_block = hf_encoder.get_submodule(block)
+        _, cin, _ = layout.stacks[slot.group][slot.key]
+        size = 6 if slot.group != "downsample" else 7  # odd: the (0, 1) pad matters
+        x = rng.standard_normal((2, cin, size, size)).astype(np.float32)
+        with torch.no_grad():
+            want = hf_block(torch.from_numpy(x)).numpy()
+        layer = getattr(encoder, slot.group)[slot.key].at(slot.index)
+        got = np.asarray(layer(jnp.asarray(x.transpose(0, 2, 3, 1)))).transpose(0, 3, 1, 2)
+        err = rel_err(got, want)
+        assert err <= 1e-5, f"{block} -> {slot.path}: rel err {err:.2e}"
 
 
 def test_hf_version_converts_codes_to_bpe(tiny):
