@@ -128,9 +128,10 @@ def tiny_tower(seed: int = 0, **overrides: Any):
 def one_row_meta(n: int = 4000, frames: int = 25):
     """The packed metadata `log_mel_rows` reads for one waveform of `n` samples as one row."""
     import jaxsync
+    from jaxsync.models.voxtral import MelMeta
 
-    fields = dict(length=[n], signal=[n], row_audio=[0], row_frame0=[0], row_frames=[frames])
-    return jaxsync.upload_packed({k: np.array(v, np.int32) for k, v in fields.items()})
+    meta = MelMeta(*(np.array([v], np.int32) for v in (n, n, 0, 0, frames)))
+    return jaxsync.upload_packed(meta._asdict())
 
 
 def whisper_fe(num_mel_bins: int):
