@@ -98,6 +98,7 @@ ENTRIES = {
 # Entries on `jaxsync.TowerProgram`: the state's leaves (one per weight kind, the layers
 # stacked) and the inputs.
 MAX_ARGS = {"glm4v": 21 + 2, "qwen3_omni": 29 + 2, "gemma3n": 31 + 2}
+MAX_ARGS["voxtral"] = 24 + 2  # the tower's 24 leaves, the input and the packed meta
 
 
 @pytest.mark.parametrize("family", sorted(ENTRIES))
