@@ -198,9 +198,10 @@ def _outputs(work: Path, procs: list[subprocess.Popen]) -> str:
     return "\n".join(parts)
 
 
-def distributed_fixture(**defaults: Any) -> Any:
+def distributed_fixture(*, scope: str = "function", **defaults: Any) -> Any:
     """A pytest fixture (assign it to a module-level name) yielding `run_distributed` with
-    `defaults` (e.g. `timeout=`) bound; per-call keywords override them.
+    `defaults` (e.g. `timeout=`) bound; per-call keywords override them. `scope="module"` lets
+    module-scoped fixtures run processes once for several tests.
 
         distributed = jaxsync.testing.distributed_fixture(timeout=150)
 
@@ -211,7 +212,7 @@ def distributed_fixture(**defaults: Any) -> Any:
 
     import pytest
 
-    @pytest.fixture
+    @pytest.fixture(scope=scope)
     def distributed() -> Callable[..., list[Any]]:
         return functools.partial(run_distributed, **defaults)
 
