@@ -176,3 +176,10 @@ def _checkpoint_wide(path) -> str:
     file = str(path / "wide.safetensors")
     save_file(tensors, file)
     return file
+
+
+def test_loader_builds_a_stack_of_no_layers_without_keys(tmp_path):
+    file, tensors = _checkpoint(tmp_path, 0)
+    tower = load_weights(lambda: Tower(0, rngs=nnx.Rngs(0)), file, RULES)
+    assert tower.blocks.layer.proj.kernel[...].shape == (0, 6, 6)
+    np.testing.assert_array_equal(tower.head.bias[...], tensors["head.bias"])

@@ -192,6 +192,20 @@ def load_weights(
             )
         groups.setdefault(target, []).append(_Load(info, target, index, rule.transform, cast))
         assigned[target, index] = key
+    for prefix, num_layers in stacked.items():  # a stack of no layers reads nothing
+        for target in targets:
+            if not num_layers and target.startswith(prefix + ".layer."):
+                expected = flat[targets[target]].get_value()
+                empty = np.zeros(expected.shape, expected.dtype)
+                flat[targets[target]].set_value(
+                    jax.device_put(
+                        empty,
+                        _placement_of(
+                            target, expected.shape, True, sharding, mesh, partition_rules, default
+                        ),
+                    )
+                )
+                assigned[target, None] = "(no layers)"
     _check_complete(flat, targets, assigned, stacked)
 
     total = sum(i.info.nbytes for g in groups.values() for i in g)
