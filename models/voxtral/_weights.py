@@ -49,14 +49,17 @@ RULES: tuple[Rule, ...] = (
 
 # Megatron-style tensor parallelism over a "model" mesh axis: heads and MLP columns split on the
 # way in, rows on the way out (one all-reduce per block); everything else replicated. Axes a mesh
-# lacks, or that do not divide a dimension, are dropped (`jaxsync.weights.partition_spec`).
+# lacks, or that do not divide a dimension, are dropped (`jaxsync.weights.partition_spec`). The
+# layers are one `jaxsync.LayerStack` (parameters `layers.layer.*`, `[L, ...]`): their axes
+# describe one layer, and the loader keeps the layer axis whole.
+_S = r"layers\.layer\."
 PARTITION_RULES: PartitionRules = (
-    (r"self_attn\.(q|k|v)_proj\.kernel", (None, "model")),
-    (r"self_attn\.(q|v)_proj\.bias", ("model",)),
-    (r"self_attn\.out_proj\.kernel", ("model", None)),
-    (r"fc1\.kernel", (None, "model")),
-    (r"fc1\.bias", ("model",)),
-    (r"fc2\.kernel", ("model", None)),
+    (_S + r"self_attn\.(q|k|v)_proj\.kernel", (None, "model")),
+    (_S + r"self_attn\.(q|v)_proj\.bias", ("model",)),
+    (_S + r"self_attn\.out_proj\.kernel", ("model", None)),
+    (_S + r"fc1\.kernel", (None, "model")),
+    (_S + r"fc1\.bias", ("model",)),
+    (_S + r"fc2\.kernel", ("model", None)),
     (r"multi_modal_projector\.linear_1\.kernel", (None, "model")),
     (r"multi_modal_projector\.linear_2\.kernel", ("model", None)),
 )

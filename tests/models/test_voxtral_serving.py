@@ -130,6 +130,7 @@ def test_tower_weights_sharded_over_a_model_axis(checkpoint):
         None, "model", None,
     )  # fmt: skip
     assert tuple(tower.multi_modal_projector.linear_2.kernel[...].sharding.spec) == ("model", None)
+    assert tuple(tower.layers.layer.self_attn.q_proj.bias[...].sharding.spec) == (None, "model")
     enc, single = VoxtralAudioEncoder(tower), VoxtralAudioEncoder(load_model(checkpoint))
     lens = [7001, 12800]
     host = _batch([_audio(n, i) for i, n in enumerate(lens)], 12800)
