@@ -71,11 +71,10 @@ def _gemma3n():
 
 
 def _chameleon_encoder():
-    from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonVQVAE
+    from jaxsync.models.chameleon import ChameleonImageEncoder
     from jaxsync.paths.chameleon import reference as ref
 
-    cfg = ChameleonConfig.from_hf_config(ref.tiny_hf_config())
-    return ChameleonImageEncoder(cfg, ChameleonVQVAE(cfg.vq, rngs=nnx.Rngs(0)), buckets=(4,))
+    return ChameleonImageEncoder(ref.tiny_tower(), buckets=(4,))
 
 
 def _chameleon_tokens():

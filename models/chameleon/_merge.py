@@ -9,7 +9,7 @@ is one `.at[positions].set(..., mode="drop")`.
 
 `merge_image_tokens(text_embeds, image_embeds, positions)` is that scatter as a pure function: a
 server calls it inside its own jitted step or `shard_map` with the uploaded
-`plan_merge(...).fields["positions"]`; it adds no jit argument and no host callback.
+`plan_merge(...).meta.positions`; it adds no jit argument and no host callback.
 `ChameleonImageEncoder.merge_image_embeddings` is the standalone entry point (host checks, one
 upload, one jitted call).
 """
