@@ -12,7 +12,8 @@ information.
 
 Where no gate can be queued (a client that runs the gate's callback on the dispatching thread),
 the probe falls back to timing the call behind a few milliseconds of queued busy work and says
-so in its report.
+so in its report. A call whose arrays span several CPU devices is reported as not proven: the
+CPU client orders such programs only among themselves, so no gate holds them.
 """
 
 from __future__ import annotations
