@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsync import LayerStack
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig, from_hf_config
-from jaxsync.models.gemma3n._modules import ConformerBlock, Gemma3nAudioModel
+from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 from jaxsync.weights import Rule, checkpoint_dtype, conv, linear, load_weights
 
 
@@ -57,12 +56,6 @@ _STRIP = "model."
 _SELECT = r"^model\.(audio_tower|embed_audio)\."
 
 
-def _config_source(checkpoint: str | Path) -> Path:
-    """The directory holding `config.json` for a checkpoint file, index or directory."""
-    path = Path(checkpoint)
-    return path if path.is_dir() else path.parent
-
-
 def load_model(
     checkpoint: str | Path,
     cfg: Gemma3nAudioConfig | None = None,
@@ -88,20 +81,12 @@ def load_model(
         ValueError / TypeError: an unsupported or malformed config.
     """
     if cfg is None:
-        cfg = from_hf_config(_config_source(checkpoint))
+        cfg = from_hf_config(checkpoint)  # the config.json beside the checkpoint
     if not isinstance(cfg, Gemma3nAudioConfig):
         raise TypeError(f"cfg must be a Gemma3nAudioConfig, got {type(cfg).__name__}")
     dt = checkpoint_dtype(checkpoint, _SELECT, _STRIP) if dtype is None else jnp.dtype(dtype)
-    no_blocks = cfg.conf_num_hidden_layers == 0
-
-    def build() -> Gemma3nAudioModel:
-        model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
-        if no_blocks:  # the loader counts a zero-layer stack's parameters as missing keys
-            model.audio_tower.conformer = None
-        return model
-
-    model = load_weights(
-        build,
+    return load_weights(
+        lambda: Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt),
         checkpoint,
         AUDIO_RULES,
         select=_SELECT,
@@ -110,12 +95,3 @@ def load_model(
         mesh=mesh,
         partition_rules=partition_rules if mesh is not None else None,
     )
-    if no_blocks:  # the empty stack: no weights to read, its [0, ...] arrays beside the others
-        empty = LayerStack(
-            lambda r: ConformerBlock(cfg, rngs=r, dtype=dt, param_dtype=dt), 0, rngs=nnx.Rngs(0)
-        )
-        if mesh is not None:
-            replicated = jax.NamedSharding(mesh, jax.P())
-            nnx.update(empty, jax.device_put(nnx.state(empty), replicated))
-        model.audio_tower.conformer = empty
-    return model

@@ -3,7 +3,6 @@ transformers 5.x `Glm4vForConditionalGeneration`, or the bare `Glm4vVisionModel`
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,31 @@ def _flat_block(cfg: Glm4vVisionConfig) -> Transform:
     return Transform(lambda w: conv(2)(w).reshape(-1, w.shape[0]), stored, "flat_block")
 
 
+def _head_major_qkv(cfg: Glm4vVisionConfig, bias: bool) -> Transform:
+    """Fused qkv, stored [3*N*H, D] (q, k, v blocks, each head-major) -> kernel [D, N*3*H]
+    (bias [N*3*H]) with each head's q, k and v columns side by side.
+
+    In this order a split of the output columns into equal parts over a "model" axis of a size
+    dividing N gives every device whole heads of q, k and v: attention then runs on local
+    columns with no gather (`Attention` reshapes to [P, N, 3, H]). The stored layout is
+    transformers' (`Glm4vVisionAttention` reshapes to [P, 3, N, H]).
+    """
+    n, h = cfg.num_heads, cfg.head_dim
+
+    def head_major(w):
+        if bias:  # [3*N*H] -> [N*3*H]
+            return w.reshape(3, n, h).transpose(1, 0, 2).reshape(-1)
+        d = w.shape[1]  # [3*N*H, D] -> [D, N*3*H]
+        return w.reshape(3, n, h, d).transpose(3, 1, 0, 2).reshape(d, -1)
+
+    def stored(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) != (1 if bias else 2) or shape[-1] != 3 * n * h:
+            raise ValueError(f"head_major_qkv maps onto [..., {3 * n * h}], not {shape}")
+        return shape if bias else (shape[1], shape[0])
+
+    return Transform(head_major, stored, "head_major_qkv_bias" if bias else "head_major_qkv")
+
+
 def rules(cfg: Glm4vVisionConfig) -> tuple[Rule, ...]:
     """The HF key rules of a tower with this config (the conv layouts depend on its sizes)."""
     return (
@@ -66,8 +90,17 @@ def rules(cfg: Glm4vVisionConfig) -> tuple[Rule, ...]:
         Rule(r"post_conv_layernorm\.weight", "post_conv_layernorm.weight"),
         Rule(r"embeddings\.position_embedding\.weight", "embeddings.position_embedding"),
         Rule(r"blocks\.(\d+)\.(norm[12])\.weight", r"blocks.\1.\2.weight"),
-        Rule(r"blocks\.(\d+)\.attn\.(qkv|proj)\.weight", r"blocks.\1.attn.\2.kernel", linear),
-        Rule(r"blocks\.(\d+)\.attn\.qkv\.bias", r"blocks.\1.attn.qkv.bias"),
+        Rule(
+            r"blocks\.(\d+)\.attn\.qkv\.weight",
+            r"blocks.\1.attn.qkv.kernel",
+            _head_major_qkv(cfg, bias=False),
+        ),
+        Rule(
+            r"blocks\.(\d+)\.attn\.qkv\.bias",
+            r"blocks.\1.attn.qkv.bias",
+            _head_major_qkv(cfg, bias=True),
+        ),
+        Rule(r"blocks\.(\d+)\.attn\.proj\.weight", r"blocks.\1.attn.proj.kernel", linear),
         Rule(
             r"blocks\.(\d+)\.mlp\.(gate|up|down)_proj\.weight",
             r"blocks.\1.mlp.\2_proj.kernel",
@@ -83,12 +116,6 @@ def rules(cfg: Glm4vVisionConfig) -> tuple[Rule, ...]:
     )
 
 
-# Megatron-style split of every wide matmul over a "model" mesh axis: the fused qkv and the MLP
-# gate/up projections by output column, the attention output and MLP down projections by input
-# row (so each pair needs one reduction). Norms, the tables and the convs stay replicated; axis
-# names a mesh lacks and sizes it does not divide fall back to replication. The paths are the
-# stacked blocks' (`blocks.layer.*`) and the axes describe one layer: the loader keeps the
-# leading layer axis unsharded.
 PARTITION_RULES: PartitionRules = (
     (r"blocks\.layer\.attn\.qkv\.kernel", (None, "model")),
     (r"blocks\.layer\.attn\.qkv\.bias", ("model",)),
@@ -96,8 +123,25 @@ PARTITION_RULES: PartitionRules = (
     (r"mlp\.(gate|up)_proj\.kernel", (None, "model")),
     (r"mlp\.down_proj\.kernel", ("model", None)),
 )
+"""Megatron-style tensor parallelism over a "model" mesh axis.
 
+The fused qkv is loaded head-major (`[D, N*3*H]`, see `_head_major_qkv`), so its column split
+gives each device whole heads of q, k and v; the attention output projection and the MLP down
+projections are split by input row, so each attention and each MLP ends in one all-reduce of
+`[P, D]` partial sums. Norms, the position table, the patch embedding, the downsample conv and
+the merger's `proj` stay replicated. The paths are the stacked blocks' (`blocks.layer.*`) and
+the axes describe one layer: the loader keeps the leading layer axis unsharded. Axis names a
+mesh lacks and sizes an axis does not divide fall back to replication (`num_heads`,
+`out_hidden_size` and `intermediate_size` must divide by the "model" size for a full split).
 
+Collectives of one forward on a `("data", "model")` mesh (inputs replicated):
+
+| where                          | all-reduce                       | all-gather |
+| ------------------------------ | -------------------------------- | ---------- |
+| each block (the scan's body)   | 2: after `attn.proj`, `mlp.down` | 0          |
+| patch merger                   | 1: after `merger.mlp.down_proj`  | 0          |
+| whole forward (HLO op count)   | 3 at any depth                   | 0          |
+"""
 def _prefix_and_dtype(checkpoint: str | Path) -> tuple[str, Any]:
     """The tower's key prefix ("model.visual." in a full checkpoint, "" in a bare tower) and
     its float dtype, from the headers alone."""
@@ -110,11 +154,6 @@ def _prefix_and_dtype(checkpoint: str | Path) -> tuple[str, Any]:
             return "", checkpoint_dtype(checkpoint, select=r"(patch_embed|blocks|merger)\.")
         except WeightError:
             raise full_error from None
-
-
-def _config_source(checkpoint: str | Path) -> str:
-    path = os.fspath(checkpoint)
-    return path if os.path.isdir(path) else os.path.dirname(path) or "."
 
 
 def load_model(
@@ -144,7 +183,7 @@ def load_model(
         dtype mismatch, or an unreadable file, naming the key.
     """
     if cfg is None:
-        cfg = Glm4vVisionConfig.from_hf_config(_config_source(checkpoint))
+        cfg = Glm4vVisionConfig.from_hf_config(checkpoint)  # the config.json beside it
     if not isinstance(cfg, Glm4vVisionConfig):
         raise TypeError(f"cfg must be a Glm4vVisionConfig or None, got {type(cfg).__name__}")
     prefix, stored = _prefix_and_dtype(checkpoint)
