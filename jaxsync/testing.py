@@ -304,3 +304,26 @@ def _rows(out: Any) -> np.ndarray:
     if rows is None:
         rows = out[0] if isinstance(out, tuple) else out
     return np.asarray(rows, np.float64)
+
+
+def server_step(model: Any, forward: Any, **jit_kwargs: Any) -> tuple[Any, list]:
+    """A server's own jitted step around a family's forward, and the leaves it takes.
+
+    `step(leaves, *inputs) = forward(nnx.merge(graphdef, unflatten(leaves)), *inputs)` under
+    `jax.jit`, the state passed as its flat leaves as tpu-inference and sglang-jax pass it: the
+    server form that tests and benchmarks compare an entry against.
+
+    Returns:
+      `(step, leaves)`: call `step(leaves, *inputs)`; a new state's leaves of the same
+      structure need no recompile.
+    """
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+
+    def step(leaves: list, *inputs: Any) -> Any:
+        return forward(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *inputs)
+
+    return jax.jit(step, **jit_kwargs), leaves
