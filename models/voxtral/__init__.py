@@ -26,10 +26,7 @@ from jaxsync.models.voxtral._config import (
     MelConfig as MelConfig,
     VoxtralAudioConfig as VoxtralAudioConfig,
 )
-from jaxsync.models.voxtral._entry import (
-    VoxtralAudioEncoder as VoxtralAudioEncoder,
-    server_form as server_form,
-)
+from jaxsync.models.voxtral._entry import VoxtralAudioEncoder as VoxtralAudioEncoder
 from jaxsync.models.voxtral._filters import (
     periodic_hann as periodic_hann,
     slaney_mel_filters as slaney_mel_filters,
@@ -52,6 +49,7 @@ from jaxsync.models.voxtral._modules import (
     VoxtralAudioTower as VoxtralAudioTower,
     forward as forward,
     forward_waveforms as forward_waveforms,
+    server_form as server_form,
 )
 from jaxsync.models.voxtral._plan import (
     VoxtralMeta as VoxtralMeta,

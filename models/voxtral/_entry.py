@@ -13,7 +13,6 @@ The entry compiles the server form's own functions (`forward`, `forward_waveform
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from jaxsync.models.voxtral._mel_plan import (
     resolve_floor,
     stage_batch,
 )
-from jaxsync.models.voxtral._modules import VoxtralAudioTower, forward, forward_waveforms
+from jaxsync.models.voxtral._modules import VoxtralAudioTower, server_form
 from jaxsync.models.voxtral._plan import (
     VoxtralPlan,
     VoxtralWaveformPlan,
@@ -48,18 +47,6 @@ def _replicated(placement: Any) -> Any:
     if isinstance(placement, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
     return placement
-
-
-@functools.cache
-def server_form(project: bool = True, mel: MelSpec | None = None) -> Callable[..., Any]:
-    """The pure function the entry compiles, `fn(tower, inputs, meta) -> Encoded`: `forward`
-    over features (`mel=None`), else `forward_waveforms` with the front end `mel`.
-
-    One object per settings, so every encoder of one structure shares its compiled programs.
-    """
-    if mel is None:
-        return forward if project else functools.partial(forward, project=False)
-    return functools.partial(forward_waveforms, mel=mel, project=project)
 
 
 class VoxtralAudioEncoder:

@@ -11,6 +11,8 @@ chunk reaches another, so a NaN in one item never changes another item's rows.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -214,3 +216,15 @@ def forward_waveforms(
     features, samples_ok = log_mel_rows(waveforms, meta, spec=mel)  # [C, F, 2P], [B]
     out = forward(tower, features, meta, project=project)
     return out._replace(finite=out.finite & samples_ok)
+
+
+@functools.cache
+def server_form(project: bool = True, mel: MelSpec | None = None) -> Callable[..., Any]:
+    """The pure function the entry compiles, `fn(tower, inputs, meta) -> Encoded`: `forward`
+    over features (`mel=None`), else `forward_waveforms` with the front end `mel`.
+
+    One object per settings, so every encoder of one structure shares its compiled programs.
+    """
+    if mel is None:
+        return forward if project else functools.partial(forward, project=False)
+    return functools.partial(forward_waveforms, mel=mel, project=project)

@@ -183,3 +183,20 @@ def test_bench_flops_count_every_matmul_of_the_forward(windows):
     jaxpr = jax.make_jaxpr(run)(features, jaxsync.upload_packed(planned))
     assert encoder_flops(cfg, windows) == _matmul_flops(jaxpr.jaxpr)
     assert encoder_flops(cfg, windows + 1) != _matmul_flops(jaxpr.jaxpr)  # control
+
+
+def test_bench_server_form_row_computes_the_entrys_rows():
+    """The bench's '· server form' rows time the entry's own computation (control: another
+    plan's windows give other rows)."""
+    from jaxsync.models.voxtral import plan
+    from jaxsync.paths.voxtral.bench import server_step
+
+    tower = _tower()
+    feats = jax.device_put(_mel(3, tower.cfg, 6).astype(np.float32))
+    runner = server_step(tower)
+    run = runner(plan([1, 1, 1], tower.cfg, buckets=(3,)), lambda: feats)
+    want = VoxtralAudioEncoder(tower)(input_features=feats).rows
+    jaxsync.testing.assert_same_math(run(), want)
+    assert run().shape == want.shape
+    doubled = runner(plan([1, 1, 1], tower.cfg, buckets=(3,)), lambda: feats * 2)
+    assert not np.allclose(doubled(), want)
