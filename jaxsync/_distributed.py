@@ -172,8 +172,11 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> str:
     Returns what went wrong, or "" when every process exited 0."""
     deadline = time.monotonic() + timeout
     failure = ""
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
+    while True:
+        codes = [p.poll() for p in procs]  # every one polled: any() would stop at the first
+        if None not in codes:
+            break
+        if any(c not in (None, 0) for c in codes):
             failure = "a process failed; the others were stopped"
             break
         if time.monotonic() > deadline:

@@ -142,3 +142,65 @@ def test_each_process_reads_only_its_half_of_the_sharded_weights(encoded):
         assert got["bytes_read"] == replicated + sharded // 2, (p, got["bytes_read"])
         # conv_out's transform (a reshape) maps no index; it is replicated, so read whole anyway.
         assert got["whole"] == ["conv_out.kernel"]
+
+
+# ---------------------------------------------------------------- the runner itself
+
+
+def _fail_in_one(ctx):
+    import time
+
+    if ctx.process_id == 1:
+        raise ValueError("process 1 gives up")
+    time.sleep(600)  # process 0 alone would wait for ever: the runner must stop it
+
+
+def _sleep(ctx):
+    import time
+
+    time.sleep(600)
+
+
+def _children() -> list[int]:
+    """Live processes this test process started that run the runner's children."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"jaxsync._distributed" in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_failing_process_stops_the_others_and_reports_both():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(jaxsync.testing.DistributedError) as e:
+        jaxsync.testing.run_distributed(_fail_in_one, timeout=200)
+    assert time.monotonic() - start < 90  # not the timeout: process 0 was killed at once
+    message = str(e.value)
+    assert "process 1 gives up" in message and "--- process 1: exit 1" in message
+    assert "--- process 0: exit -9" in message  # killed by the runner
+    assert not _children()
+
+
+def test_a_run_past_its_timeout_is_stopped():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(jaxsync.testing.DistributedError, match="timed out after 30 s"):
+        jaxsync.testing.run_distributed(_sleep, timeout=30)
+    assert time.monotonic() - start < 60
+    assert not _children()
+
+
+def test_an_unpicklable_function_is_refused_before_any_process_starts():
+    with pytest.raises(jaxsync.testing.DistributedError, match="picklable"):
+        jaxsync.testing.run_distributed(lambda ctx: 0)
