@@ -14,6 +14,10 @@ bodies as pure functions of device ids, planned on the host by `plan_slots` / `p
 entries' validation and padding, as fields for the step's one `jaxsync.upload_packed`). Pass
 them the uploaded plan: it records the cache geometry it was planned for, checked while tracing.
 
+Files: `save_kv` / `load_kv` write and read vLLM's ExampleConnector layout by default
+(`format="vllm"`: one "kv_cache" tensor per layer; files move between vLLM and jaxsync both
+ways), or jaxsync's own (`format="jaxsync"`).
+
 Padded tokens: a slot of -1 (vLLM's padding in `slot_mapping`) writes nothing and reads zeros in
 every slot path; any other negative slot, or one past the cache, is refused on the host.
 
