@@ -154,14 +154,17 @@ class Attention(nnx.Module):
         """x: [P, D]; cos, sin: [P, H]; segments: the dense [P, P] same-segment mask, the
         segment groups of `segment_attention`, or `RaggedSegments`. Returns [P, D]."""
         p = x.shape[0]
-        qkv = self.qkv(x).reshape(p, 3, self.num_heads, self.head_dim)  # [P, 3, N, H]
-        q = _rotate(qkv[:, 0], cos, sin)  # [P, N, H]
-        k = _rotate(qkv[:, 1], cos, sin)
+        # Head-major columns (the loader's layout): a split of the columns over a "model" axis
+        # holds whole heads of q, k and v, so attention needs no gather.
+        qkv = self.qkv(x).reshape(p, self.num_heads, 3, self.head_dim)  # [P, N, 3, H]
+        q = _rotate(qkv[:, :, 0], cos, sin)  # [P, N, H]
+        k = _rotate(qkv[:, :, 1], cos, sin)
+        v = qkv[:, :, 2]
         if isinstance(segments, RaggedSegments):
-            out = ragged_attention(q, k, qkv[:, 2], segments, self.impl)
+            out = ragged_attention(q, k, v, segments, self.impl)
         elif isinstance(segments, tuple):
-            out = segment_attention(q, k, qkv[:, 2], segments, self.impl)
+            out = segment_attention(q, k, v, segments, self.impl)
         else:
             # Every row keeps its own key (padding forms its own segment): no all-masked row.
-            out = masked_attention(q, k, qkv[:, 2], segments, self.impl)
+            out = masked_attention(q, k, v, segments, self.impl)
         return self.proj(out.reshape(p, self.num_heads * self.head_dim))

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.glm4v import _plan
 from jaxsync.models.glm4v._modules import (
     Glm4vVisionTower,
@@ -45,7 +46,8 @@ class Glm4vVisionEncoder:
     Args:
       model: the tower (e.g. from `load_model`).
       buckets: the static sizes plans pad to (default `Glm4vBuckets()`).
-      placement: device or sharding for host uploads (None: beside the weights).
+      placement: device or sharding for host uploads (None: replicated beside the weights;
+        one on other devices than the weights is refused).
       plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
       layout: how each image / frame attends only to itself:
         "ragged" (cuDNN's attention over the segments of the packed rows: work grows with the
@@ -59,6 +61,8 @@ class Glm4vVisionEncoder:
         else "dense"; `plan(grid_thw, model.cfg)` resolves it the same way for one device).
         "ragged" on a tower without cuDNN attention computes the dense mask.
       encoder_only: return the tokens before the patch merger as the rows (no merger runs).
+      out_sharding: where the rows go (`forward`'s option): None replicates them over the
+        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
 
     Attributes:
       cfg: the tower's config (`model.cfg`, with its resolved attention).
@@ -75,6 +79,7 @@ class Glm4vVisionEncoder:
         plan_cache_size: int = 64,
         layout: AttentionLayout = "auto",
         encoder_only: bool = False,
+        out_sharding: OutSharding = None,
     ):
         if not isinstance(model, Glm4vVisionTower):
             raise TypeError(f"model must be a Glm4vVisionTower, got {type(model).__name__}")
@@ -85,9 +90,11 @@ class Glm4vVisionEncoder:
         self.buckets = _plan.check_buckets(buckets)
         self.encoder_only = bool(encoder_only)
         self._program = jaxsync.TowerProgram(
-            model, forward_encoder_only if self.encoder_only else forward
+            model,
+            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
         )
         self._table = model.embeddings.position_embedding[...]
+        check_placement(placement, self._table)
         self.placement = _home(self._table) if placement is None else placement
         self._plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
         self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device pixels

@@ -19,6 +19,7 @@ from flax import nnx
 import jaxsync
 from jaxsync.models._activations import activation, gelu
 from jaxsync.models._attention import AttentionImpl, resolve_attention
+from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.glm4v._attention import Attention, RaggedSegments, linear, rotary_cos_sin
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._interp import interpolate_pos_embed
@@ -216,7 +217,12 @@ def _segments(meta) -> jax.Array | tuple | RaggedSegments:
 
 
 def forward(
-    model: Glm4vVisionTower, pixels: jax.Array, meta: jaxsync.Packed, *, encoder_only: bool = False
+    model: Glm4vVisionTower,
+    pixels: jax.Array,
+    meta: jaxsync.Packed,
+    *,
+    encoder_only: bool = False,
+    out_sharding: OutSharding = None,
 ) -> jaxsync.Encoded:
     """The tower over one packed batch; pure, callable inside any jit.
 
@@ -226,6 +232,9 @@ def forward(
         (padding rows past the real patches are zeros).
       meta: `jaxsync.upload_packed(plan)` of a `Glm4vPlan` (or its `Glm4vMeta` of arrays).
       encoder_only: stop before the patch merger (the rows are then its input).
+      out_sharding: where the rows (and extras) go: a `Sharding`, a `PartitionSpec` over the
+        weights' mesh (e.g. `P("data")` for a batch the server splits), or None: replicated
+        over the weights' mesh (unconstrained for weights on one device).
 
     Returns:
       `jaxsync.Encoded`: rows [G, out_hidden_size] in the model dtype, the tokens after the
@@ -252,8 +261,9 @@ def forward(
     if encoder_only:
         rows, extras = hidden, None
     else:
-        rows, extras = model.merger(hidden), {"hidden": hidden}
+        rows, extras = model.merger(hidden), {"hidden": place_rows(model, hidden, out_sharding)}
         token_ok = token_ok & jnp.isfinite(rows).all(-1)
+    rows = place_rows(model, rows, out_sharding)
     # Padding tokens carry item id I, outside every item: segment_min drops them.
     items = meta.item_tokens.shape[0]
     finite = jax.ops.segment_min(token_ok.astype(jnp.int32), meta.item[::m2], num_segments=items)
@@ -261,7 +271,11 @@ def forward(
 
 
 def forward_encoder_only(
-    model: Glm4vVisionTower, pixels: jax.Array, meta: jaxsync.Packed
+    model: Glm4vVisionTower,
+    pixels: jax.Array,
+    meta: jaxsync.Packed,
+    *,
+    out_sharding: OutSharding = None,
 ) -> jaxsync.Encoded:
     """`forward(..., encoder_only=True)`: rows are the tokens before the patch merger."""
-    return forward(model, pixels, meta, encoder_only=True)
+    return forward(model, pixels, meta, encoder_only=True, out_sharding=out_sharding)

@@ -142,6 +142,8 @@ Collectives of one forward on a `("data", "model")` mesh (inputs replicated):
 | patch merger                   | 1: after `merger.mlp.down_proj`  | 0          |
 | whole forward (HLO op count)   | 3 at any depth                   | 0          |
 """
+
+
 def _prefix_and_dtype(checkpoint: str | Path) -> tuple[str, Any]:
     """The tower's key prefix ("model.visual." in a full checkpoint, "" in a bare tower) and
     its float dtype, from the headers alone."""

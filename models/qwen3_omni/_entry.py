@@ -13,6 +13,7 @@ from jaxtyping import Array, Float
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
 from jaxsync.models.qwen3_omni._features import check_feature_lens, features_from_processor
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
@@ -50,12 +51,15 @@ class Qwen3OmniAudioEncoder:
     Args:
       model: the `Qwen3OmniAudioTower` (e.g. from `load_model`).
       placement: device or sharding for the per-call uploads; None puts them next to device
-        features, or next to the weights for host features.
+        features, or next to the weights (replicated over their mesh) for host features. One
+        on other devices than the weights is refused.
       buckets: the sizes programs are compiled for (`Qwen3OmniBuckets`; default: frames,
         windows and items at about four sizes per octave, items from 16).
       window_buckets: attention-window counts alone (replaces `buckets.windows`); coarser
         buckets mean fewer programs and more padding.
       plan_cache_size: length mixes whose plan and uploads are kept (least recently used).
+      out_sharding: where the rows go (`forward`'s option): None replicates them over the
+        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
 
     Attributes:
       program: the `jaxsync.TowerProgram` (`program.lower(features, meta)` for inspection).
@@ -73,6 +77,7 @@ class Qwen3OmniAudioEncoder:
         buckets: Qwen3OmniBuckets | None = None,
         window_buckets: Sequence[int] | None = None,
         plan_cache_size: int = 64,
+        out_sharding: OutSharding = None,
     ):
         if not isinstance(model, Qwen3OmniAudioTower):
             raise TypeError(f"model must be a Qwen3OmniAudioTower, got {type(model).__name__}")
@@ -94,8 +99,9 @@ class Qwen3OmniAudioEncoder:
         self.cfg: Qwen3OmniAudioConfig = model.cfg
         self.placement = placement
         self.buckets = buckets
-        self.program = jaxsync.TowerProgram(model, forward)
+        self.program = jaxsync.TowerProgram(model, with_out_sharding(forward, out_sharding))
         self._weights_at(model)
+        check_placement(placement, jax.tree.leaves(model)[0])
         self.plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
         self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device features
 

@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float
 
 import jaxsync
 from jaxsync.models._activations import activation, gelu
+from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
 from jaxsync.models.qwen3_omni._plan import Qwen3OmniMeta
 
@@ -170,7 +171,11 @@ class Qwen3OmniAudioTower(nnx.Module):
 
 
 def forward(
-    tower: Qwen3OmniAudioTower, features: Float[Array, "F T"], meta: Qwen3OmniMeta
+    tower: Qwen3OmniAudioTower,
+    features: Float[Array, "F T"],
+    meta: Qwen3OmniMeta,
+    *,
+    out_sharding: OutSharding = None,
 ) -> jaxsync.Encoded:
     """The pure forward of one planned batch; callable inside any jit, scan or shard_map.
 
@@ -182,6 +187,9 @@ def forward(
       features: [F, T] mel features, all audios concatenated in time; T is the plan's
         `num_frames`.
       meta: the plan's `meta`, uploaded (`jaxsync.upload_packed(plan)`).
+      out_sharding: where the rows go: a `Sharding`, a `PartitionSpec` over the weights' mesh
+        (e.g. `P("data")` for a batch the server splits), or None: replicated over the weights'
+        mesh (unconstrained for weights on one device).
 
     Returns:
       `jaxsync.Encoded`: rows [W * Q, O] (row r < sum(plan.lengths) is token r of the
@@ -199,7 +207,7 @@ def forward(
     # I (dropped); an audio without windows keeps segment_min's identity, read as True.
     items = meta.item_rows.shape[0]
     finite = jax.ops.segment_min(window_finite.astype(jnp.int32), meta.window_items, items) > 0
-    return jaxsync.Encoded(tower.head(x, meta), finite)
+    return jaxsync.Encoded(place_rows(tower, tower.head(x, meta), out_sharding), finite)
 
 
 def _check_fits(cfg: Qwen3OmniAudioConfig, features: jax.Array, meta: Qwen3OmniMeta) -> None:

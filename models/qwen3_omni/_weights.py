@@ -100,6 +100,24 @@ PARTITION_RULES: PartitionRules = (
     (r"layers\.layer\.self_attn\.out_proj\.kernel", ("model", None)),
     (r"layers\.layer\.fc2\.kernel", ("model", None)),
 )
+"""Megatron-style tensor parallelism over a "model" mesh axis.
+
+q, k, v (`[D, N*H]`, heads major, as the attention reshapes them to `[..., N, H]`) and fc1 are
+split by output column, so each device holds whole heads and a slice of the MLP; out_proj and
+fc2 are split by input row, so attention and MLP each end in one all-reduce of `[W, Q, D]`
+partial sums. The conv stem, `conv_out`, the norms and the output head (`proj1`, `proj2`) stay
+replicated. Axes describe one layer of the stacked `layers.layer.*` parameters (the layer axis
+stays unsharded); `encoder_attention_heads` and `encoder_ffn_dim` must divide by the "model"
+size for a full split (otherwise that weight is replicated).
+
+Collectives of one forward on a `("data", "model")` mesh (inputs replicated):
+
+| where                          | all-reduce                     | all-gather |
+| ------------------------------ | ------------------------------ | ---------- |
+| each layer (the scan's body)   | 2: after `out_proj`, `fc2`     | 0          |
+| conv stem, head                | 0                              | 0          |
+| whole forward (HLO op count)   | 2 at any depth                 | 0          |
+"""
 """Parameter path regex -> mesh axes (`jaxsync.weights.load_weights`); the rest is replicated.
 The paths are the stacked parameters' (`layers.layer.fc1.kernel`, `[L, ...]`) and the axes
 describe one layer: the loader keeps the layer axis unsharded in front. Axes the mesh lacks, or a

@@ -1,0 +1,89 @@
+"""Where a tower's output rows go: the `out_sharding` option of the families' forwards and
+entries.
+
+A tower whose weights are split over a mesh's "model" axis computes its rows from partial sums
+that every model shard ends up holding; left to the compiler, the rows may come out split over
+the feature axis, which the server's next op (a scatter into its token embeddings) would have to
+gather. The forwards therefore constrain their rows: by default replicated over the mesh the
+weights live on, or as the server asks (e.g. `P("data")` for a batch it splits over "data").
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+
+OutSharding = Sharding | PartitionSpec | None
+"""A forward's `out_sharding`: a `Sharding`, a `PartitionSpec` over the weights' mesh, or None
+(rows replicated over the weights' mesh; unconstrained when the weights are on one device)."""
+
+
+def weights_mesh(model: nnx.Module) -> Any:
+    """The (abstract) mesh the model's weights are placed on, or None for unsharded weights.
+
+    Read from the leaves' types, so it works on concrete arrays and inside a server's jit over
+    the state leaves alike (a tracer's type carries its argument's mesh).
+    """
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty:
+            # inside a shard_map the body sees per-shard values: nothing to place there
+            manual = any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+            return None if manual else mesh
+    return None
+
+
+def place_rows(model: nnx.Module, x: jax.Array, out_sharding: OutSharding = None) -> jax.Array:
+    """`x` constrained to `out_sharding` (see `OutSharding`) inside the forward's trace.
+
+    Raises:
+      ValueError: a `PartitionSpec` for a model whose weights are on no mesh (nothing names
+        the devices it would refer to).
+    """
+    if isinstance(out_sharding, Sharding):
+        return jax.lax.with_sharding_constraint(x, out_sharding)
+    mesh = weights_mesh(model)
+    if mesh is None:
+        if out_sharding is not None:
+            raise ValueError(
+                f"out_sharding={out_sharding} is a PartitionSpec but the tower's weights are on "
+                "no mesh: pass a NamedSharding"
+            )
+        return x
+    spec = PartitionSpec() if out_sharding is None else out_sharding
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+@functools.cache
+def with_out_sharding(forward: Callable[..., Any], out_sharding: OutSharding) -> Callable:
+    """`forward` with `out_sharding` bound, one function object per pair, so entries that ask
+    for the same placement share one compiled program (programs are keyed by the function)."""
+    if out_sharding is None:
+        return forward
+    return functools.partial(forward, out_sharding=out_sharding)
+
+
+def check_placement(placement: Any, weights: jax.Array, name: str = "placement") -> None:
+    """Refuses an upload placement on other devices than the weights, naming both, before any
+    upload (JAX would fail later with "Received incompatible devices").
+
+    Raises:
+      ValueError: `placement` (a device or sharding) is not on the weights' devices.
+    """
+    if placement is None:
+        return
+    have = placement.device_set if isinstance(placement, Sharding) else {placement}
+    want = weights.sharding.device_set
+    if set(have) != set(want):
+        raise ValueError(
+            f"{name} {placement} is on devices {sorted(d.id for d in have)} but the tower's "
+            f"weights are on {sorted(d.id for d in want)} ({weights.sharding}): leave {name} "
+            "unset (uploads go beside the weights) or place it on the weights' devices"
+        )
