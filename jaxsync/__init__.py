@@ -25,49 +25,108 @@ Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.regis
 jaxsync.testing, jaxsync.models, jaxsync.kv.
 """
 
-from jaxsync._calls import (
-    CallCache as CallCache,
-    call_key as call_key,
-    prepared_call as prepared_call,
-)
-from jaxsync._device_cache import (
-    CacheEntry as CacheEntry,
-    DeviceCache as DeviceCache,
-    default_cache as default_cache,
-)
-from jaxsync._fill import all_finite as all_finite, fill_rows as fill_rows
-from jaxsync._host import (
-    check_finite as check_finite,
-    host_array as host_array,
-    host_int as host_int,
-    host_ints as host_ints,
-    is_torch_tensor as is_torch_tensor,
-)
-from jaxsync._jit import (
-    JitMethod as JitMethod,
-    flat_state as flat_state,
-    jit_method as jit_method,
-)
-from jaxsync._outputs import Embeddings as Embeddings, Encoded as Encoded
-from jaxsync._placement import replicated_near as replicated_near
-from jaxsync._plans import PlanCache as PlanCache, metadata_key as metadata_key
-from jaxsync._precompile import (
-    Compiled as Compiled,
-    Target as Target,
-    precompile as precompile,
-)
-from jaxsync._stack import LayerStack as LayerStack
-from jaxsync._staging import (
-    StagingRing as StagingRing,
-    default_staging as default_staging,
-)
-from jaxsync._tower import TowerProgram as TowerProgram, run_layers as run_layers
-from jaxsync._transfer import (
-    Packed as Packed,
-    async_h2d as async_h2d,
-    bucket as bucket,
-    upload_packed as upload_packed,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+
+# Names are imported on first use (PEP 562): `import jaxsync` and the `jaxsync` command's
+# `--help` import no jax, and a server pays for what it touches.
+_EXPORTS = {
+    "CallCache": "jaxsync._calls",
+    "call_key": "jaxsync._calls",
+    "prepared_call": "jaxsync._calls",
+    "CacheEntry": "jaxsync._device_cache",
+    "DeviceCache": "jaxsync._device_cache",
+    "default_cache": "jaxsync._device_cache",
+    "all_finite": "jaxsync._fill",
+    "fill_rows": "jaxsync._fill",
+    "check_finite": "jaxsync._host",
+    "host_array": "jaxsync._host",
+    "host_int": "jaxsync._host",
+    "host_ints": "jaxsync._host",
+    "is_torch_tensor": "jaxsync._host",
+    "JitMethod": "jaxsync._jit",
+    "flat_state": "jaxsync._jit",
+    "jit_method": "jaxsync._jit",
+    "Embeddings": "jaxsync._outputs",
+    "Encoded": "jaxsync._outputs",
+    "replicated_near": "jaxsync._placement",
+    "PlanCache": "jaxsync._plans",
+    "metadata_key": "jaxsync._plans",
+    "Compiled": "jaxsync._precompile",
+    "Target": "jaxsync._precompile",
+    "precompile": "jaxsync._precompile",
+    "LayerStack": "jaxsync._stack",
+    "StagingRing": "jaxsync._staging",
+    "default_staging": "jaxsync._staging",
+    "TowerProgram": "jaxsync._tower",
+    "run_layers": "jaxsync._tower",
+    "Packed": "jaxsync._transfer",
+    "async_h2d": "jaxsync._transfer",
+    "bucket": "jaxsync._transfer",
+    "upload_packed": "jaxsync._transfer",
+}
+_SUBPACKAGES = ("check", "hfconfig", "kv", "models", "registry", "testing", "weights")
+
+if TYPE_CHECKING:
+    from jaxsync._calls import (
+        CallCache as CallCache,
+        call_key as call_key,
+        prepared_call as prepared_call,
+    )
+    from jaxsync._device_cache import (
+        CacheEntry as CacheEntry,
+        DeviceCache as DeviceCache,
+        default_cache as default_cache,
+    )
+    from jaxsync._fill import all_finite as all_finite, fill_rows as fill_rows
+    from jaxsync._host import (
+        check_finite as check_finite,
+        host_array as host_array,
+        host_int as host_int,
+        host_ints as host_ints,
+        is_torch_tensor as is_torch_tensor,
+    )
+    from jaxsync._jit import (
+        JitMethod as JitMethod,
+        flat_state as flat_state,
+        jit_method as jit_method,
+    )
+    from jaxsync._outputs import Embeddings as Embeddings, Encoded as Encoded
+    from jaxsync._placement import replicated_near as replicated_near
+    from jaxsync._plans import PlanCache as PlanCache, metadata_key as metadata_key
+    from jaxsync._precompile import (
+        Compiled as Compiled,
+        Target as Target,
+        precompile as precompile,
+    )
+    from jaxsync._stack import LayerStack as LayerStack
+    from jaxsync._staging import (
+        StagingRing as StagingRing,
+        default_staging as default_staging,
+    )
+    from jaxsync._tower import TowerProgram as TowerProgram, run_layers as run_layers
+    from jaxsync._transfer import (
+        Packed as Packed,
+        async_h2d as async_h2d,
+        bucket as bucket,
+        upload_packed as upload_packed,
+    )
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"jaxsync.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
 
 
 __version__ = "0.1.0"

@@ -179,11 +179,6 @@ def _console_help_time() -> tuple[float, bool]:
     return wall, proc.stdout.strip().splitlines()[-1].endswith("True")
 
 
-@pytest.mark.xfail(
-    reason="jaxsync/__init__.py imports jax eagerly, so importing the console entry point "
-    "jaxsync._cli does too; lazy package exports would make `jaxsync --help` fast",
-    strict=False,
-)
 def test_console_help_answers_within_a_second_without_jax():
     wall, jax_imported = _console_help_time()
     assert not jax_imported and wall < 2.0, (wall, jax_imported)
