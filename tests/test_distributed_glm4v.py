@@ -1,0 +1,121 @@
+"""GLM-4.1V's vision tower loaded in 2 processes (`jaxsync.testing.run_distributed`, the global
+("data", "model") mesh's "model" axis spanning both): its fused qkv goes through a head-major
+reordering (reshape, transpose, reshape) that maps no block index, so each process reads it
+whole and keeps its columns; the linear weights split over "model" are read by halves. The
+forward in a jit over both processes equals one process's."""
+
+import numpy as np
+import pytest
+
+import jaxsync.testing
+from jaxsync.models import glm4v
+from jaxsync.testing import assert_close
+
+
+distributed = jaxsync.testing.distributed_fixture(scope="module", timeout=240)
+
+TINY = dict(
+    depth=2,
+    hidden_size=48,
+    num_heads=4,  # 4 heads: a whole head of q, k and v per "model" shard
+    image_size=42,
+    patch_size=7,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=29,
+    intermediate_size=40,  # divisible by 4: the blocks' MLP is split too
+    attention_bias=True,
+)
+CFG = glm4v.Glm4vVisionConfig(**TINY)
+GRID = [[1, 6, 6], [2, 4, 4]]  # an image and a two-frame video
+
+
+def _step(tower):
+    """The server form: forward over the state's flat leaves in one jit."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(tower)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+
+    def run(leaves, pixels, meta):
+        return glm4v.forward(
+            nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), pixels, meta
+        )
+
+    return jax.jit(run), leaves
+
+
+def _inputs(pixels, placement=None):
+    import jaxsync
+
+    plan = glm4v.plan(GRID, CFG)
+    host = np.zeros((plan.padded_patches, CFG.patch_dim), np.float32)
+    host[: pixels.shape[0]] = pixels
+    return jaxsync.async_h2d(host, placement=placement), jaxsync.upload_packed(
+        plan, placement=placement
+    )
+
+
+def _worker(ctx, ckpt, pixels):
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxsync.check import no_recompile, sync_guard
+    from jaxsync.weights._loader import last_load_stats
+
+    tower = glm4v.load_model(ckpt, CFG, mesh=ctx.mesh)
+    stats = last_load_stats()
+    params = {}
+    for path, var in nnx.to_flat_state(nnx.state(tower, nnx.Param)):
+        leaf = var.get_value()
+        params[".".join(map(str, path))] = (leaf.nbytes, leaf.sharding.is_fully_replicated)
+    step, leaves = _step(tower)
+    everywhere = NamedSharding(ctx.mesh, P())
+    first = step(leaves, *_inputs(pixels, everywhere))
+    inputs = _inputs(pixels[::-1].copy(), everywhere)  # uploaded before the guard, as in
+    with sync_guard(), no_recompile():  # tests/test_distributed.py
+        again = step(leaves, *inputs)
+    return dict(
+        rows=[ctx.gather(first.rows), ctx.gather(again.rows)],
+        bytes_read=stats.bytes_read,
+        selected_bytes=stats.selected_bytes,
+        whole=stats.whole,
+        params=params,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, distributed):
+    pytest.importorskip("torch")
+    from jaxsync.paths.glm4v import reference as ref
+
+    model = ref.build_reference(ref.hf_config(**TINY))
+    ckpt = ref.save_checkpoint(model, tmp_path_factory.mktemp("glm4v") / "model.safetensors")
+    pixels = ref.pixels(GRID, CFG, seed=1)
+    return ckpt, pixels, distributed(_worker, ckpt, pixels)
+
+
+def test_the_forward_over_both_processes_equals_one_process(run):
+    ckpt, pixels, results = run
+    step, leaves = _step(glm4v.load_model(ckpt, CFG))
+    for c, px in enumerate((pixels, pixels[::-1].copy())):
+        want = np.asarray(step(leaves, *_inputs(px)).rows)
+        assert np.abs(want).max() > 0
+        for p, got in enumerate(results):
+            assert_close(got["rows"][c], want, rtol=1e-5, err_msg=f"call {c}, process {p}")
+
+
+def test_qkv_is_read_whole_and_the_other_split_weights_by_halves(run):
+    _, _, results = run
+    params = results[0]["params"]
+    qkv = {"blocks.layer.attn.qkv.kernel", "blocks.layer.attn.qkv.bias"}
+    assert {p for p, (_, rep) in params.items() if not rep} > qkv  # qkv and more are split
+    whole = sum(params[p][0] for p in qkv)
+    halved = sum(n for p, (n, rep) in params.items() if not rep and p not in qkv)
+    replicated = sum(n for n, rep in params.values() if rep)
+    assert halved > 0.1 * (whole + halved + replicated)  # an exact count below tells halves
+    for got in results:
+        # qkv, and replicated weights whose transforms reshape (read whole either way)
+        assert qkv <= set(got["whole"]) and all(params[p][1] for p in set(got["whole"]) - qkv)
+        assert got["bytes_read"] == replicated + whole + halved // 2
