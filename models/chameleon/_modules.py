@@ -97,10 +97,6 @@ class Downsample(nnx.Module):
         return self.conv(x)
 
 
-def _stack(make, num_layers: int, rngs: nnx.Rngs) -> jaxsync.LayerStack:
-    return jaxsync.LayerStack(make, num_layers, rngs=rngs)
-
-
 class Encoder(nnx.Module):
     """Pixels (NHWC) -> latents `[B, h, w, latent_channels]`.
 
@@ -112,27 +108,29 @@ class Encoder(nnx.Module):
         self.cfg = cfg
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         layout = encoder_layout(cfg)
+
+        def stacks(group: str, make) -> nnx.Dict:  # make(cin, cout) -> (rngs -> one layer)
+            return nnx.Dict(
+                {
+                    key: jaxsync.LayerStack(make(cin, cout), n, rngs=rngs)
+                    for key, (n, cin, cout) in layout.stacks[group].items()
+                }
+            )
+
         self.conv_in = _conv(cfg.in_channels, cfg.base_channels, 3, rngs=rngs, **kw)
-        makers = {
-            "res": lambda cin, cout: lambda r: ResnetBlock(cin, cout, rngs=r, **kw),
-            "attn": lambda c, _: lambda r: AttnBlock(c, rngs=r, **kw),
-            "downsample": lambda c, _: lambda r: Downsample(c, rngs=r, **kw),
-        }
-        for group, stacks in layout.stacks.items():
-            built = {
-                key: _stack(makers[group](cin, cout), n, rngs)
-                for key, (n, cin, cout) in stacks.items()
-            }
-            setattr(self, group, nnx.Dict(built))
+        self.res = stacks("res", lambda cin, cout: lambda r: ResnetBlock(cin, cout, rngs=r, **kw))
+        self.attn = stacks("attn", lambda c, _: lambda r: AttnBlock(c, rngs=r, **kw))
+        self.downsample = stacks("downsample", lambda c, _: lambda r: Downsample(c, rngs=r, **kw))
         width = cfg.level_channels[-1]
         self.norm_out = _norm(width, dtype, param_dtype, rngs)
         self.conv_out = _conv(width, cfg.latent_channels, 3, rngs=rngs, **kw)
 
     def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B h w L"]:
+        layout = encoder_layout(self.cfg)
         x = self.conv_in(x)
-        for group, key, start, stop in encoder_layout(self.cfg).runs:
+        for group, key, start, stop in layout.runs:
             stack = getattr(self, group)[key]
-            _, cin, cout = encoder_layout(self.cfg).stacks[group][key]
+            _, cin, cout = layout.stacks[group][key]
             if group == "downsample" or cin != cout:
                 # A scan's carry keeps its shape: a block that changes it (a downsample, a
                 # level's widening first block) runs alone, on its slice of the stack.
