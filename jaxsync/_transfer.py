@@ -59,6 +59,19 @@ def _put(host: np.ndarray, placement: Placement) -> jax.Array:
     without the private transfer take `jax.device_put`.
     """
     target = resolve(placement)
+    if (
+        isinstance(target, jax.sharding.Sharding)
+        and not target.is_fully_addressable
+        and not _compat.tracing()
+    ):
+        # A sharding over other processes' devices too: `device_put` would check on every
+        # call that every process passed equal data (a gather read back to the host). Each
+        # process places its own devices' blocks of its (equal, host) data instead.
+        blocks = [
+            jax.device_put(host[index], device)  # explicit: the transfer guard allows it
+            for device, index in target.addressable_devices_indices_map(host.shape).items()
+        ]
+        return jax.make_array_from_single_device_arrays(host.shape, target, blocks)
     return _compat.direct_put(host, target, _direct_target(target))
 
 

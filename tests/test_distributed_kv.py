@@ -181,15 +181,6 @@ def test_save_kv_writes_each_process_shard(outcomes):
 _SYNC = "host sync inside a jaxsync sync_guard"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="async_h2d / upload_packed (so every entry's id upload, copy_blocks' included) place "
-    "host data on a sharding spanning processes through jax.device_put, which checks the data "
-    "equal on every process (multihost_utils.assert_equal: an all-gather read back to the host) "
-    "on each call; they must build the array from this process's blocks "
-    "(jax.make_array_from_callback) instead",
-)
 def test_uploads_over_processes_do_not_sync(outcomes):
     for o in outcomes:
         _known(o["upload_guarded"], _SYNC)

@@ -8,6 +8,8 @@ from jaxsync.weights._checkpoint import (
     read_checkpoint as read_checkpoint,
 )
 from jaxsync.weights._loader import (
+    LoadStats as LoadStats,
+    last_load_stats as last_load_stats,
     load_weights as load_weights,
     to_numpy_state as to_numpy_state,
 )
