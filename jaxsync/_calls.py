@@ -72,12 +72,9 @@ def prepared_call(run: Callable[[jax.Array], Any], name: str) -> Callable[[jax.A
     with one frame less."""
 
     def call(x: jax.Array) -> Any:
-        try:
-            return run(x)
-        except RuntimeError:
-            if not x.is_deleted():
-                raise
-        raise ValueError(deleted_message(name))
+        if not isinstance(x, jax.core.Tracer) and x.is_deleted():  # refused before any launch
+            raise ValueError(deleted_message(name))
+        return run(x)
 
     return call
 

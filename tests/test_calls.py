@@ -66,7 +66,7 @@ def _tiny_program():
             self.w = nnx.Param(jnp.full((3,), 2.0))
 
     model = Scale()
-    program = jaxsync.TowerProgram(model, lambda m, x, b: (m.w[...] * x + b, x.sum()), layers=None)
+    program = jaxsync.TowerProgram(model, lambda m, x, b: (m.w[...] * x + b, x.sum()))
     return model, program
 
 

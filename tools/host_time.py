@@ -72,7 +72,7 @@ def _voxtral(depth: int, smoke: bool):
 
 def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
     """The arguments the entry hands its program (recorded from one call)."""
-    program = enc._program
+    program = enc._features
     seen = {}
     jitted = program._jitted  # a tool's private access: wrapped for one call
 
@@ -98,8 +98,8 @@ def entry(args: argparse.Namespace) -> None:
         nothing = jax.jit(lambda state, *rest: rest[0][0, 0, 0])
         fns = {
             "entry": lambda enc=enc, mel=mel: enc(input_features=mel).embeddings,
-            "its program": lambda p=program, i=inputs: p._jitted(p._args, *i),
-            "do-nothing, same args": lambda p=program, i=inputs, f=nothing: f(p._args, *i),
+            "its program": lambda p=program, i=inputs: p._jitted(p.leaves, *i),
+            "do-nothing, same args": lambda p=program, i=inputs, f=nothing: f(p.leaves, *i),
         }
         for name, fn in fns.items():
             cold, stream = host_us(fn, side)
@@ -107,7 +107,9 @@ def entry(args: argparse.Namespace) -> None:
         if args.command_buffers:
             plain = measure(fns["entry"], side, repeat=3)["device_ms"]
             # The entry's program recompiled with command buffers (a tool's private access).
-            enc._program._jitted = jax.jit(enc._program._run, compiler_options=COMMAND_BUFFERS)
+            enc._features._jitted = jax.jit(
+                enc._features._jitted.__wrapped__, compiler_options=COMMAND_BUFFERS
+            )
             cold, stream = host_us(fns["entry"], side)
             graphs = measure(fns["entry"], side, repeat=3)["device_ms"]
             print(f"depth {depth:2d}  entry, command buffers  cold {cold:7.1f} us   stream "
