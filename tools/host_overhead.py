@@ -234,7 +234,7 @@ def program_call(call: Callable[[], object]) -> Callable[[], object] | None:
     if found is None:
         return None
     program, inputs = found
-    return lambda: program._jitted(program._args, *inputs)
+    return lambda: program._jitted(program.leaves, *inputs)
 
 
 def python_us(call: Callable[[], object], calls: int, repeats: int, stat) -> float | None:
@@ -245,7 +245,7 @@ def python_us(call: Callable[[], object], calls: int, repeats: int, stat) -> flo
         return None
     program, inputs = found
     jitted = program._jitted
-    outputs = jitted(program._args, *inputs)
+    outputs = jitted(program.leaves, *inputs)
     program._jitted = lambda *args: outputs  # this instance only, restored below
     try:
         return per_call_us(call, calls, repeats, stat)
