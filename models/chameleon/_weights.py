@@ -58,16 +58,28 @@ def weight_rules(cfg: ChameleonConfig | ChameleonVQConfig) -> tuple[Rule, ...]:
 
 
 PARTITION_RULES: PartitionRules = (
-    # Conv kernels [kh, kw, I, O] (of one layer, for a stacked block) and their biases split
-    # over output channels; GroupNorm parameters and the codebook stay replicated (a norm needs
-    # every channel of its group).
-    (rf"(?:^|\.)(?:{_CONVS})\.kernel$", (None, None, None, "model")),
-    (rf"(?:^|\.)(?:{_CONVS})\.bias$", ("model",)),
     # The text embedding splits its vocabulary rows, as vLLM's VocabParallelEmbedding: each
     # device gathers the ids it holds and one all-reduce sums the rows; the table never moves.
     (r"^embed_tokens\.embedding$", ("model", None)),
 )
-"""NNX parameter path regex -> mesh axes (a dimension the axis does not divide is replicated)."""
+"""NNX parameter path regex -> mesh axes (a dimension the axis does not divide is replicated).
+
+The VQ-VAE encoder is data parallel: its conv kernels, GroupNorms, attention and codebook stay
+replicated, and a batch split over a "data" axis runs with no collective. A split of conv
+output channels would not pay: every following conv reads all input channels and every
+GroupNorm all channels of its group, so each layer would gather its activations (and the
+encoder's weights are small next to its activations). The text embedding is vocabulary
+parallel.
+
+Collectives of one forward on a `("data", "model")` mesh (inputs replicated, or split over
+"data" with the rows asked split the same way):
+
+| where                               | all-reduce                              | all-gather |
+| ----------------------------------- | --------------------------------------- | ---------- |
+| each encoder block (the scans)      | 0                                       | 0          |
+| token embedding (vocabulary split)  | 1 where "model" divides the vocabulary  | 0          |
+| whole forward (HLO op count)        | at most 1                               | 0          |
+"""
 
 
 def load_model(

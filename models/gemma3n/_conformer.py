@@ -213,7 +213,11 @@ class ConformerLightConv1d(nnx.Module):
         self.linear_end = linear(d, d, dtype, param_dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.glu(self.linear_start(self.pre_layer_norm(x)), axis=-1)  # [B, T, D]
+        # The loader keeps each channel's value and gate side by side (`GLU_PAIRS`), so a split of
+        # the columns over devices holds whole pairs: the GLU needs no exchange.
+        pairs = self.linear_start(self.pre_layer_norm(x))  # [B, T, 2D]
+        pairs = pairs.reshape(*pairs.shape[:-1], -1, 2)  # [B, T, D, (value, gate)]
+        h = pairs[..., 0] * jax.nn.sigmoid(pairs[..., 1])  # [B, T, D]
         h = jnp.pad(h, ((0, 0), (self.kernel_size - 1, 0), (0, 0)))  # causal
         h = clip(self.depthwise_conv1d(h), self.bound)
         h = self.linear_end(jax.nn.silu(self.conv_norm(h)))

@@ -15,6 +15,7 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.check import entry_point
+from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.gemma3n._forward import encode, forward
 from jaxsync.models.gemma3n._inputs import (
     FEATURES,
@@ -62,6 +63,8 @@ class Gemma3nAudioEncoder:
             `NamedSharding(mesh, P("data"))` for data-parallel clips); default: next to the
             weights. Device features stay where they are.
         plan_cache_size: distinct (mask, placement) plans kept.
+        out_sharding: where the rows go (`forward`'s option): None replicates them over the
+            weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
 
     Attributes:
         cfg: the config the entry plans with.
@@ -78,12 +81,15 @@ class Gemma3nAudioEncoder:
         batch_buckets: Sequence[int] | None = None,
         placement: Any = None,
         plan_cache_size: int = 64,
+        out_sharding: OutSharding = None,
     ):
         cfg = model.cfg
         self.cfg = cfg if overflow is None else dataclasses.replace(cfg, overflow=overflow)
         self.embed = bool(embed)
         self.buckets = _buckets(frame_buckets, batch_buckets)
-        self.program = jaxsync.TowerProgram(model, forward if self.embed else encode)
+        self.program = jaxsync.TowerProgram(
+            model, with_out_sharding(forward if self.embed else encode, out_sharding)
+        )
         # The padding embedding needs the embedder only: its state as plain jit arguments.
         graphdef = nnx.split(model.embed_audio)[0]
         pad_id, dtype = model.pad_id, model.dtype

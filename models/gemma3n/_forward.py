@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxsync
+from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 
 
@@ -44,7 +45,9 @@ def _tower(model: Gemma3nAudioModel, features: jax.Array, meta: Any):
     return enc, padding, jnp.isfinite(features).all(axis=(1, 2))
 
 
-def forward(model: Gemma3nAudioModel, features: jax.Array, meta: Any) -> jaxsync.Encoded:
+def forward(
+    model: Gemma3nAudioModel, features: jax.Array, meta: Any, *, out_sharding: OutSharding = None
+) -> jaxsync.Encoded:
     """Features -> `soft_tokens` embedding rows per clip (the audio part of
     `Gemma3nModel.forward`).
 
@@ -56,6 +59,9 @@ def forward(model: Gemma3nAudioModel, features: jax.Array, meta: Any) -> jaxsync
         features: `[B_pad, S_pad, F]` log-mel features (any float dtype), zero padded to the
             plan's `batch` and `frame_bucket`.
         meta: the plan's `Gemma3nMeta`, uploaded (`jaxsync.upload_packed(plan)`) or as arrays.
+        out_sharding: where the rows go: a `Sharding`, a `PartitionSpec` over the weights'
+            mesh (e.g. `P("data")` for a batch the server splits), or None: replicated over the
+            weights' mesh (unconstrained for weights on one device).
 
     Returns:
         `jaxsync.Encoded`: rows `[B_pad * soft_tokens, D]` in the model dtype (clip i owns rows
@@ -75,17 +81,19 @@ def forward(model: Gemma3nAudioModel, features: jax.Array, meta: Any) -> jaxsync
     emb = jnp.where(padding[:, :, None], fill[:, :t_a], emb)
     emb = emb[:, :n] if t_a >= n else jnp.concatenate([emb, fill[:, : n - t_a]], axis=1)
     finite = finite & jnp.isfinite(emb).all(axis=(1, 2))
-    return jaxsync.Encoded(emb.reshape(b * n, d), finite)
+    return jaxsync.Encoded(place_rows(model, emb.reshape(b * n, d), out_sharding), finite)
 
 
-def encode(model: Gemma3nAudioModel, features: jax.Array, meta: Any) -> jaxsync.Encoded:
+def encode(
+    model: Gemma3nAudioModel, features: jax.Array, meta: Any, *, out_sharding: OutSharding = None
+) -> jaxsync.Encoded:
     """Features -> the audio tower's encodings per clip (before the multimodal embedder).
 
     Clip i owns `P = meta.positions` rows (the tower positions of the call's unbucketed frame
     count: transformers' `Gemma3nAudioEncoder` output for the same batch, zero at padded
     positions), at rows `i*P : (i+1)*P`; rows past the clips are zero.
 
-    Args: as `forward`.
+    Args: as `forward` (`out_sharding` too).
 
     Returns:
         `jaxsync.Encoded`: rows `[B_pad * T_a, D_a]` in the model dtype (`T_a` the tower
@@ -101,4 +109,4 @@ def encode(model: Gemma3nAudioModel, features: jax.Array, meta: Any) -> jaxsync.
     clip, pos = r // p, r % p
     index = jnp.where(clip < b, clip * t_a + pos, b * t_a)  # past the clips: out of bounds
     rows = jnp.take(enc.reshape(b * t_a, d), index, axis=0, mode="fill", fill_value=0)
-    return jaxsync.Encoded(rows.astype(model.dtype), finite)
+    return jaxsync.Encoded(place_rows(model, rows.astype(model.dtype), out_sharding), finite)

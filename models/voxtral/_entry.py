@@ -22,6 +22,7 @@ from flax import nnx
 
 import jaxsync
 import jaxsync.check
+from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._mel_plan import (
@@ -62,10 +63,12 @@ class VoxtralAudioEncoder:
         odd one does not fill whole windows).
       chunk_buckets: allowed padded window counts (default: powers of two).
       placement: device or sharding for host uploads (default: where the weights live,
-        replicated over their mesh).
+        replicated over their mesh); one on other devices than the weights is refused.
       project: True: the projector's rows (the language model's audio embeddings); False: the
         Whisper encoder's hidden states (`last_hidden_state` rows, `max_source_positions` per
         window).
+      out_sharding: where the rows go (`forward`'s option): None replicates them over the
+        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
 
     Attributes:
       cfg: the audio config; mel_config: the front end's; mel: its static settings.
@@ -79,6 +82,7 @@ class VoxtralAudioEncoder:
         chunk_buckets: Sequence[int] | None = None,
         placement: Any = None,
         project: bool = True,
+        out_sharding: OutSharding = None,
     ):
         if not isinstance(model, VoxtralAudioTower):
             raise TypeError(f"model must be a VoxtralAudioTower, got {type(model).__name__}")
@@ -113,13 +117,14 @@ class VoxtralAudioEncoder:
         self.mel = MelSpec(
             mel_config, cfg.chunk_frames, mel_config.floor_value if floor == "global" else None
         )
-        self._features = jaxsync.TowerProgram(model, server_form(project))
-        self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel))
+        self._features = jaxsync.TowerProgram(model, server_form(project, None, out_sharding))
+        self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
         self._devices = frozenset(
             d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set
         )
+        leaf = jax.tree.leaves(nnx.state(model))[0]
+        check_placement(placement, leaf)
         if placement is None:
-            leaf = jax.tree.leaves(nnx.state(model))[0]
             placement = _replicated(leaf.sharding)
         self.placement = placement
         self._plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache()

@@ -22,6 +22,7 @@ from flax import nnx
 import jaxsync
 from jaxsync.models._activations import gelu as _gelu
 from jaxsync.models._attention import AttentionImpl, resolve_attention
+from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.voxtral._config import VoxtralAudioConfig
 from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows
 
@@ -159,7 +160,12 @@ class VoxtralAudioTower(nnx.Module):
 
 
 def forward(
-    tower: VoxtralAudioTower, features: jax.Array, meta: Any, *, project: bool = True
+    tower: VoxtralAudioTower,
+    features: jax.Array,
+    meta: Any,
+    *,
+    project: bool = True,
+    out_sharding: OutSharding = None,
 ) -> jaxsync.Encoded:
     """Pure forward: log-mel windows -> audio embeddings, callable inside any jit.
 
@@ -170,6 +176,9 @@ def forward(
       meta: `plan(...).meta`, uploaded (`jaxsync.upload_packed(plan)`) or as host arrays.
       project: the projector's rows (True) or the Whisper encoder's `last_hidden_state` rows
         (False); plan with the same `project`.
+      out_sharding: where the rows go: a `Sharding`, a `PartitionSpec` over the weights' mesh
+        (e.g. `P("data")` for a batch the server splits), or None: replicated over the weights'
+        mesh (unconstrained for weights on one device).
 
     Returns:
       `jaxsync.Encoded`: rows `[C_pad * n, D]` (window c owns rows `c * n ...`, n =
@@ -197,7 +206,8 @@ def forward(
         ok.astype(jnp.int32), jnp.asarray(meta.row_audio), num_segments=item_chunks.shape[0]
     )
     finite = (worst == 1) & (item_chunks > 0)
-    return jaxsync.Encoded(out.reshape(-1, out.shape[-1]), finite)
+    rows = place_rows(tower, out.reshape(-1, out.shape[-1]), out_sharding)
+    return jaxsync.Encoded(rows, finite)
 
 
 def forward_waveforms(
@@ -207,24 +217,34 @@ def forward_waveforms(
     *,
     mel: MelSpec,
     project: bool = True,
+    out_sharding: OutSharding = None,
 ) -> jaxsync.Encoded:
     """`forward` behind the on-device log-mel: padded waveforms `[B_pad, W]` -> `Encoded`.
 
     `meta` is `plan_waveforms(...).meta` and `mel` its `plan.mel`; `finite[b]` also requires
-    every real sample of audio b to be finite.
+    every real sample of audio b to be finite; `out_sharding` is `forward`'s.
     """
     features, samples_ok = log_mel_rows(waveforms, meta, spec=mel)  # [C, F, 2P], [B]
-    out = forward(tower, features, meta, project=project)
+    out = forward(tower, features, meta, project=project, out_sharding=out_sharding)
     return out._replace(finite=out.finite & samples_ok)
 
 
-@functools.cache
-def server_form(project: bool = True, mel: MelSpec | None = None) -> Callable[..., Any]:
+def server_form(
+    project: bool = True, mel: MelSpec | None = None, out_sharding: OutSharding = None
+) -> Callable[..., Any]:
     """The pure function the entry compiles, `fn(tower, inputs, meta) -> Encoded`: `forward`
-    over features (`mel=None`), else `forward_waveforms` with the front end `mel`.
+    over features (`mel=None`), else `forward_waveforms` with the front end `mel`; rows placed
+    by `out_sharding` (`forward`'s).
 
     One object per settings, so every encoder of one structure shares its compiled programs.
     """
+    return _server_form(project, mel, out_sharding)  # one cache key however it is called
+
+
+@functools.cache
+def _server_form(project: bool, mel: MelSpec | None, out_sharding: OutSharding) -> Callable:
     if mel is None:
-        return forward if project else functools.partial(forward, project=False)
-    return functools.partial(forward_waveforms, mel=mel, project=project)
+        if project and out_sharding is None:
+            return forward
+        return functools.partial(forward, project=project, out_sharding=out_sharding)
+    return functools.partial(forward_waveforms, mel=mel, project=project, out_sharding=out_sharding)

@@ -171,12 +171,14 @@ def test_features_on_other_devices_than_the_weights(enc, no_upload):
     _refused(lambda: enc(spread, [120, 30]), ValueError, "same devices", spread)
 
 
-def test_upload_placement_away_from_the_features():
+def test_upload_placement_away_from_the_weights_is_refused_when_built():
+    """Features must sit beside the weights, so a placement elsewhere could never serve: it is
+    refused before any upload, naming both placements."""
     tower = q3.Qwen3OmniAudioTower(CFG, rngs=nnx.Rngs(0))
-    enc = q3.Qwen3OmniAudioEncoder(tower, placement=jax.devices()[1])
-    x = jaxsync.async_h2d(ref.random_features(CFG, [120, 30]))
-    with no_recompile(), pytest.raises(ValueError, match="uploads to placement"):
-        enc(x, [120, 30])
+    with pytest.raises(
+        ValueError, match=r"placement cpu:1 is on devices \[1\] .* weights are on \[0\]"
+    ):
+        q3.Qwen3OmniAudioEncoder(tower, placement=jax.devices()[1])
 
 
 # ---------------------------------------------------------------- non-finite device data

@@ -53,6 +53,7 @@ class Case:
     encoder: Callable[..., Any]  # the family's entry class
     call: Callable[[Any], jaxsync.Embeddings]  # encoder -> its output on the same batch
     all_reduces: int  # the pattern's all-reduce count in the HLO text (see `_weights.py`)
+    placed: bool = True  # the forward and the entry take `out_sharding` and check `placement`
 
 
 def _glm4v(tmp) -> Case:
@@ -105,7 +106,91 @@ def _qwen3_omni(tmp) -> Case:
     )
 
 
-FAMILIES = {"glm4v": _glm4v, "qwen3_omni": _qwen3_omni}
+def _voxtral(tmp) -> Case:
+    from jaxsync.models import voxtral
+    from jaxsync.paths.voxtral import reference as ref
+
+    # the tiny config divides as it is: 4 heads, width 28, ffn 112, projector 112 -> 36
+    _, ckpt, cfg = ref.build_tiny_voxtral(tmp)
+    counts = [1, 2, 1]
+    feats = ref.window_features(sum(counts), cfg, seed=1).astype(np.float32)
+
+    def inputs(tower):
+        plan = voxtral.plan(counts, tower.cfg)
+        host = np.zeros((plan.meta.row_audio.shape[0], *feats.shape[1:]), np.float32)
+        host[: feats.shape[0]] = feats
+        return host, plan
+
+    return Case(
+        load=lambda **kw: voxtral.load_model(ckpt, cfg, **kw),
+        inputs=inputs,
+        forward=voxtral.forward,
+        encoder=voxtral.VoxtralAudioEncoder,
+        call=lambda enc: enc(input_features=feats, num_chunks=counts),
+        all_reduces=3,
+    )
+
+
+def _gemma3n(tmp) -> Case:
+    from jaxsync.models import gemma3n
+    from jaxsync.paths.gemma3n import reference as ref
+
+    # 4 heads of 6, conformer width 24, text width 20 (the tiny one: 2 heads, 22, 17)
+    variant = {"audio": {"hidden_size": 24, "conf_num_attention_heads": 4}}
+    built = ref.build_reference(tmp, variant={**variant, "text": {"hidden_size": 20}})
+    lengths, frames = [57, 40, 13], 57
+    feats, mask = ref.mel_batch(lengths, frames, built.cfg.input_feat_size, seed=1)
+
+    def inputs(tower):
+        p = gemma3n.plan(mask, tower.cfg)
+        host = np.zeros((p.batch, p.frame_bucket, feats.shape[-1]), np.float32)
+        host[: feats.shape[0], :frames] = feats
+        return host, p
+
+    return Case(
+        load=lambda **kw: gemma3n.load_model(built.checkpoint, built.cfg, **kw),
+        inputs=inputs,
+        forward=gemma3n.forward,
+        encoder=gemma3n.Gemma3nAudioEncoder,
+        call=lambda enc: enc(feats, mask),
+        all_reduces=5,
+    )
+
+
+def _chameleon(tmp) -> Case:
+    from jaxsync.models import chameleon
+    from jaxsync.paths.chameleon import reference as ref
+
+    # the tiny config with a vocabulary of 116 rows (4 divides it): the embedding is split
+    model = ref.build_hf_model({**ref.tiny_hf_config(), "vocab_size": 116})
+    ckpt = ref.save_checkpoint(model, str(tmp))
+    cfg = chameleon.ChameleonConfig.from_hf_config(model.config)
+    px = ref.random_pixels(3, cfg.vq, seed=1)
+
+    def inputs(tower):
+        p = chameleon.plan(px.shape[0], tower.cfg, buckets=(4,))
+        host = np.zeros((p.rows, *px.shape[1:]), np.float32)
+        host[: px.shape[0]] = px
+        return host, p
+
+    return Case(
+        load=lambda **kw: chameleon.load_model(ckpt, cfg, **kw),
+        inputs=inputs,
+        forward=chameleon.forward,
+        encoder=lambda tower, **kw: chameleon.ChameleonImageEncoder(tower, buckets=(4,), **kw),
+        call=lambda enc: enc(px),
+        all_reduces=1,
+        placed=False,
+    )
+
+
+FAMILIES = {
+    "glm4v": _glm4v,
+    "qwen3_omni": _qwen3_omni,
+    "voxtral": _voxtral,
+    "gemma3n": _gemma3n,
+    "chameleon": _chameleon,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -154,12 +239,13 @@ def test_megatron_pattern_has_no_gather_and_one_reduce_per_block_half(case, sing
     assert found["all-gather"] == 0, found
     assert found["all-reduce"] <= case.all_reduces, found
     assert found["reduce-scatter"] == found["all-to-all"] == found["collective-permute"] == 0
-    # the pattern is really sharded: each block's two reductions are there
-    assert found["all-reduce"] >= 2, found
+    # the pattern is really sharded: every reduction it needs is there
+    assert found["all-reduce"] == case.all_reduces, found
     assert_close(np.asarray(out.rows), single, rtol=1e-5, atol=1e-6)
 
 
 def test_rows_are_replicated_by_default_and_placed_as_asked(case, single, sharded):
+    _needs_placement(case)
     mesh = _mesh()
     _, out = _compile(case, sharded, mesh)
     assert out.rows.sharding.is_equivalent_to(NamedSharding(mesh, P()), out.rows.ndim)
@@ -171,6 +257,11 @@ def test_rows_are_replicated_by_default_and_placed_as_asked(case, single, sharde
     assert_close(np.asarray(asked.rows), single, rtol=1e-5, atol=1e-6)
 
 
+def _needs_placement(case: Case) -> None:
+    if not case.placed:
+        pytest.skip("this family's forward and entry do not take out_sharding yet")
+
+
 def _bound(forward: Callable, out_sharding) -> Callable:
     def bound(model, x, meta):
         return forward(model, x, meta, out_sharding=out_sharding)
@@ -179,6 +270,7 @@ def _bound(forward: Callable, out_sharding) -> Callable:
 
 
 def test_unsharded_weights_leave_rows_unconstrained(case, single):
+    _needs_placement(case)
     tower = case.load()
     hlo, out = _compile(case, tower)
     assert sum(collectives(hlo).values()) == 0
@@ -188,6 +280,7 @@ def test_unsharded_weights_leave_rows_unconstrained(case, single):
 
 
 def test_entry_uploads_beside_the_weights_and_places_rows(case, single, sharded):
+    _needs_placement(case)
     mesh = _mesh()
     enc = case.encoder(sharded)  # no placement=: uploads go to the weights' mesh, replicated
     out = case.call(enc)
@@ -199,7 +292,8 @@ def test_entry_uploads_beside_the_weights_and_places_rows(case, single, sharded)
 
 
 def test_entry_refuses_a_placement_away_from_the_weights(case, sharded):
-    with pytest.raises(ValueError, match=r"placement .* devices \[0\] .* weights are on \[0, 1"):
+    _needs_placement(case)
+    with pytest.raises(ValueError, match=r"(?s)placement.*\[.*0.*\].*weights.*\[.*0.*1.*7"):
         case.encoder(sharded, placement=jax.devices()[0])
     # a placement on the weights' devices is taken
     case.encoder(sharded, placement=NamedSharding(_mesh(), P()))
