@@ -31,6 +31,8 @@ def weights_mesh(model: nnx.Module) -> Any:
     the state leaves alike (a tracer's type carries its argument's mesh).
     """
     for leaf in jax.tree.leaves(nnx.state(model)):
+        if not isinstance(leaf, jax.Array):  # e.g. a packed single-placement state's buffers
+            continue
         sharding = getattr(jax.typeof(leaf), "sharding", None)
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and not mesh.empty:
