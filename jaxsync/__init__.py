@@ -60,7 +60,6 @@ _EXPORTS = {
     "StagingRing": "jaxsync._staging",
     "default_staging": "jaxsync._staging",
     "TowerProgram": "jaxsync._tower",
-    "run_layers": "jaxsync._tower",
     "Packed": "jaxsync._transfer",
     "async_h2d": "jaxsync._transfer",
     "bucket": "jaxsync._transfer",
@@ -105,7 +104,7 @@ if TYPE_CHECKING:
         StagingRing as StagingRing,
         default_staging as default_staging,
     )
-    from jaxsync._tower import TowerProgram as TowerProgram, run_layers as run_layers
+    from jaxsync._tower import TowerProgram as TowerProgram
     from jaxsync._transfer import (
         Packed as Packed,
         async_h2d as async_h2d,

@@ -49,23 +49,26 @@ _SHARED_LOCK = threading.Lock()
 _MAX_SHARED = 64
 
 
-class PackedStack:
+class PackedStack(nnx.Module):
     """A `LayerStack` inside a packed program: its layers' leaves are the rows of one `[L, S]`
-    buffer per dtype, and its scan reads row i per step (no slice of the buffer is copied)."""
+    buffer per dtype, and its scan reads row i per step (no slice of the buffer is copied).
+
+    A module like the stack it stands for, so code that walks the model inside the forward
+    (`nnx.state`, a sharding lookup) sees its buffers as ordinary state."""
 
     def __init__(self, stack: _StackPacking, buffers: list[jax.Array]):
-        self._stack, self._buffers = stack, buffers
+        self._stack = stack
+        self.rows = nnx.List([nnx.Variable(b) for b in buffers])
         self.num_layers = stack.num_layers
 
     def __len__(self) -> int:
         return self.num_layers
 
     def _layer(self, i: jax.Array | int) -> nnx.Module:
-        rows = [jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False) for b in self._buffers]
+        rows = [jax.lax.dynamic_index_in_dim(b[...], i, 0, keepdims=False) for b in self.rows]
         leaves = self._stack.rows.unpack(rows)
-        return nnx.merge(
-            self._stack.graphdef, jax.tree_util.tree_unflatten(self._stack.treedef, leaves)
-        )
+        layer_state = jax.tree_util.tree_unflatten(self._stack.treedef, leaves)
+        return nnx.merge(self._stack.graphdef, layer_state)
 
     def __call__(self, x: Any, *args: Any, span: tuple[int, int] | None = None) -> Any:
         start, stop = (0, self.num_layers) if span is None else check_span(span, self.num_layers)
@@ -124,20 +127,14 @@ class _Packing:
 
 
 def _set(root: Any, path: tuple, value: Any) -> None:
-    """`root.<path> = value` for a module path from `nnx.iter_graph` (names and list indices).
-
-    A `PackedStack` holds traced arrays and exists only inside the program's trace: it is set
-    as a plain attribute, outside nnx's bookkeeping."""
+    """`root.<path> = value` for a module path from `nnx.iter_graph` (names and list indices)."""
     parent = root
     for p in path[:-1]:
         parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-    last = path[-1]
-    if isinstance(last, int):
-        parent[last] = value
-    elif isinstance(value, PackedStack):
-        object.__setattr__(parent, last, value)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = value
     else:
-        setattr(parent, last, value)
+        setattr(parent, path[-1], value)
 
 
 def _replicated(leaves: Sequence[jax.Array]) -> bool:
@@ -194,7 +191,8 @@ class TowerProgram:
         `load_state`; an `nnx.update` of the module is not seen until `load_state(model)`.
       forward: the family's pure forward `forward(model, *inputs)`.
       packed: pass a state on one placement as packed buffers (see the module docstring); a
-        sharded state is passed leaf by leaf either way.
+        sharded state is passed leaf by leaf either way. False passes the flat leaves, exactly
+        the server form's arguments.
       **jit_kwargs: passed to `jax.jit` (e.g. `donate_argnums`, counted over `inputs` shifted
         by the one state argument).
 
@@ -210,7 +208,7 @@ class TowerProgram:
         model: nnx.Module,
         forward: Callable[..., Any],
         *,
-        packed: bool = False,
+        packed: bool = True,
         **jit_kwargs: Any,
     ):
         self._forward, self._jit_kwargs = forward, jit_kwargs
@@ -289,12 +287,3 @@ class TowerProgram:
                 "the program was built with"
             )
         self._take(model, leaves)
-
-
-def run_layers(layers: Any, x: Any, *args: Any) -> Any:
-    """`x = layer(x, *args)` for every layer of a `jaxsync.LayerStack` (one scan) or a list."""
-    if callable(layers):
-        return layers(x, *args)
-    for layer in layers:
-        x = layer(x, *args)
-    return x

@@ -47,12 +47,15 @@ def _server_step(model):
 @pytest.mark.parametrize("depth", [1, 5, 13])
 def test_program_equals_the_server_form_bit_for_bit_at_a_constant_argument_count(depth):
     model = Tower(depth=depth, rngs=nnx.Rngs(depth))
-    program = jaxsync.TowerProgram(model, forward)
+    program = jaxsync.TowerProgram(model, forward, packed=False)
     x, meta = _inputs()
     step, leaves = _server_step(model)
     np.testing.assert_array_equal(program(x, meta), step(leaves, x, meta))
     assert program.num_state_args == 6  # inp (2), the stack (2), out (2): at any depth
     assert len(jax.tree.leaves(program.lower(x, meta).args_info)) == 6 + 2
+    packed = jaxsync.TowerProgram(model, forward)  # the entries' default
+    assert packed.packed and packed.num_state_args == 2  # one flat buffer, one row buffer
+    np.testing.assert_array_equal(packed(x, meta), step(leaves, x, meta))
 
 
 def test_programs_of_one_structure_share_their_compile_and_hold_their_own_weights():
@@ -151,8 +154,8 @@ def test_packed_program_runs_the_same_forward_in_few_arguments(model_forward):
     make, fwd = model_forward
     model = make(rngs=nnx.Rngs(0))
     x, meta = _inputs()
-    plain = jaxsync.TowerProgram(model, fwd)
-    packed = jaxsync.TowerProgram(model, fwd, packed=True)
+    plain = jaxsync.TowerProgram(model, fwd, packed=False)
+    packed = jaxsync.TowerProgram(model, fwd)
     assert packed.packed and packed.num_state_args < plain.num_state_args
     assert packed.num_state_args == 1 + (2 if make is Nested else 1)  # own + one per stack
     np.testing.assert_array_equal(packed(x, meta), plain(x, meta))
@@ -169,4 +172,4 @@ def test_a_sharded_state_is_never_packed():
     model = Tower(d=8, rngs=nnx.Rngs(0))
     kernel = model.blocks.layer.lin.kernel
     kernel.set_value(jax.device_put(kernel.get_value(), jax.NamedSharding(mesh, jax.P())))
-    assert not jaxsync.TowerProgram(model, forward, packed=True).packed  # two placements
+    assert not jaxsync.TowerProgram(model, forward).packed  # two placements

@@ -73,7 +73,7 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         error).
       cache: the `DeviceCache` for the text-side tables (default: the process-wide one).
 
-    It runs `jaxsync.TowerProgram(model, forward, packed=True)`: the function a server jits over
+    It runs `jaxsync.TowerProgram(model, forward)`: the function a server jits over
     the tower's state leaves, here given a state on one placement as one buffer per dtype and
     per layer stack (a sharded state leaf by leaf). The encoder snapshots the weights: after
     `nnx.update(model, ...)` call `load_state(model)` (no recompile). Compilation: one program
@@ -112,9 +112,9 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         self._placings: dict[Any, tuple[int, Any]] = {}
         # The server form's function; a state on one placement goes in as packed buffers.
         self._program = jaxsync.TowerProgram(
-            model, forward_encoder_only if self.encoder_only else forward, packed=True
+            model, forward_encoder_only if self.encoder_only else forward
         )
-        self._vq = jaxsync.TowerProgram(model, _vq_outputs, packed=True)
+        self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._devices, weights_at = weights_devices(model)
         if placement is None and len(self._devices) > 1:  # host pixels go to the weights
             self.placement = replicated_on(weights_at)

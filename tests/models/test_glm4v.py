@@ -244,9 +244,10 @@ def test_program_argument_count_is_the_same_at_any_depth(depth):
     pixels = jaxsync.async_h2d(np.zeros((plan.padded_patches, cfg.patch_dim), np.float32))
     lowered = enc.lower(pixels, jaxsync.upload_packed(plan))
     count = len(jax.tree.leaves(lowered.args_info))
-    # the state's 21 leaves (one per weight kind; the blocks stacked), the pixels, the meta
-    assert enc.program.num_state_args == 21
-    assert count == 21 + 2, count
+    # the state's 21 leaves (one per weight kind; the blocks stacked) packed into one flat
+    # buffer and one row buffer for the stack, the pixels, the meta
+    assert enc.program.packed and enc.program.num_state_args == 2
+    assert count == 2 + 2, count
 
 
 # --- processor outputs go straight in ---

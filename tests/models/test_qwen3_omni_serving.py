@@ -63,9 +63,10 @@ def test_jit_arguments_are_the_state_leaves_at_any_depth(layers):
     leaves = jax.tree.leaves(nnx.state(tower))
     assert len(leaves) == STATE_LEAVES  # one per weight kind, at 1 layer and at 7
     assert {w.shape[0] for w in jax.tree.leaves(nnx.state(tower.layers))} == {layers}
-    # the entry's program and a server's step: the leaves + the features + the packed meta
-    assert enc.program.num_state_args == STATE_LEAVES
-    assert jaxsync.testing.main_arg_count(enc.program.lower(x, meta)) == STATE_LEAVES + 2
+    # the entry packs the same state (one flat buffer, one row buffer for the stack); a
+    # server's step takes the leaves: + the features + the packed meta in both
+    assert enc.program.packed and enc.program.num_state_args == 2
+    assert jaxsync.testing.main_arg_count(enc.program.lower(x, meta)) == 2 + 2
     step, flat = _server_step(tower)
     assert jaxsync.testing.main_arg_count(step.lower(flat, x, meta)) == STATE_LEAVES + 2
 
@@ -242,7 +243,7 @@ def test_data_parallel_inputs_with_replicated_weights():
     _, state = nnx.split(tower)
     nnx.update(tower, jax.tree.map(lambda w: jax.device_put(w, replicated), state))
     enc = q3.Qwen3OmniAudioEncoder(tower)
-    assert enc.program.num_state_args == STATE_LEAVES  # one argument per replicated leaf
+    assert enc.program.num_state_args == 2  # a replicated state: packed
     frames = jax.device_put(x, jax.NamedSharding(mesh, jax.P(None, "data")))
     for features in (frames, x):  # device features split over the mesh; host features
         out = enc(features, lens)
