@@ -16,10 +16,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
+from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
 from jaxsync.models.chameleon._placing import (
     batch_shards,
@@ -68,10 +70,14 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         `[T, latent_channels]` per image) instead of the embedded image tokens.
       buckets: image-count buckets (default `IMAGE_BUCKETS`: 1, 4, 8, ...).
       placement: where host pixels go (a device, or a sharding; one that splits the batch
-        axis over a mesh's data axis pads the batch to a multiple of that axis).
+        axis over a mesh's data axis pads the batch to a multiple of that axis); one on other
+        devices than the weights is refused.
       missing_code_id: see `ImageVocabularyMapping` (None: a VQ code without a name is an
         error).
       cache: the `DeviceCache` for the text-side tables (default: the process-wide one).
+      out_sharding: where the rows go (`forward`'s option): None replicates them over the
+        weights' mesh; a `PartitionSpec` over that mesh (e.g. `P("data")` for a batch split
+        over "data") or a `Sharding` as the server asks.
 
     It runs `jaxsync.TowerProgram(model, forward)`: the function a server jits over
     the tower's state leaves, here given a state on one placement as one buffer per dtype and
@@ -91,6 +97,7 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         placement: jax.Device | jax.sharding.Sharding | None = None,
         missing_code_id: int | None = None,
         cache: jaxsync.DeviceCache | None = None,
+        out_sharding: OutSharding = None,
     ):
         if not isinstance(model, ChameleonImageTower):
             raise TypeError(
@@ -112,10 +119,12 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         self._placings: dict[Any, tuple[int, Any]] = {}
         # The server form's function; a state on one placement goes in as packed buffers.
         self._program = jaxsync.TowerProgram(
-            model, forward_encoder_only if self.encoder_only else forward
+            model,
+            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
         )
         self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._devices, weights_at = weights_devices(model)
+        check_placement(placement, jax.tree.leaves(nnx.state(model))[0])
         if placement is None and len(self._devices) > 1:  # host pixels go to the weights
             self.placement = replicated_on(weights_at)
 

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxsync
+from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.chameleon._config import GROUP_NORM_GROUPS, ChameleonConfig, ChameleonVQConfig
 from jaxsync.models.chameleon._layout import encoder_layout
 from jaxsync.models.chameleon._vocab import img2bpe
@@ -256,7 +257,12 @@ def check_inputs(cfg: ChameleonConfig, pixels: jax.Array, meta) -> None:
 
 
 def forward(
-    model: ChameleonImageTower, pixels: Float[Array, "Bp C R R"], meta, *, encoder_only=False
+    model: ChameleonImageTower,
+    pixels: Float[Array, "Bp C R R"],
+    meta,
+    *,
+    encoder_only=False,
+    out_sharding: OutSharding = None,
 ) -> jaxsync.Encoded:
     """Pixels -> the embedded image tokens of every image, pure (callable in any jit).
 
@@ -268,6 +274,9 @@ def forward(
         first, so a server's reused pixel slab with stale or non-finite rows costs nothing.
       encoder_only: rows are the VQ encoder's hidden states (its latents before `quant_conv`,
         `[Bp*T, latent_channels]`) instead of the embedded tokens.
+      out_sharding: where the rows go: a `Sharding`, a `PartitionSpec` over the weights' mesh
+        (e.g. `P("data")` for images the server splits over "data"), or None: replicated over
+        the weights' mesh (unconstrained for weights on one device).
 
     Returns:
       `jaxsync.Encoded`: rows `[Bp*T, D]` in the model dtype, `embed_tokens` of the image's BPE
@@ -291,7 +300,7 @@ def forward(
     else:
         rows = model.embed_tokens(ids)  # [Bp*T, D]
     finite &= jnp.all(jnp.isfinite(rows).reshape(bp, -1), axis=1)
-    return jaxsync.Encoded(rows, finite, {"ids": ids})
+    return jaxsync.Encoded(place_rows(model, rows, out_sharding), finite, {"ids": ids})
 
 
 forward_encoder_only = ft.partial(forward, encoder_only=True)

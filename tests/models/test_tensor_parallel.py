@@ -53,7 +53,6 @@ class Case:
     encoder: Callable[..., Any]  # the family's entry class
     call: Callable[[Any], jaxsync.Embeddings]  # encoder -> its output on the same batch
     all_reduces: int  # the pattern's all-reduce count in the HLO text (see `_weights.py`)
-    placed: bool = True  # the forward and the entry take `out_sharding` and check `placement`
 
 
 def _glm4v(tmp) -> Case:
@@ -180,7 +179,6 @@ def _chameleon(tmp) -> Case:
         encoder=lambda tower, **kw: chameleon.ChameleonImageEncoder(tower, buckets=(4,), **kw),
         call=lambda enc: enc(px),
         all_reduces=1,
-        placed=False,
     )
 
 
@@ -245,7 +243,6 @@ def test_megatron_pattern_has_no_gather_and_one_reduce_per_block_half(case, sing
 
 
 def test_rows_are_replicated_by_default_and_placed_as_asked(case, single, sharded):
-    _needs_placement(case)
     mesh = _mesh()
     _, out = _compile(case, sharded, mesh)
     assert out.rows.sharding.is_equivalent_to(NamedSharding(mesh, P()), out.rows.ndim)
@@ -257,11 +254,6 @@ def test_rows_are_replicated_by_default_and_placed_as_asked(case, single, sharde
     assert_close(np.asarray(asked.rows), single, rtol=1e-5, atol=1e-6)
 
 
-def _needs_placement(case: Case) -> None:
-    if not case.placed:
-        pytest.skip("this family's forward and entry do not take out_sharding yet")
-
-
 def _bound(forward: Callable, out_sharding) -> Callable:
     def bound(model, x, meta):
         return forward(model, x, meta, out_sharding=out_sharding)
@@ -270,7 +262,6 @@ def _bound(forward: Callable, out_sharding) -> Callable:
 
 
 def test_unsharded_weights_leave_rows_unconstrained(case, single):
-    _needs_placement(case)
     tower = case.load()
     hlo, out = _compile(case, tower)
     assert sum(collectives(hlo).values()) == 0
@@ -280,7 +271,6 @@ def test_unsharded_weights_leave_rows_unconstrained(case, single):
 
 
 def test_entry_uploads_beside_the_weights_and_places_rows(case, single, sharded):
-    _needs_placement(case)
     mesh = _mesh()
     enc = case.encoder(sharded)  # no placement=: uploads go to the weights' mesh, replicated
     out = case.call(enc)
@@ -292,7 +282,6 @@ def test_entry_uploads_beside_the_weights_and_places_rows(case, single, sharded)
 
 
 def test_entry_refuses_a_placement_away_from_the_weights(case, sharded):
-    _needs_placement(case)
     with pytest.raises(ValueError, match=r"(?s)placement.*\[.*0.*\].*weights.*\[.*0.*1.*7"):
         case.encoder(sharded, placement=jax.devices()[0])
     # a placement on the weights' devices is taken
@@ -331,4 +320,21 @@ def test_glm4v_column_split_of_the_stored_qkv_gathers(tmp_path, monkeypatch):
     hlo, out = _compile(case, case.load(mesh=_mesh()), _mesh())
     assert collectives(hlo)["all-gather"] >= 1
     # the stored order is still the right math, only placed badly
+    assert_close(np.asarray(out.rows), single, rtol=1e-5, atol=1e-6)
+
+
+def test_chameleon_images_split_over_data_need_no_gather(tmp_path):
+    """The VQ encoder is data parallel: images split over "data", rows asked split the same way,
+    and the only collective left is the vocabulary-parallel embedding's all-reduce."""
+    case = _chameleon(tmp_path)
+    single = np.asarray(_compile(case, case.load())[1].rows)
+    forward = _bound(case.forward, P("data"))
+    hlo, out = _compile(case, case.load(mesh=_mesh()), _mesh(), forward=forward, x_spec=P("data"))
+    found = collectives(hlo)
+    assert found["all-gather"] == 0 and found["all-reduce"] <= 1, found
+    # the replicated per-image metadata is sliced to each data shard (a few words moved); no
+    # activation or weight moves between devices
+    moved = re.findall(r"= [a-z0-9]+\[([\d,]*)\][^=\n]* collective-permute(?:-start)?\(", hlo)
+    assert all(int(np.prod([int(n) for n in m.split(",") if n])) <= 4 for m in moved), moved
+    assert out.rows.sharding.spec == P("data")
     assert_close(np.asarray(out.rows), single, rtol=1e-5, atol=1e-6)
