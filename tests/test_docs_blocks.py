@@ -33,7 +33,12 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 CHECKPOINTS = {"/ckpt/GLM-4.1V-9B": "glm4v"}
 
 # First line of a block -> why it does not run here. Keep this short.
-SKIP: dict[str, str] = {}
+SKIP: dict[str, str] = {
+    # needs one process per host: tests/test_distributed.py runs it through run_distributed
+    "# every process of the run, before any other jax call (one process per host)": (
+        "jax.distributed across processes"
+    ),
+}
 
 
 def _blocks(path: Path) -> list[tuple[int, str]]:
