@@ -32,7 +32,6 @@ import math
 from typing import Any
 
 import jax
-from jax.experimental import pallas as pl
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxsync
@@ -99,6 +98,8 @@ def slab(shape: tuple[int, ...]) -> tuple[int, int, int] | None:
 
 
 def _kernel(src_ids, dst_ids, src, dst_in, out, *, row0: int = 0):
+    from jax.experimental import pallas as pl  # see `_tpu`: imported where a kernel is built
+
     del dst_in  # aliased to `out`: blocks not written keep their values
     i, r = pl.program_id(0), pl.program_id(1)
     tile = out.shape[1] // pl.num_programs(1)
@@ -127,6 +128,8 @@ def copy_leaf(
     s3 = s.reshape(s.shape[0], -1, cols)  # [Ps, rows] or, for a pool, [Ps, L * rows]
     d3 = d.reshape(d.shape[0], rows, cols)
     interpret = backend == "interpret"
+    from jax.experimental import pallas as pl
+
     out = pl.pallas_call(
         ft.partial(_kernel, row0=(leaf or 0) * rows),
         out_shape=jax.ShapeDtypeStruct(d3.shape, d3.dtype),

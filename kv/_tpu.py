@@ -15,11 +15,16 @@ Pallas' TPU interpreter on any backend (tests).
 from __future__ import annotations
 
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+
+
+# Pallas is imported where a kernel is built, not with the module: on jax >= 0.12 importing
+# `jax.experimental.pallas` makes every warm jit of the caller trace and compile again once.
 
 
 def _kernel(src_ids, dst_ids, src, dst_in, out, sem):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
     del dst_in  # aliased to `out`: blocks not written keep their values
     num_blocks = out.shape[0]
 
@@ -53,6 +58,9 @@ def _kernel(src_ids, dst_ids, src, dst_in, out, sem):
 def copy_leaf(s: jax.Array, d: jax.Array, src_ids, dst_ids, interpret: bool) -> jax.Array:
     """d[dst_ids[k]] <- s[src_ids[k]] for one leaf `[P, *block]` (`s` and `d` share the block
     shape and dtype), d updated in place (its buffer is aliased to the output)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         _kernel,

