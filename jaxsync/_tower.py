@@ -102,7 +102,10 @@ class _Packing:
     """A module's state as few buffers: the non-stack leaves flat, each stack in rows."""
 
     def __init__(self, model: nnx.Module):
-        found = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LayerStack)]
+        # a stack of no layers has no rows: its empty leaves stay with the flat ones
+        found = [
+            (p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LayerStack) and n.num_layers
+        ]
         self.stacks = [_StackPacking(tuple(p), n) for p, n in found]
         shell = nnx.merge(*nnx.split(model))  # new Variables over the same arrays: no copy
         for st in self.stacks:

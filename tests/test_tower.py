@@ -173,3 +173,13 @@ def test_a_sharded_state_is_never_packed():
     kernel = model.blocks.layer.lin.kernel
     kernel.set_value(jax.device_put(kernel.get_value(), jax.NamedSharding(mesh, jax.P())))
     assert not jaxsync.TowerProgram(model, forward).packed  # two placements
+
+
+def test_a_stack_of_no_layers_packs_with_the_flat_leaves():
+    model = Tower(depth=0, rngs=nnx.Rngs(0))
+    x, meta = _inputs()
+    packed = jaxsync.TowerProgram(model, forward)
+    assert packed.packed and packed.num_state_args == 1
+    np.testing.assert_array_equal(
+        packed(x, meta), _server_step(model)[0](_server_step(model)[1], x, meta)
+    )
