@@ -110,6 +110,7 @@ class Progress:
         if row is not None:
             self.write(row)
         self.bar.update(1)
+        self.bar.refresh()  # a finished path shows at once, whatever tqdm's redraw interval
 
     def close(self) -> None:
         self.bar.close()
