@@ -1,6 +1,7 @@
 """The private JAX internals jaxsync uses, in one place, each with a public-API fallback.
 
-Everything else in jaxsync uses JAX's public API. Two things live here:
+Everything else in jaxsync uses JAX's public API. Two things live here, with one warning filter
+(`quiet_triton_deprecation`) for the kernels and the proofs alike:
 
 - The direct upload (`direct_put`): jaxlib's C++ `batched_device_put`, the call under
   `jax.device_put`, made without `device_put`'s Python around it (about 0.2-0.3 ms of host time
@@ -17,7 +18,9 @@ Everything else in jaxsync uses JAX's public API. Two things live here:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -184,3 +187,15 @@ def ragged_attention(
         qkv_layout="BTNH",
     )
     return out[0]
+
+
+@contextlib.contextmanager
+def quiet_triton_deprecation():
+    """Silences Pallas' "Triton backend is deprecated" warning, emitted whenever a program holding
+    a Pallas Triton kernel (jaxsync.kv's GPU block copy) is lowered, and only that one: under
+    warnings-as-errors the lowering would otherwise raise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
+        )
+        yield

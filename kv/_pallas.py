@@ -15,7 +15,7 @@ Sharded caches: `pallas_call` has no sharding rule, so `plan` runs the kernel pe
 split over kv heads). Every device copies its slice of every block with the replicated ids; no
 collective.
 
-The kernel is pinned to Triton (`pltriton.CompilerParams()`): it relies on un-blocked refs being
+The kernel is pinned to Triton (its `CompilerParams()`): it relies on un-blocked refs being
 global-memory pointers, each program loading and storing one slab. Pallas' default GPU backend
 (Mosaic GPU) stages un-blocked refs through shared memory instead.
 
@@ -35,18 +35,33 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxsync
-from jaxsync.check._static import quiet_triton_deprecation
+from jaxsync._compat import quiet_triton_deprecation
 from jaxsync.kv import _tpu
 from jaxsync.kv._layout import Cache
 
 
-try:  # Pallas plans to drop its Triton backend: without it "auto" copies through XLA on GPUs
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - depends on the installed jax
-    pltriton = None
+TRITON: bool | None = None
+"""Whether this jax has Pallas' Triton backend (the GPU kernel); None until first asked. Pallas
+plans to drop that backend: without it "auto" copies through XLA on GPUs."""
 
-TRITON = pltriton is not None
-"""Whether this jax has Pallas' Triton backend (the GPU kernel)."""
+
+def _pltriton() -> Any:
+    """Pallas' Triton module, or None. Imported on first use, never at import: importing Pallas
+    adds config states to JAX's trace context (jax >= 0.12), so a server importing jaxsync.kv
+    after its warm-up would otherwise trace and compile every warm jit again."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+    except ImportError:  # pragma: no cover - depends on the installed jax
+        return None
+    return pltriton
+
+
+def has_triton() -> bool:
+    global TRITON
+    if TRITON is None:
+        TRITON = _pltriton() is not None
+    return TRITON
+
 
 ALLOW_COMPILED = True
 """Compiled (non-interpret) use of the kernels; a switch to turn them off if a device
@@ -137,7 +152,7 @@ def copy_leaf(
         input_output_aliases={3: 0},
         interpret=interpret,
         # Triton, not the default Mosaic GPU: the kernel relies on un-blocked refs being pointers.
-        compiler_params=None if interpret else pltriton.CompilerParams(),
+        compiler_params=None if interpret else _pltriton().CompilerParams(),
     )(src_ids, dst_ids, s3, d3)
     return out.reshape(d.shape)
 
@@ -213,7 +228,7 @@ def auto_plan(leaves: list[jax.Array], *, tpu: bool = False) -> Plan | None:
     kernel there. The private `INTERPRET` switch runs either kernel interpreted anywhere."""
     where = "gpu" if INTERPRET == "gpu" else "tpu" if INTERPRET == "tpu" else None
     where = where or (platform(leaves[0]) if ALLOW_COMPILED else None)
-    if where == "gpu" and (INTERPRET == "gpu" or TRITON):
+    if where == "gpu" and (INTERPRET == "gpu" or has_triton()):
         backend = "interpret" if INTERPRET == "gpu" else "triton"
     elif where == "tpu" and tpu:
         backend = "tpu_interpret" if INTERPRET == "tpu" else "tpu"

@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 
+from jaxsync._compat import quiet_triton_deprecation
 from jaxsync.check._static import (
     Finding,
-    quiet_triton_deprecation,
     scan_hlo_text,
     scan_jaxpr,
     split_dynamic,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
+
+from jaxsync._compat import quiet_triton_deprecation
+
+
+# `jax.extend` is imported where a jaxpr is scanned, never at import: on jax >= 0.12 importing it
+# loads Pallas, whose config states join JAX's trace context, and every warm jit would trace again.
 
 
 # Primitives that call back into Python on the host. Any other primitive whose name mentions
@@ -64,7 +67,9 @@ def split_dynamic(args: tuple, kwargs: dict) -> tuple[list[jax.Array], Callable[
     return dyn, rebuild
 
 
-def _sub_jaxprs(value: Any, label: str) -> Iterator[tuple[str, jex_core.Jaxpr]]:
+def _sub_jaxprs(value: Any, label: str) -> Iterator[tuple[str, Any]]:
+    from jax.extend import core as jex_core
+
     if isinstance(value, jex_core.ClosedJaxpr):
         yield label, value.jaxpr
     elif isinstance(value, jex_core.Jaxpr):
@@ -74,7 +79,7 @@ def _sub_jaxprs(value: Any, label: str) -> Iterator[tuple[str, jex_core.Jaxpr]]:
             yield from _sub_jaxprs(v, f"{label}[{i}]")
 
 
-def iter_eqns(jaxpr: jex_core.Jaxpr, path: str = "") -> Iterator[tuple[str, Any]]:
+def iter_eqns(jaxpr: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """Every equation of `jaxpr` and of every nested jaxpr (cond, while, scan, pjit, remat,
     custom_jvp/vjp, shard_map, ...), with a readable nesting path."""
     for eqn in jaxpr.eqns:
@@ -141,18 +146,6 @@ def scan_hlo_text(text: str, check: str) -> list[Finding]:
             if pattern.search(line):
                 findings.append(Finding(check, what, f"line {lineno}", line.strip()[:160]))
     return findings
-
-
-@contextlib.contextmanager
-def quiet_triton_deprecation():
-    """Silences Pallas' "Triton backend is deprecated" warning, emitted whenever a program holding
-    a Pallas Triton kernel (jaxsync.kv's GPU block copy) is lowered, and only that one: under
-    warnings-as-errors the lowering would otherwise raise."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
-        )
-        yield
 
 
 def lower(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
