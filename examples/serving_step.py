@@ -43,6 +43,7 @@ from flax import nnx
 
 import jaxsync
 from jaxsync import check
+from jaxsync.harness.paths.chameleon.reference import tiny_hf_config
 from jaxsync.kv import (
     StackedCache,
     host_pool,
@@ -61,7 +62,6 @@ from jaxsync.models.chameleon import (
     merge_image_tokens,
     plan_merge,
 )
-from jaxsync.paths.chameleon.reference import tiny_hf_config
 
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 4, 2, 8, 2, 64

@@ -31,8 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxsync
 from jaxsync.check import no_recompile, sync_guard
+from jaxsync.harness.paths.qwen3_omni.reference import TINY, random_features
 from jaxsync.models import qwen3_omni
-from jaxsync.paths.qwen3_omni.reference import TINY, random_features
 from jaxsync.weights import PartitionRules, partition_spec
 
 

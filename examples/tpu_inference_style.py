@@ -75,7 +75,7 @@ def _encode(graphdef, state, pixels, meta) -> jaxsync.Encoded:
 
 def _sharded_checkpoint(folder: pathlib.Path) -> glm4v.Glm4vVisionConfig:
     """A tiny random tower in shard 1 of 2; shard 2 holds an unrelated 8 MiB tensor."""
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     hf_cfg = ref.hf_config(**ref.TINY)
     tower = ref.build_reference(hf_cfg)

@@ -21,8 +21,9 @@ Core API:
   host_array, host_ints,      - host inputs (numpy, lists, torch CPU tensors) validated
   host_int, check_finite        before any upload: no silent truncation, no NaN leaks.
   all_finite, fill_rows         large host checks and padded copies on a small thread pool.
-Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.registry,
-jaxsync.testing, jaxsync.models, jaxsync.kv.
+Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.testing,
+jaxsync.models, jaxsync.kv; jaxsync.harness (verify, bench, the registry and the `jaxsync`
+command), which the runtime never imports.
 """
 
 import importlib
@@ -65,7 +66,7 @@ _EXPORTS = {
     "bucket": "jaxsync._transfer",
     "upload_packed": "jaxsync._transfer",
 }
-_SUBPACKAGES = ("check", "hfconfig", "kv", "models", "registry", "testing", "weights")
+_SUBPACKAGES = ("check", "harness", "hfconfig", "kv", "models", "testing", "weights")
 
 if TYPE_CHECKING:
     from jaxsync._calls import (

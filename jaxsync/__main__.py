@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxsync._cli import main
+from jaxsync.harness._cli import main
 
 
 sys.exit(main())

@@ -36,7 +36,7 @@ class Compiled:
 
 
 def _items(targets: Sequence[str | Any] | None, buckets: Sequence[int] | None):
-    from jaxsync import registry
+    from jaxsync.harness import registry
 
     named = [t for t in targets or () if isinstance(t, str)]
     cases = [(t.name, t.case) for t in targets or () if isinstance(t, Target)]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from jaxsync import _cli, registry
+from jaxsync.harness import _cli, registry
 from jaxsync.testing import torch_available
 
 
@@ -20,7 +20,7 @@ def test_bench_refuses_without_accelerator(capsys):
 
 
 def test_bench_markdown_and_chart(tmp_path):
-    from jaxsync.bench._render import markdown, render
+    from jaxsync.harness.bench._render import markdown, render
 
     m = {"device_ms": 1.0, "blocked_ms": 0.01, "first_call_ms": 100.0}
     result = {
@@ -90,8 +90,8 @@ def test_bench_floor_with_the_main_programs_argument_count():
     import jax
     import jax.numpy as jnp
 
-    from jaxsync.bench._programs import main_program_args
-    from jaxsync.bench._timing import _Side, same_args_floor
+    from jaxsync.harness.bench._programs import main_program_args
+    from jaxsync.harness.bench._timing import _Side, same_args_floor
 
     xs = [jnp.ones(8) + i for i in range(5)]
     small = jax.jit(lambda a: a + 1)
@@ -127,7 +127,7 @@ def test_jax_dispatch_count_from_profiler_trace():
     import jax
     import jax.numpy as jnp
 
-    from jaxsync.bench._programs import jax_executions_per_call
+    from jaxsync.harness.bench._programs import jax_executions_per_call
 
     f = jax.jit(lambda v: v * 2)
     g = jax.jit(lambda v: v + 1)
@@ -137,7 +137,7 @@ def test_jax_dispatch_count_from_profiler_trace():
 
 
 def test_execution_count_takes_one_nesting_level():
-    from jaxsync.bench._programs import count_executions
+    from jaxsync.harness.bench._programs import count_executions
 
     def ev(name):
         return {"ph": "X", "name": name}
@@ -152,9 +152,9 @@ def test_execution_count_takes_one_nesting_level():
 
 def test_bench_modules_have_no_import_cycle():
     code = (
-        "import sys, jaxsync.bench._render as r; "
-        "assert 'jaxsync.bench._cli' not in sys.modules; "
-        "import jaxsync.bench._cli as c; assert c.REFERENCE_LABELS is r.REFERENCE_LABELS"
+        "import sys, jaxsync.harness.bench._render as r; "
+        "assert 'jaxsync.harness.bench._cli' not in sys.modules; "
+        "import jaxsync.harness.bench._cli as c; assert c.REFERENCE_LABELS is r.REFERENCE_LABELS"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxsync import _cli, registry, weights
+from jaxsync import weights
+from jaxsync.harness import _cli, registry
 
 
 @pytest.fixture
@@ -150,7 +151,7 @@ pkg = types.ModuleType("jaxsync")
 pkg.__path__ = [str(Path({root!r}) / "jaxsync")]
 sys.modules["jaxsync"] = pkg
 t0 = time.perf_counter()
-from jaxsync import _cli
+from jaxsync.harness import _cli
 for argv in (["--help"], ["--version"]):
     try:
         _cli.main(argv)
@@ -161,7 +162,7 @@ print("SECONDS", time.perf_counter() - t0, "JAX", "jax" in sys.modules)
 
 
 def test_cli_help_and_version_import_no_jax():
-    root = str(Path(_cli.__file__).parents[1])
+    root = str(Path(_cli.__file__).parents[2])
     code = _STUB.format(root=root)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     last = proc.stdout.strip().splitlines()[-1].split()
@@ -171,7 +172,7 @@ def test_cli_help_and_version_import_no_jax():
 
 
 def _console_help_time() -> tuple[float, bool]:
-    code = "import sys, time; t=time.perf_counter(); from jaxsync._cli import main\n"
+    code = "import sys, time; t=time.perf_counter(); from jaxsync.harness._cli import main\n"
     code += "main(['--help']); print(time.perf_counter()-t, 'jax' in sys.modules)"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

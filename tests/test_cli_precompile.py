@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from jaxsync import _cli, registry
+from jaxsync.harness import _cli, registry
 
 
 def test_precompile_then_mixed_stream_does_not_recompile(capsys):
     import jaxsync
     from jaxsync.check import no_recompile
-    from jaxsync.paths.demo import table_gather
+    from jaxsync.harness.paths.demo import table_gather
 
     done = jaxsync.precompile(["core.table_gather"], buckets=[8, 16, 32, 64])
     assert [c.bucket for c in done] == [8, 16, 32, 64]
@@ -22,7 +22,7 @@ def test_precompile_then_mixed_stream_does_not_recompile(capsys):
 
 def test_without_precompile_a_new_bucket_recompiles():
     from jaxsync.check import RecompileError, no_recompile
-    from jaxsync.paths.demo import table_gather
+    from jaxsync.harness.paths.demo import table_gather
 
     with pytest.raises(RecompileError), no_recompile():
         table_gather(list(range(90)))  # bucket 128 was never compiled
@@ -38,7 +38,7 @@ def test_precompile_a_servers_own_instance():
     enc = case.fn
     done = jaxsync.precompile([jaxsync.Target("tower", case)], buckets=[24, 32, 48], progress=False)
     assert [(c.path, c.bucket) for c in done] == [("tower", 24), ("tower", 32), ("tower", 48)]
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     grids = [[[1, 6, 14]], [[1, 8, 12]], [[1, 10, 14]], [[1, 4, 20]], [[2, 6, 8]], [[1, 8, 24]]]
     inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(grids)]  # 21..48 tokens

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from tqdm import tqdm
 
-from jaxsync import _cli, registry
+from jaxsync.harness import _cli, registry
 from jaxsync.weights import _progress
 
 

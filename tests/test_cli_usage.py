@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from jaxsync import _cli, registry
+from jaxsync.harness import _cli, registry
 
 
 def test_unknown_path_and_usage(capsys):

@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from jaxsync import _cli, registry
+from jaxsync.harness import _cli, registry
 from jaxsync.testing import torch_available
 
 

@@ -100,7 +100,7 @@ def _encode_worker(ctx, ckpt, calls):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     pytest.importorskip("torch")
-    from jaxsync.paths.qwen3_omni import reference as ref
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
 
     model = ref.build_hf_encoder(CFG)
     path = tmp_path_factory.mktemp("dist") / "model.safetensors"

@@ -88,7 +88,7 @@ def _worker(ctx, ckpt, pixels):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, distributed):
     pytest.importorskip("torch")
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     model = ref.build_reference(ref.hf_config(**TINY))
     ckpt = ref.save_checkpoint(model, tmp_path_factory.mktemp("glm4v") / "model.safetensors")

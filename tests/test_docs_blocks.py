@@ -22,7 +22,8 @@ import pytest
 from flax import nnx
 
 import jaxsync
-from jaxsync import check, kv, registry
+from jaxsync import check, kv
+from jaxsync.harness import registry
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def _blocks(path: Path) -> list[tuple[int, str]]:
 
 
 def _tiny_glm4v_checkpoint(folder: Path) -> str:
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     ref.hf_config(**ref.TINY).to_json_file(str(folder / "config.json"))
     ref.save_checkpoint(
@@ -59,7 +60,7 @@ def _tiny_glm4v_checkpoint(folder: Path) -> str:
 def _image_processor():
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     tiny = ref.TINY
     return Glm4vImageProcessorPil(

@@ -19,12 +19,12 @@ import pytest
 from flax import nnx
 
 import jaxsync
-from jaxsync.bench._programs import main_program_args
+from jaxsync.harness.bench._programs import main_program_args
 
 
 def _glm4v(depth: int):
+    from jaxsync.harness.paths.glm4v import reference as ref
     from jaxsync.models import glm4v
-    from jaxsync.paths.glm4v import reference as ref
 
     cfg = glm4v.Glm4vVisionConfig(**{**ref.TINY, "depth": depth})
     enc = glm4v.Glm4vVisionEncoder(glm4v.Glm4vVisionTower(cfg, rngs=nnx.Rngs(0)))
@@ -34,8 +34,8 @@ def _glm4v(depth: int):
 
 
 def _voxtral(depth: int):
+    from jaxsync.harness.paths.voxtral import reference as ref
     from jaxsync.models import voxtral
-    from jaxsync.paths.voxtral import reference as ref
 
     cfg = voxtral.VoxtralAudioConfig(**{**ref.TINY_ENCODER, "num_hidden_layers": depth})
     enc = voxtral.VoxtralAudioEncoder(voxtral.VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
@@ -44,8 +44,8 @@ def _voxtral(depth: int):
 
 
 def _gemma3n(depth: int):
+    from jaxsync.harness.paths.gemma3n import reference as ref
     from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
-    from jaxsync.paths.gemma3n import reference as ref
 
     cfg = dataclasses.replace(ref.tiny_config(), conf_num_hidden_layers=depth)
     enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)))
@@ -55,8 +55,8 @@ def _gemma3n(depth: int):
 
 
 def _chameleon(depth: int):
+    from jaxsync.harness.paths.chameleon import reference as ref
     from jaxsync.models import chameleon
-    from jaxsync.paths.chameleon import reference as ref
 
     cfg = chameleon.ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=depth))
     tower = chameleon.ChameleonImageTower(cfg, rngs=nnx.Rngs(0))
@@ -66,8 +66,8 @@ def _chameleon(depth: int):
 
 
 def _qwen3_omni(depth: int):
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
     from jaxsync.models import qwen3_omni as q3
-    from jaxsync.paths.qwen3_omni import reference as ref
 
     cfg = q3.Qwen3OmniAudioConfig(**{**ref.TINY.__dict__, "encoder_layers": depth})
     enc = q3.Qwen3OmniAudioEncoder(q3.Qwen3OmniAudioTower(cfg, rngs=nnx.Rngs(0)))
@@ -228,8 +228,8 @@ def test_repeated_device_call_runs_a_short_hot_path(family, monkeypatch):
 
 
 def test_chameleon_full_bucket_kept_calls_match_and_refuse_deleted_pixels():
+    from jaxsync.harness.paths.chameleon import reference as ref
     from jaxsync.models import chameleon
-    from jaxsync.paths.chameleon import reference as ref
 
     cfg = chameleon.ChameleonConfig.from_hf_config(ref.tiny_hf_config(num_res_blocks=1))
     tower = chameleon.ChameleonImageTower(cfg, rngs=nnx.Rngs(0))
@@ -250,8 +250,8 @@ def test_chameleon_full_bucket_kept_calls_match_and_refuse_deleted_pixels():
 
 
 def test_gemma3n_kept_call_sees_new_weights_after_load_state():
+    from jaxsync.harness.paths.gemma3n import reference as ref
     from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
-    from jaxsync.paths.gemma3n import reference as ref
 
     cfg = ref.tiny_config()
     model = Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0))

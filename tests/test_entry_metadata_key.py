@@ -24,8 +24,8 @@ def test_metadata_key_is_exact_content():
 
 
 def test_glm4v_grid_mutated_in_place_is_planned_again():
+    from jaxsync.harness.paths.glm4v import reference as ref
     from jaxsync.models import glm4v
-    from jaxsync.paths.glm4v import reference as ref
 
     enc = glm4v.Glm4vVisionEncoder(
         glm4v.Glm4vVisionTower(glm4v.Glm4vVisionConfig(**ref.TINY), rngs=nnx.Rngs(0))
@@ -53,8 +53,8 @@ def test_glm4v_grid_mutated_in_place_is_planned_again():
 
 
 def test_voxtral_num_chunks_mutated_in_place_is_planned_again():
+    from jaxsync.harness.paths.voxtral import reference as ref
     from jaxsync.models import voxtral
-    from jaxsync.paths.voxtral import reference as ref
 
     cfg = voxtral.VoxtralAudioConfig(**ref.TINY_ENCODER)
     enc = voxtral.VoxtralAudioEncoder(voxtral.VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
@@ -74,8 +74,8 @@ def test_voxtral_num_chunks_mutated_in_place_is_planned_again():
 
 
 def test_gemma3n_mask_mutated_in_place_is_planned_again():
+    from jaxsync.harness.paths.gemma3n import reference as ref
     from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
-    from jaxsync.paths.gemma3n import reference as ref
 
     cfg = ref.tiny_config()
     enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)))

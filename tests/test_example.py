@@ -104,7 +104,7 @@ def test_each_step_is_one_program_with_the_kv_write_inside():
     # decode step each execute one XLA program, and the cache is donated to it.
     import numpy as np
 
-    from jaxsync.bench._programs import jax_executions_per_call
+    from jaxsync.harness.bench._programs import jax_executions_per_call
 
     example = _load()
     server = example.Server(0)

@@ -10,15 +10,15 @@ from flax import nnx
 import jaxsync
 import jaxsync.testing
 from jaxsync import _host
+from jaxsync.harness.paths.chameleon import reference as chameleon_ref
+from jaxsync.harness.paths.gemma3n import reference as gemma3n_ref
+from jaxsync.harness.paths.glm4v import reference as glm4v_ref
+from jaxsync.harness.paths.qwen3_omni import reference as q3_ref
+from jaxsync.harness.paths.voxtral import reference as voxtral_ref
 from jaxsync.models import glm4v, qwen3_omni as q3
 from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonImageTower
 from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
 from jaxsync.models.voxtral import VoxtralAudioConfig, VoxtralAudioEncoder, VoxtralAudioTower
-from jaxsync.paths.chameleon import reference as chameleon_ref
-from jaxsync.paths.gemma3n import reference as gemma3n_ref
-from jaxsync.paths.glm4v import reference as glm4v_ref
-from jaxsync.paths.qwen3_omni import reference as q3_ref
-from jaxsync.paths.voxtral import reference as voxtral_ref
 
 
 def _voxtral_features():

@@ -112,8 +112,8 @@ def installed(wheel, tmp_path_factory):
 
 
 def test_installed_wheel_imports_no_torch(installed):
-    # The library (core, kv, every model family) never imports torch: only jaxsync.paths does,
-    # inside the functions that build references.
+    # The library (core, kv, every model family) never imports torch: only jaxsync.harness.paths
+    # does, inside the functions that build references.
     modules = ["jaxsync", "jaxsync.kv", *(f"jaxsync.models.{f}" for f in FAMILIES)]
     out = _torch_importers(installed, modules)
     assert out.returncode == 0, out.stderr

@@ -9,6 +9,11 @@ import pytest
 from flax import nnx
 
 import jaxsync
+from jaxsync.harness.paths.chameleon import reference as chameleon_ref
+from jaxsync.harness.paths.gemma3n import reference as gemma3n_ref
+from jaxsync.harness.paths.glm4v import reference as glm4v_ref
+from jaxsync.harness.paths.qwen3_omni import reference as q3_ref
+from jaxsync.harness.paths.voxtral import reference as voxtral_ref
 from jaxsync.models import glm4v, qwen3_omni as q3
 from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, ChameleonImageTower
 from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
@@ -18,11 +23,6 @@ from jaxsync.models.voxtral import (
     VoxtralAudioEncoder,
     VoxtralAudioTower,
 )
-from jaxsync.paths.chameleon import reference as chameleon_ref
-from jaxsync.paths.gemma3n import reference as gemma3n_ref
-from jaxsync.paths.glm4v import reference as glm4v_ref
-from jaxsync.paths.qwen3_omni import reference as q3_ref
-from jaxsync.paths.voxtral import reference as voxtral_ref
 
 
 VOXTRAL = VoxtralAudioConfig(**voxtral_ref.TINY_ENCODER)

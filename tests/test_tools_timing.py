@@ -51,8 +51,8 @@ def test_roofline_floor_is_its_parts():
 
 def test_roofline_chain_does_every_layer_matmul():
     # the chain's FLOPs are the layers' matmul FLOPs the bench counts, attention excluded
+    from jaxsync.harness.paths.voxtral.bench import encoder_flops
     from jaxsync.models.voxtral import VoxtralAudioConfig
-    from jaxsync.paths.voxtral.bench import encoder_flops
 
     tool = _tool("roofline")
     small = dataclasses.replace(VoxtralAudioConfig(), hidden_size=40, intermediate_size=160,

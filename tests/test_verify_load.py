@@ -9,8 +9,8 @@ import sys
 import jax
 import pytest
 
-from jaxsync import registry
 from jaxsync.check import measure_blocking
+from jaxsync.harness import registry
 
 
 RUNS = 3  # proofs per path, each of several gated calls

@@ -14,7 +14,7 @@ from jaxsync.weights import WeightError
 
 
 def _glm4v_tensors(key, move):
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     tower = ref.build_reference(ref.hf_config(**ref.TINY))
     state = {k: v.detach().numpy() for k, v in tower.state_dict().items()}
@@ -32,7 +32,7 @@ def _glm4v_tensors(key, move):
     ],
 )
 def test_glm4v_conv_layouts(tmp_path, key, move):
-    from jaxsync.paths.glm4v import reference as ref
+    from jaxsync.harness.paths.glm4v import reference as ref
 
     pytest.importorskip("torch")
     hf_cfg = ref.hf_config(**ref.TINY)
@@ -51,7 +51,7 @@ def test_glm4v_conv_layouts(tmp_path, key, move):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_qwen3_omni_conv_out_layout(tmp_path, transposed):
-    from jaxsync.paths.qwen3_omni import reference as ref
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
 
     pytest.importorskip("torch")
     model = ref.build_hf_encoder(ref.TINY)

@@ -163,12 +163,12 @@ def _family_configs() -> dict:
     """Each family's module, its config class and a tiny config dict (no torch needed)."""
     import dataclasses
 
+    from jaxsync.harness.paths.chameleon import reference as cham
+    from jaxsync.harness.paths.gemma3n import reference as gem
+    from jaxsync.harness.paths.glm4v import reference as glm
+    from jaxsync.harness.paths.qwen3_omni import reference as qwen
+    from jaxsync.harness.paths.voxtral import reference as vox
     from jaxsync.models import chameleon, gemma3n, glm4v, qwen3_omni, voxtral
-    from jaxsync.paths.chameleon import reference as cham
-    from jaxsync.paths.gemma3n import reference as gem
-    from jaxsync.paths.glm4v import reference as glm
-    from jaxsync.paths.qwen3_omni import reference as qwen
-    from jaxsync.paths.voxtral import reference as vox
 
     t = gem.TINY_HF
     audio = {"model_type": "voxtral_encoder", "num_mel_bins": 128, **vox.TINY_AUDIO}

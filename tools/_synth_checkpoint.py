@@ -70,7 +70,7 @@ def _qwen3_omni(size: str) -> Any:
 
     import transformers
 
-    from jaxsync.paths.qwen3_omni import reference as ref
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
 
     _released_only("qwen3_omni", size)
     # The released thinker's text config (the transformers defaults are smaller).
@@ -85,7 +85,7 @@ def _qwen3_omni(size: str) -> Any:
 def _voxtral(size: str) -> Any:
     import transformers
 
-    from jaxsync.paths.voxtral import reference as ref
+    from jaxsync.harness.paths.voxtral import reference as ref
 
     if size == "released":
         return transformers.VoxtralConfig()  # the defaults are Voxtral-Mini-3B-2507
@@ -96,7 +96,7 @@ def _voxtral(size: str) -> Any:
 
 
 def _gemma3n(size: str) -> Any:
-    from jaxsync.paths.gemma3n import reference as ref
+    from jaxsync.harness.paths.gemma3n import reference as ref
 
     return ref.hf_config(size)  # "released": the defaults, gemma-3n-E4B
 
@@ -104,7 +104,7 @@ def _gemma3n(size: str) -> Any:
 def _chameleon(size: str) -> Any:
     import transformers
 
-    from jaxsync.paths.chameleon import reference as ref
+    from jaxsync.harness.paths.chameleon import reference as ref
 
     _released_only("chameleon", size)
     return transformers.ChameleonConfig(**ref.released_hf_config())

@@ -1,7 +1,7 @@
 """KV block copies and swaps with caches sharded over kv heads on every local GPU (multi-GPU run).
 
-Per GPU, measured in one process with `jaxsync.bench._timing.measure` (device time from queued
-back-to-back calls, host-blocked time with ~30 ms of work queued):
+Per GPU, measured in one process with `jaxsync.harness.bench._timing.measure` (device time from
+queued back-to-back calls, host-blocked time with ~30 ms of work queued):
 
 * d2d `copy_blocks`, default impl ("auto": the Pallas kernel per shard under shard_map on GPUs)
   and impl="xla", against a per-GPU device copy ceiling (every GPU
@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxsync.bench._timing import _Side, copy_ceiling_gbps, measure  # noqa: E402
+from jaxsync.harness.bench._timing import _Side, copy_ceiling_gbps, measure  # noqa: E402
 from jaxsync.kv import KVLayout, copy_blocks, host_pool, swap_in, swap_out  # noqa: E402
 from jaxsync.testing import fresh_copy  # noqa: E402
 

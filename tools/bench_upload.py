@@ -132,7 +132,7 @@ def bench_voxtral(repeats: int) -> dict[str, tuple[float, float]]:
 
 def small_uploads(kib: tuple[int, ...] = (64, 256, 1024, 1536, 4096, 8192, 16384)) -> None:
     """Pageable `async_h2d` against a pinned `StagingRing.put` per size (see the docstring)."""
-    from jaxsync.bench._timing import _Side, blocked_ms, stream_ms
+    from jaxsync.harness.bench._timing import _Side, blocked_ms, stream_ms
 
     side, ring = _Side("jax"), jaxsync.StagingRing(min_bytes=0)
     print(f"\n{'size':>9}  {'path':<10}{'cold ms':>9}{'stream ms':>11}{'alone ms':>10}")

@@ -29,12 +29,12 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
-from jaxsync.bench._programs import main_program_args
+from jaxsync.harness.bench._programs import main_program_args
 
 
 def _glm4v():
+    from jaxsync.harness.paths.glm4v import reference as ref
     from jaxsync.models.glm4v import Glm4vVisionConfig, Glm4vVisionEncoder, Glm4vVisionTower
-    from jaxsync.paths.glm4v import reference as ref
 
     enc = Glm4vVisionEncoder(Glm4vVisionTower(Glm4vVisionConfig(**ref.TINY), rngs=nnx.Rngs(0)))
     grid = [[1, 4, 6], [1, 6, 6]]
@@ -44,13 +44,13 @@ def _glm4v():
 
 
 def _voxtral():
+    from jaxsync.harness.paths.voxtral import reference as ref
     from jaxsync.models.voxtral import (
         MelConfig,
         VoxtralAudioConfig,
         VoxtralAudioEncoder,
         VoxtralAudioTower,
     )
-    from jaxsync.paths.voxtral import reference as ref
 
     cfg = VoxtralAudioConfig(**ref.TINY_ENCODER)
     enc = VoxtralAudioEncoder(VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)), MelConfig())
@@ -60,8 +60,8 @@ def _voxtral():
 
 
 def _gemma3n():
+    from jaxsync.harness.paths.gemma3n import reference as ref
     from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nAudioModel
-    from jaxsync.paths.gemma3n import reference as ref
 
     cfg = ref.tiny_config()
     enc = Gemma3nAudioEncoder(Gemma3nAudioModel(cfg, rngs=nnx.Rngs(0)), frame_buckets=64)
@@ -71,8 +71,8 @@ def _gemma3n():
 
 
 def _chameleon_encoder():
+    from jaxsync.harness.paths.chameleon import reference as ref
     from jaxsync.models.chameleon import ChameleonImageEncoder
-    from jaxsync.paths.chameleon import reference as ref
 
     return ChameleonImageEncoder(ref.tiny_tower(), buckets=(4,))
 
@@ -102,9 +102,9 @@ def _chameleon_merge():
 
 
 def _qwen3_omni():
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
+    from jaxsync.harness.paths.qwen3_omni.verify import ONE_BUCKET_MIXES, padded_inputs
     from jaxsync.models.qwen3_omni import Qwen3OmniAudioEncoder, Qwen3OmniAudioTower
-    from jaxsync.paths.qwen3_omni import reference as ref
-    from jaxsync.paths.qwen3_omni.verify import ONE_BUCKET_MIXES, padded_inputs
 
     enc = Qwen3OmniAudioEncoder(Qwen3OmniAudioTower(ref.TINY, rngs=nnx.Rngs(0)))
     feats, lens = padded_inputs(ref.TINY, ONE_BUCKET_MIXES[:1])[0]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsync.bench._timing import _Side, blocked_ms, measure, stream_ms
+from jaxsync.harness.bench._timing import _Side, blocked_ms, measure, stream_ms
 
 
 # XLA's default command-buffer kinds plus the loop kinds, so a layer scan is one CUDA graph.

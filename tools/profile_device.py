@@ -20,7 +20,7 @@ import tempfile
 
 import jax
 
-from jaxsync.bench._timing import matmul_tflops
+from jaxsync.harness.bench._timing import matmul_tflops
 
 
 CLASSES = (  # first match wins; kernel names of XLA:GPU, cuDNN, cuBLAS and Triton
@@ -74,7 +74,7 @@ def profile(case, calls: int, top: int = 8) -> tuple[dict[str, float], list[tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxsync import registry
+    from jaxsync.harness import registry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paths", nargs="+", default=None, help="families (default: all)")

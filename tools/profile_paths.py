@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from jaxsync import registry
+from jaxsync.harness import registry
 
 
 def _arg_list(flag: str) -> list[str] | None:

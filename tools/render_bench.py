@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxsync.bench._render import render
+from jaxsync.harness.bench._render import render
 
 
 if __name__ == "__main__":

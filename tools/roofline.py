@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxsync.bench._timing import _Side, matmul_tflops, measure
+from jaxsync.harness.bench._timing import _Side, matmul_tflops, measure
 
 
 def layer_matmuls(cfg: Any, windows: int, dtype: Any) -> tuple[Callable[[], Any], float]:
@@ -111,7 +111,7 @@ def torch_attention(cfg: Any, windows: int) -> dict[str, Callable[[], Any]]:
 
 def encoder_rows(windows: int) -> dict[str, Callable[[], Any]]:
     """The bench row of `windows` windows: jaxsync's entry and transformers' sdpa forward."""
-    from jaxsync.paths.voxtral import bench
+    from jaxsync.harness.paths.voxtral import bench
 
     case = next(c for c in bench._encoder_cases("cuda", "released") if f"C={windows}x" in c.name)
     sdpa = case.torch_fns["transformers_sdpa"]
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for label, fn in encoder_rows(args.windows).items():
             timed(label, fn, torch_side if label.startswith("transformers") else jax_side)
 
-    from jaxsync.paths.voxtral.bench import encoder_flops
+    from jaxsync.harness.paths.voxtral.bench import encoder_flops
 
     total = encoder_flops(cfg, args.windows)
     rest_flops = total - chain_flops - attention_flops(cfg, args.windows)  # conv stem, projector
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.out:
         result = {"windows": args.windows, "matmul_tflops": ceiling, "ms": ms}
         if not args.smoke:  # the versions and card the figures belong to
-            from jaxsync.bench._cli import _environment
+            from jaxsync.harness.bench._cli import _environment
 
             result = {**_environment(), **result}
         with open(args.out, "w") as f:

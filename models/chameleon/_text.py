@@ -37,7 +37,7 @@ class ChameleonTextPaths:
       mapping: the image vocabulary (`ImageVocabularyMapping`).
 
     >>> import jax.numpy as jnp
-    >>> from jaxsync.paths.chameleon import reference as ref
+    >>> from jaxsync.harness.paths.chameleon import reference as ref
     >>> text = ChameleonTextPaths(ChameleonConfig.from_hf_config(ref.tiny_hf_config()))
     >>> logits = text.mask_image_logits(jnp.zeros((2, text.cfg.vocab_size)))
     >>> bool(logits[0, text.mapping.image_token_ids[0]] == jnp.finfo(jnp.float32).min)

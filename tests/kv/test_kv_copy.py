@@ -13,9 +13,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.kv.reference import (
+    as_numpy,
+    host_random_cache,
+    to_numpy,
+    torch_copy_blocks,
+)
 from jaxsync.kv import KVLayout, copy_blocks
 from jaxsync.kv._copy import _copy_same_memory
-from jaxsync.paths.kv.reference import as_numpy, host_random_cache, to_numpy, torch_copy_blocks
 from jaxsync.testing import block_id_pairs, donation_copy, fresh_copy, requires_torch
 
 

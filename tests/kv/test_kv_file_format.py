@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsync.harness.paths.kv.reference import host_random_cache, to_numpy, to_torch
 from jaxsync.kv import KVLayout, extract_kv, kv_folder, load_kv, save_kv, slot_mapping_for
-from jaxsync.paths.kv.reference import host_random_cache, to_numpy, to_torch
 from jaxsync.testing import assert_refused, fresh_copy, requires_torch
 
 

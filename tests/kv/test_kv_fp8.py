@@ -14,6 +14,7 @@ import pytest
 import jaxsync
 import jaxsync.check
 from jaxsync.check import no_recompile, sync_guard
+from jaxsync.harness.paths.kv.reference import as_numpy, host_random_cache, to_numpy
 from jaxsync.kv import (
     KVLayout,
     KVScales,
@@ -31,7 +32,6 @@ from jaxsync.kv import (
     swap_out,
     write_slots,
 )
-from jaxsync.paths.kv.reference import as_numpy, host_random_cache, to_numpy
 from jaxsync.testing import assert_refused, fresh_copy, requires_torch
 
 
@@ -93,7 +93,7 @@ def padded(x, size=16):
 @pytest.mark.parametrize("k_range", [64, 1e6], ids=["in_range", "saturating"])
 @requires_torch  # its reference is torch
 def test_reshape_and_cache_quantizes_as_vllm(fp8, per_head, compute, k_range):
-    from jaxsync.paths.kv.reference_cache_ops import torch_gather, torch_reshape_and_cache
+    from jaxsync.harness.paths.kv.reference_cache_ops import torch_gather, torch_reshape_and_cache
 
     cache = fp8_cache("separate", fp8)
     key = tokens(len(SLOTS), 1, (HEADS, HEAD_SIZE)).astype(compute)
@@ -130,7 +130,7 @@ def _torch_dtype(dtype):
 @pytest.mark.parametrize("per_head", [False, True])
 @requires_torch  # its reference is torch
 def test_packed_layout_takes_k_and_v_scales_on_its_halves(per_head):
-    from jaxsync.paths.kv.reference_cache_ops import torch_reshape_and_cache
+    from jaxsync.harness.paths.kv.reference_cache_ops import torch_reshape_and_cache
 
     cache = fp8_cache("packed", jnp.float8_e4m3fn)
     key = tokens(len(SLOTS), 3, (HEADS, HEAD_SIZE))
@@ -147,7 +147,7 @@ def test_packed_layout_takes_k_and_v_scales_on_its_halves(per_head):
 @pytest.mark.parametrize("fp8", FP8)
 @requires_torch  # its reference is torch
 def test_concat_and_cache_mla_quantizes_with_one_scale(fp8):
-    from jaxsync.paths.kv.reference_cache_ops import torch_concat_and_cache_mla
+    from jaxsync.harness.paths.kv.reference_cache_ops import torch_concat_and_cache_mla
 
     cache = fp8_cache("mla", fp8)
     kv_c, k_pe = tokens(len(SLOTS), 5, (32,)), tokens(len(SLOTS), 6, (16,), big=False)

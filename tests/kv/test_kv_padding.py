@@ -13,6 +13,7 @@ import pytest
 
 import jaxsync
 from jaxsync.check import no_recompile
+from jaxsync.harness.paths.kv.reference import host_random_cache, to_numpy
 from jaxsync.kv import (
     KVLayout,
     extract_kv,
@@ -24,7 +25,6 @@ from jaxsync.kv import (
     slot_mapping_for,
     write_slots,
 )
-from jaxsync.paths.kv.reference import host_random_cache, to_numpy
 from jaxsync.testing import assert_refused, fresh_copy, requires_torch
 
 
@@ -61,7 +61,7 @@ def read_step(cache, plan):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @requires_torch  # its reference is torch
 def test_reshape_and_cache_with_padding_matches_torch(num_heads, head_size, block_size, dtype):
-    from jaxsync.paths.kv.reference_cache_ops import torch_gather, torch_reshape_and_cache
+    from jaxsync.harness.paths.kv.reference_cache_ops import torch_gather, torch_reshape_and_cache
 
     layout = KVLayout(kind="separate", num_blocks=12, block_size=block_size,
                       num_kv_heads=num_heads, head_dim=head_size, dtype=dtype)  # fmt: skip
@@ -94,7 +94,7 @@ def test_reshape_and_cache_with_padding_matches_torch(num_heads, head_size, bloc
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @requires_torch  # its reference is torch
 def test_concat_and_cache_mla_with_padding_matches_torch(dtype):
-    from jaxsync.paths.kv.reference_cache_ops import torch_concat_and_cache_mla
+    from jaxsync.harness.paths.kv.reference_cache_ops import torch_concat_and_cache_mla
 
     lora, rope = 64, 16
     layout = KVLayout(kind="mla", num_blocks=8, block_size=16, latent_dim=lora + rope, dtype=dtype)

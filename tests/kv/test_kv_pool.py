@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.kv.reference import as_numpy, host_random_cache
 from jaxsync.kv import HostPool, KVLayout, host_pool, swap_in, swap_out
 from jaxsync.kv._pool import _swap_in, _swap_out
-from jaxsync.paths.kv.reference import as_numpy, host_random_cache
 from jaxsync.testing import block_id_pairs, donation_copy, fresh_copy, requires_torch
 
 
@@ -47,7 +47,7 @@ def bits(a):
 def test_parity_with_torch_index_select(kind, dtype):
     import torch
 
-    from jaxsync.paths.kv.reference import to_torch
+    from jaxsync.harness.paths.kv.reference import to_torch
 
     cache = make(kind, 13, DTYPES[dtype], 0)
     src_ids, pool_ids, back_ids = [12, 0, 5, 5, 7], [3, 10, 0, 4, 9], [1, 2, 6, 8, 11]

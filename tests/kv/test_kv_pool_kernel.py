@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.kv.reference import as_numpy, host_random_cache
 from jaxsync.kv import KVLayout, _pallas, _pool, host_pool, swap_in, swap_out
-from jaxsync.paths.kv.reference import as_numpy, host_random_cache
 from jaxsync.testing import fresh_copy, kv_call
 
 

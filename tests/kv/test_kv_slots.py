@@ -11,15 +11,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync
 import jaxsync.check
 import jaxsync.testing
-from jaxsync.kv import KVLayout, extract_kv, inject_kv, slot_mapping_for
-from jaxsync.kv._slots import _extract, _inject
-from jaxsync.paths.kv.reference import (
+from jaxsync.harness.paths.kv.reference import (
     as_numpy,
     host_random_cache,
     to_numpy,
     torch_extract,
     torch_inject,
 )
+from jaxsync.kv import KVLayout, extract_kv, inject_kv, slot_mapping_for
+from jaxsync.kv._slots import _extract, _inject
 from jaxsync.testing import fresh_copy, requires_torch
 
 

@@ -12,8 +12,8 @@ from safetensors.numpy import load_file
 
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.kv.reference import as_numpy, to_numpy, torch_extract
 from jaxsync.kv import KVLayout, extract_kv, kv_folder, load_kv, save_kv, slot_mapping_for
-from jaxsync.paths.kv.reference import as_numpy, to_numpy, torch_extract
 from jaxsync.testing import fresh_copy, requires_torch
 
 

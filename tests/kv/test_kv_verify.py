@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-import jaxsync.paths.kv  # noqa: F401  (registers)
-from jaxsync import registry
+import jaxsync.harness.paths.kv  # noqa: F401  (registers)
+from jaxsync.harness import registry
 from jaxsync.testing import requires_torch
 
 
@@ -44,10 +44,10 @@ def test_tiny_bench_cases_run():
 def test_tiny_bench_layout_cases_run(monkeypatch):
     # d2d copies of the same blocks at each layer count, stacked next to per-layer, vLLM's
     # per-layer copy as baseline; the released size keeps its layer counts and block count
-    from jaxsync.bench._programs import jax_executions_per_call
-    from jaxsync.bench._timing import _Side, measure, same_args_floor
+    from jaxsync.harness.bench._programs import jax_executions_per_call
+    from jaxsync.harness.bench._timing import _Side, measure, same_args_floor
+    from jaxsync.harness.paths.kv.bench import _FRESH, SIZES
     from jaxsync.kv import StackedCache
-    from jaxsync.paths.kv.bench import _FRESH, SIZES
 
     assert SIZES["released"]["stacked"] == {"layers": (4, 32), "count": 512, "blocks": 1024}
     assert SIZES["released"]["layout"].num_blocks == 4096
@@ -106,7 +106,7 @@ def test_tiny_bench_layout_cases_run(monkeypatch):
 def test_bench_timing_handles_a_donating_chain():
     # Each KV copy donates the previous output; the timing harness must wait only on the live one
     # (waiting on every output would fail on the donated ones).
-    from jaxsync.bench._timing import _Side, measure
+    from jaxsync.harness.bench._timing import _Side, measure
 
     case = registry._benches["kv"]("cpu", "tiny")[0]
     row = measure(case.jax_fn, _Side("jax"), repeat=2)
@@ -129,7 +129,7 @@ def test_the_product_imports_neither_torch_nor_the_harness():
 def test_bench_counts_a_donating_chain_without_tracing_it():
     # A case that stores its output must count its arguments through `jit_args`: tracing the
     # closure itself would store a tracer as the next call's cache (control: without it).
-    from jaxsync.bench._timing import _Side, same_args_floor
+    from jaxsync.harness.bench._timing import _Side, same_args_floor
 
     case = next(c for c in registry._benches["kv"]("cpu", "tiny") if " layers " in c.name)
     assert case.jit_args is not None

@@ -13,6 +13,7 @@ from flax import nnx
 import jaxsync.check
 import jaxsync.models.chameleon as chameleon
 import jaxsync.testing
+from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageTower,
@@ -22,7 +23,6 @@ from jaxsync.models.chameleon import (
     decode_image_token_name,
     weight_rules,
 )
-from jaxsync.paths.chameleon import reference as ref
 
 
 @pytest.fixture(scope="module")
@@ -310,8 +310,8 @@ def test_released_checkpoint_keys_map_onto_the_module():
 
 
 def test_registered_for_verify_and_bench():
-    import jaxsync.paths.chameleon  # noqa: F401
-    from jaxsync import registry
+    import jaxsync.harness.paths.chameleon  # noqa: F401
+    from jaxsync.harness import registry
 
     names = {s.name for s in registry._paths.values()}
     assert {

@@ -12,8 +12,8 @@ pytestmark = requires_torch
 
 import jax.numpy as jnp  # noqa: E402
 
+from jaxsync.harness.paths.chameleon import reference as ref  # noqa: E402
 from jaxsync.models.chameleon import ChameleonImageEncoder  # noqa: E402
-from jaxsync.paths.chameleon import reference as ref  # noqa: E402
 
 
 # 8x8 pixels, two levels -> 4x4 = 16 tokens; attn_resolutions names both grids, so a port that

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder
 from jaxsync.models.chameleon._config import IGNORED_FIELDS
-from jaxsync.paths.chameleon import reference as ref
 from jaxsync.testing import requires_torch
 
 

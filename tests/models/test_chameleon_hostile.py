@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.models.chameleon import (
     ChameleonImageEncoder,
     ChameleonImageTower,
@@ -25,7 +26,6 @@ from jaxsync.models.chameleon import (
     plan,
     plan_merge,
 )
-from jaxsync.paths.chameleon import reference as ref
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
+from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonVQConfig,
     ImageVocabularyMapping,
     load_model,
 )
-from jaxsync.paths.chameleon import reference as ref
 from jaxsync.weights import WeightError
 
 

@@ -10,12 +10,12 @@ from flax import nnx
 import jaxsync.check
 import jaxsync.models.chameleon as chameleon
 import jaxsync.testing
+from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.models.chameleon import (
     ChameleonConfig,
     ChameleonImageEncoder,
     ChameleonImageTower,
 )
-from jaxsync.paths.chameleon import reference as ref
 
 
 @pytest.fixture(scope="module")

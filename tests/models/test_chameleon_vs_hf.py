@@ -16,13 +16,13 @@ from transformers.models.chameleon.modeling_chameleon import (  # noqa: E402
     ChameleonImageVocabularyMapping as HFMapping,
 )
 
+from jaxsync.harness.paths.chameleon import reference as ref  # noqa: E402
 from jaxsync.models.chameleon import (  # noqa: E402
     ChameleonConfig,
     ChameleonImageEncoder,
     ImageVocabularyMapping,
     load_model,
 )
-from jaxsync.paths.chameleon import reference as ref  # noqa: E402
 
 
 BUCKETS = (4,)  # batch sizes 1..3 share one compiled encoder
@@ -261,7 +261,7 @@ def test_verify_on_a_saved_checkpoint(tmp_path, capsys):
     # The `--checkpoint` branch: a tiny HF model saved with save_pretrained, loaded by our loader.
     import json
 
-    from jaxsync import _cli
+    from jaxsync.harness import _cli
 
     ref.build_hf_model(ref.tiny_hf_config()).save_pretrained(tmp_path)
     rc = _cli.main(

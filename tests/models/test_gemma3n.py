@@ -13,6 +13,7 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 from jaxsync.check import no_recompile
+from jaxsync.harness.paths.gemma3n import reference as R
 from jaxsync.models.gemma3n import (
     ChunkedLocalAttention,
     ConformerBlock,
@@ -25,7 +26,6 @@ from jaxsync.models.gemma3n import (
     load_model,
     plan,
 )
-from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import assert_layers_run, assert_same_math, rel_err, requires_torch
 
 
@@ -263,7 +263,7 @@ def test_default_buckets_fit_the_released_processor():
 
 @requires_torch  # the registered case builds its checkpoint from the transformers reference
 def test_verify_registration():
-    from jaxsync.registry import paths
+    from jaxsync.harness.registry import paths
 
     (spec,) = paths(["gemma3n.audio_embed"])
     case = spec.build(None)

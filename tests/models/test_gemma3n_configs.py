@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxsync.harness.paths.gemma3n import reference as R
 from jaxsync.models.gemma3n import Gemma3nAudioEncoder, Gemma3nBuckets, forward, load_model, plan
-from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import rel_err, requires_torch
 
 

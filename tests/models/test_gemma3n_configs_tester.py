@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from jaxsync.harness.paths.gemma3n import reference as R
 from jaxsync.models.gemma3n import Gemma3nAudioEncoder, from_hf_config, load_model
 from jaxsync.models.gemma3n._config import IGNORED_FIELDS
-from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import rel_err, requires_torch
 
 

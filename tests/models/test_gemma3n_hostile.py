@@ -17,6 +17,7 @@ from hypothesis import given, settings
 import jaxsync
 import jaxsync.testing
 from jaxsync.check import no_recompile
+from jaxsync.harness.paths.gemma3n import reference as R
 from jaxsync.models.gemma3n import (
     Gemma3nAudioEncoder,
     Gemma3nAudioModel,
@@ -27,7 +28,6 @@ from jaxsync.models.gemma3n import (
     merge_audio_embeddings,
     plan,
 )
-from jaxsync.paths.gemma3n import reference as R
 from jaxsync.weights import WeightError
 
 

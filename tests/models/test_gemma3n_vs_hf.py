@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxsync.check
+from jaxsync.harness.paths.gemma3n import reference as R
 from jaxsync.models.gemma3n import (
     AudioTruncationWarning,
     Gemma3nAudioConfig,
@@ -16,7 +17,6 @@ from jaxsync.models.gemma3n import (
     load_model,
     merge_audio_embeddings,
 )
-from jaxsync.paths.gemma3n import reference as R
 from jaxsync.testing import rel_err, requires_torch
 
 
@@ -261,7 +261,7 @@ def test_bench_rows_time_device_and_host_features_alike():
     # Each workload is timed on device features (next to transformers, whose inputs are on the
     # device too) and on host features (the upload included), each through the entry and the
     # server form: same clips, same embeddings.
-    from jaxsync import registry
+    from jaxsync.harness import registry
     from jaxsync.testing import assert_same_math
 
     cases = registry.benches(["gemma3n"])["gemma3n"]("cpu", "tiny")

@@ -10,9 +10,9 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.check import assert_sync_free
+from jaxsync.harness.paths.glm4v import reference as ref
+from jaxsync.harness.paths.glm4v.verify import VERIFY_GRIDS
 from jaxsync.models import glm4v
-from jaxsync.paths.glm4v import reference as ref
-from jaxsync.paths.glm4v.verify import VERIFY_GRIDS
 from jaxsync.testing import assert_close, requires_torch
 
 
@@ -131,7 +131,7 @@ def test_released_config_shapes():
 
 @requires_torch
 def test_registered_for_verify():
-    from jaxsync import registry
+    from jaxsync.harness import registry
 
     names = {s.name for s in registry.paths(["glm4v"])}
     assert names == {"glm4v.vision_tower", "glm4v.pos_embeds"}

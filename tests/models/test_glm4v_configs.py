@@ -13,8 +13,8 @@ from jaxsync.testing import assert_close, requires_torch
 
 pytestmark = requires_torch
 
+from jaxsync.harness.paths.glm4v import reference as ref  # noqa: E402
 from jaxsync.models import glm4v  # noqa: E402
-from jaxsync.paths.glm4v import reference as ref  # noqa: E402
 
 
 # One block, head dim 12, a 4x4 table, odd output widths: small enough to compile in seconds.

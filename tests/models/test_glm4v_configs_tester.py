@@ -15,7 +15,7 @@ from jaxsync.testing import assert_close, requires_torch
 
 pytestmark = requires_torch
 
-from jaxsync.paths.glm4v import reference as ref  # noqa: E402
+from jaxsync.harness.paths.glm4v import reference as ref  # noqa: E402
 
 
 # transformers tests/models/glm4v/test_modeling_glm4v.py, `Glm4vVisionText2TextModelTester`:

@@ -14,8 +14,8 @@ from flax import nnx
 import jaxsync
 import jaxsync.testing
 from jaxsync.check import count_compiles
+from jaxsync.harness.paths.glm4v import reference as ref
 from jaxsync.models import glm4v
-from jaxsync.paths.glm4v import reference as ref
 from jaxsync.testing import requires_torch
 from jaxsync.weights import WeightError
 

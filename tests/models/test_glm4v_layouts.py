@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import jaxsync
+from jaxsync.harness.paths.glm4v import reference as ref
 from jaxsync.models import glm4v
-from jaxsync.paths.glm4v import reference as ref
 from jaxsync.testing import rel_err
 
 

@@ -12,8 +12,8 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.check import RecompileError, count_compiles, no_recompile
+from jaxsync.harness.paths.glm4v import reference as ref
 from jaxsync.models import glm4v
-from jaxsync.paths.glm4v import reference as ref
 from jaxsync.testing import assert_close, assert_layers_run, assert_same_math
 
 

@@ -13,8 +13,8 @@ pytestmark = requires_torch
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxsync.harness.paths.glm4v import reference as ref  # noqa: E402
 from jaxsync.models import glm4v  # noqa: E402
-from jaxsync.paths.glm4v import reference as ref  # noqa: E402
 
 
 # Square at the table size (6x6), non-square, larger and smaller than the table, several images

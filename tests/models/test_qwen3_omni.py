@@ -9,8 +9,8 @@ from flax import nnx
 
 import jaxsync
 import jaxsync.testing
+from jaxsync.harness.paths.qwen3_omni import reference as ref
 from jaxsync.models import qwen3_omni as q3
-from jaxsync.paths.qwen3_omni import reference as ref
 
 
 # ---------------------------------------------------------------- upstream formulas
@@ -275,14 +275,14 @@ def test_empty_batch_and_all_empty_audios(random_encoder):
 
 
 def _verify():
-    from jaxsync.paths.qwen3_omni import verify
+    from jaxsync.harness.paths.qwen3_omni import verify
 
     return verify
 
 
 def test_registered_for_verify():
     _verify()
-    from jaxsync import registry
+    from jaxsync.harness import registry
 
     spec = next(s for s in registry._paths.values() if s.name == "qwen3_omni.audio_encoder")
     case = spec.build(None)

@@ -20,8 +20,8 @@ LENS = [230, 17]
 @pytest.mark.parametrize("act", ACTIVATION_NAMES)
 def test_every_activation_matches_transformers(tmp_path, act):
     import jaxsync
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
     from jaxsync.models import qwen3_omni as q3
-    from jaxsync.paths.qwen3_omni import reference as ref
 
     cfg = dataclasses.replace(ref.TINY, encoder_layers=1, activation_function=act)
     model = ref.build_hf_encoder(cfg, seed=3)

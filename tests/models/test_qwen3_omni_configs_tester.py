@@ -15,7 +15,7 @@ from jaxsync.testing import assert_close, requires_torch
 
 pytestmark = requires_torch
 
-from jaxsync.paths.qwen3_omni import reference as ref  # noqa: E402
+from jaxsync.harness.paths.qwen3_omni import reference as ref  # noqa: E402
 
 
 # transformers tests/models/qwen3_omni_moe/test_modeling_qwen3_omni_moe.py,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import jaxsync
 import jaxsync.testing
 from jaxsync.check import no_recompile
+from jaxsync.harness.paths.qwen3_omni import reference as ref
 from jaxsync.models import qwen3_omni as q3
-from jaxsync.paths.qwen3_omni import reference as ref
 
 
 CFG = ref.TINY

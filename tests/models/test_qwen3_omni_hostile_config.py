@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxsync.harness.paths.qwen3_omni import reference as ref
 from jaxsync.models import qwen3_omni as q3
-from jaxsync.paths.qwen3_omni import reference as ref
 from jaxsync.weights import WeightError
 
 

@@ -13,8 +13,8 @@ from flax import nnx
 import jaxsync
 import jaxsync.testing
 from jaxsync.check import no_recompile
+from jaxsync.harness.paths.qwen3_omni import reference as ref
 from jaxsync.models import qwen3_omni as q3
-from jaxsync.paths.qwen3_omni import reference as ref
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_server_form_equals_the_entry_bitwise_with_no_recompiles():
     enc = q3.Qwen3OmniAudioEncoder(tower)
     step, leaves = _server_step(tower)
 
-    from jaxsync.paths.qwen3_omni.verify import ONE_BUCKET_MIXES
+    from jaxsync.harness.paths.qwen3_omni.verify import ONE_BUCKET_MIXES
 
     inputs = [_device_inputs(m, seed=i) for i, m in enumerate(ONE_BUCKET_MIXES)]
     plans = [q3.plan(lens, ref.TINY) for _, lens in inputs]

@@ -22,8 +22,8 @@ from safetensors.numpy import save_file  # noqa: E402
 
 import jaxsync  # noqa: E402
 from jaxsync.check import assert_sync_free  # noqa: E402
+from jaxsync.harness.paths.qwen3_omni import reference as ref, verify as ver  # noqa: E402
 from jaxsync.models import qwen3_omni as q3  # noqa: E402
-from jaxsync.paths.qwen3_omni import reference as ref, verify as ver  # noqa: E402
 from jaxsync.weights import WeightError, to_numpy_state  # noqa: E402
 
 
@@ -249,7 +249,7 @@ def test_verify_parity_and_bench_smoke(tiny, monkeypatch):
     monkeypatch.setattr(ver, "_tiny_pair", lambda: (tiny["model"], tiny["enc"]))
     parity = ver._parity()
     assert parity.ok, str(parity)
-    from jaxsync.paths.qwen3_omni import bench
+    from jaxsync.harness.paths.qwen3_omni import bench
 
     case, server = bench._bench("cpu", "tiny")
     assert server.name == f"{case.name} · server form" and not server.torch_fns

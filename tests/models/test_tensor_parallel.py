@@ -56,8 +56,8 @@ class Case:
 
 
 def _glm4v(tmp) -> Case:
+    from jaxsync.harness.paths.glm4v import reference as ref
     from jaxsync.models import glm4v
-    from jaxsync.paths.glm4v import reference as ref
 
     fields = {**ref.TINY, "out_hidden_size": 32, "intermediate_size": 40}  # heads 4, MLPs /4
     ckpt = ref.save_checkpoint(ref.build_reference(ref.hf_config(**fields)), tmp / "m.st")
@@ -82,8 +82,8 @@ def _glm4v(tmp) -> Case:
 
 
 def _qwen3_omni(tmp) -> Case:
+    from jaxsync.harness.paths.qwen3_omni import reference as ref
     from jaxsync.models import qwen3_omni as q3
-    from jaxsync.paths.qwen3_omni import reference as ref
 
     # heads 4 (head dim 11), d_model and ffn divisible by 4; the 29-wide head stays replicated
     cfg = dataclasses.replace(ref.TINY, encoder_attention_heads=4, d_model=44, encoder_ffn_dim=52)
@@ -106,8 +106,8 @@ def _qwen3_omni(tmp) -> Case:
 
 
 def _voxtral(tmp) -> Case:
+    from jaxsync.harness.paths.voxtral import reference as ref
     from jaxsync.models import voxtral
-    from jaxsync.paths.voxtral import reference as ref
 
     # the tiny config divides as it is: 4 heads, width 28, ffn 112, projector 112 -> 36
     _, ckpt, cfg = ref.build_tiny_voxtral(tmp)
@@ -131,8 +131,8 @@ def _voxtral(tmp) -> Case:
 
 
 def _gemma3n(tmp) -> Case:
+    from jaxsync.harness.paths.gemma3n import reference as ref
     from jaxsync.models import gemma3n
-    from jaxsync.paths.gemma3n import reference as ref
 
     # 4 heads of 6, conformer width 24, text width 20 (the tiny one: 2 heads, 22, 17)
     variant = {"audio": {"hidden_size": 24, "conf_num_attention_heads": 4}}
@@ -157,8 +157,8 @@ def _gemma3n(tmp) -> Case:
 
 
 def _chameleon(tmp) -> Case:
+    from jaxsync.harness.paths.chameleon import reference as ref
     from jaxsync.models import chameleon
-    from jaxsync.paths.chameleon import reference as ref
 
     # the tiny config with a vocabulary of 116 rows (4 divides it): the embedding is split
     model = ref.build_hf_model({**ref.tiny_hf_config(), "vocab_size": 116})

@@ -12,13 +12,13 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
     VoxtralAudioConfig,
     VoxtralAudioEncoder,
     VoxtralAudioTower,
 )
-from jaxsync.paths.voxtral import reference as ref
 
 
 TINY = ref.TINY_ENCODER  # odd sizes: head_dim 7, 2 layers, a window = 40 frames = 6400 samples

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import jaxsync
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import MelConfig, VoxtralAudioConfig, load_model
 from jaxsync.models.voxtral._config import IGNORED_FIELDS
-from jaxsync.paths.voxtral import reference as ref
 from jaxsync.testing import rel_err, requires_torch
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
     VoxtralAudioConfig,
@@ -27,7 +28,6 @@ from jaxsync.models.voxtral import (
     log_mel_spectrogram,
     plan,
 )
-from jaxsync.paths.voxtral import reference as ref
 from jaxsync.weights import WeightError
 
 

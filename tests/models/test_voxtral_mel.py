@@ -13,6 +13,7 @@ import pytest
 import jaxsync
 import jaxsync.check
 import jaxsync.models.voxtral
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
     MelSpec,
@@ -20,7 +21,6 @@ from jaxsync.models.voxtral import (
     log_mel_spectrogram,
     slaney_mel_filters,
 )
-from jaxsync.paths.voxtral import reference as ref
 from jaxsync.testing import requires_torch
 
 

@@ -14,6 +14,7 @@ import pytest
 import jaxsync
 import jaxsync.check
 import jaxsync.models.voxtral
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
     MelSpec,
@@ -21,7 +22,6 @@ from jaxsync.models.voxtral import (
     log_mel_spectrogram,
     slaney_mel_filters,
 )
-from jaxsync.paths.voxtral import reference as ref
 from jaxsync.testing import requires_torch
 
 
@@ -139,8 +139,8 @@ def test_default_mel_config_is_whispers_128_bin_extractor():
 
 def test_precompiled_buckets_serve_many_lengths_without_recompiling():
     import jaxsync
-    from jaxsync import registry
     from jaxsync.check import no_recompile
+    from jaxsync.harness import registry
 
     (spec,) = registry.paths(["voxtral.log_mel"])
     case = spec.build(None)

@@ -13,6 +13,7 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
     VoxtralAudioConfig,
@@ -25,7 +26,6 @@ from jaxsync.models.voxtral import (
     plan_waveforms,
     server_form,
 )
-from jaxsync.paths.voxtral import reference as ref
 
 
 TINY = ref.TINY_ENCODER

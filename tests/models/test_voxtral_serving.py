@@ -13,8 +13,8 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 import jaxsync.testing
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import MelConfig, VoxtralAudioEncoder
-from jaxsync.paths.voxtral import reference as ref
 
 
 _tower, _audio, _batch, _mel = (
@@ -169,8 +169,8 @@ def _matmul_flops(jaxpr) -> float:
 def test_bench_flops_count_every_matmul_of_the_forward(windows):
     # The bench's TFLOP/s divides an analytic count: it must equal the dot and conv work that
     # the forward actually traces (layers, attention, conv stem, projector).
+    from jaxsync.harness.paths.voxtral.bench import encoder_flops
     from jaxsync.models.voxtral import forward, plan
-    from jaxsync.paths.voxtral.bench import encoder_flops
 
     tower = _tower()
     cfg = tower.cfg
@@ -188,8 +188,8 @@ def test_bench_flops_count_every_matmul_of_the_forward(windows):
 def test_bench_server_form_row_computes_the_entrys_rows():
     """The bench's '· server form' rows time the entry's own computation (control: another
     plan's windows give other rows)."""
+    from jaxsync.harness.paths.voxtral.bench import server_step
     from jaxsync.models.voxtral import plan
-    from jaxsync.paths.voxtral.bench import server_step
 
     tower = _tower()
     feats = jax.device_put(_mel(3, tower.cfg, 6).astype(np.float32))

@@ -12,6 +12,7 @@ from flax import nnx
 
 import jaxsync
 import jaxsync.check
+from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
     VoxtralAudioConfig,
@@ -19,7 +20,6 @@ from jaxsync.models.voxtral import (
     VoxtralAudioTower,
     load_model,
 )
-from jaxsync.paths.voxtral import reference as ref
 from jaxsync.testing import rel_err, requires_torch
 from jaxsync.weights import WeightError
 

@@ -1,3 +1,0 @@
-"""Harness for jaxsync.models.chameleon: verify registrations, benchmarks, references."""
-
-from jaxsync.paths.chameleon import bench as bench, verify as verify  # noqa: F401  (registers)

@@ -1,3 +1,0 @@
-"""Harness for jaxsync.models.gemma3n: verify registrations, benchmarks, references."""
-
-from jaxsync.paths.gemma3n import bench as bench, verify as verify  # registration on import

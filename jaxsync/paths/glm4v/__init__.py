@@ -1,3 +1,0 @@
-"""Harness for jaxsync.models.glm4v: verify registrations, benchmarks, transformers references."""
-
-from jaxsync.paths.glm4v import bench as bench, verify as verify  # noqa: F401  (registration)

@@ -1,3 +1,0 @@
-"""Harness for jaxsync.kv: verify registrations, benchmarks, references."""
-
-from jaxsync.paths.kv import bench as bench, verify as verify, verify_fp8 as verify_fp8

@@ -1,3 +1,0 @@
-"""Harness for jaxsync.models.voxtral: verify registrations, benchmarks, references."""
-
-from jaxsync.paths.voxtral import bench as bench, verify as verify  # registration on import
