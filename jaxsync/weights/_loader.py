@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,9 @@ class _Load:
 
     info: TensorInfo
     target: str  # the parameter's dotted path
-    index: int | None  # its layer in a stacked (`jaxsync.LayerStack`) parameter, else None
+    # where it goes in the parameter: (layer,) of a stacked (`jaxsync.LayerStack`) parameter,
+    # (row,) of a parameter grouping tensors along its first axis, (layer, row), or () for all
+    index: tuple[int, ...]
     transform: Callable | None
     cast: jnp.dtype | None
 
@@ -76,6 +79,15 @@ def _stacked_slot(target: str, stacked: dict[str, int]) -> tuple[str, int | None
                 )
             return f"{head}layer.{rest}", int(index)
     return target, None
+
+
+def _row_slot(target: str, targets: dict[str, Any]) -> tuple[str, int | None]:
+    """`norms.vectors.2` -> (`norms.vectors`, 2) when `norms.vectors` is a parameter (a group of
+    equal-shape tensors along its first axis) and `norms.vectors.2` is not; else no row."""
+    head, _, row = target.rpartition(".")
+    if target in targets or not row.isdigit() or head not in targets:
+        return target, None
+    return head, int(row)
 
 
 def load_weights(
@@ -104,6 +116,10 @@ def load_weights(
     stacked parameter is assembled on the host from its L slices and placed once, so host memory
     peaks at about one stacked parameter; other tensors are placed as they are read. Transforms
     and casts run in numpy on the host: no device program is compiled per tensor.
+
+    A parameter may group several tensors of one shape along its first axis (a layer's norm
+    scales and biases as one `[k, C]` parameter): a rule target `norm.vectors.2` (a parameter
+    `norm.vectors` and a row index) fills row 2, `blocks.3.norm.vectors.2` row 2 of layer 3.
 
     Under `jax.distributed`, a parameter whose sharding spans devices of other processes is
     built with `jax.make_array_from_callback` from the blocks this process's devices hold: each
@@ -165,7 +181,9 @@ def load_weights(
         )
         if rule is None:
             raise WeightError(f"checkpoint key {key!r} matches no mapping rule")
-        target, index = _stacked_slot(mapped, stacked)
+        target, layer = _stacked_slot(mapped, stacked)
+        target, row = _row_slot(target, targets)
+        index = tuple(i for i in (layer, row) if i is not None)
         if target not in targets:
             raise WeightError(f"checkpoint key {key!r} maps to {mapped!r}, not a module parameter")
         if (target, index) in assigned:
@@ -173,9 +191,14 @@ def load_weights(
                 f"keys {assigned[target, index]!r} and {key!r} both map to {mapped!r}"
             )
         expected = flat[targets[target]].get_value()
-        if target in groups and (index is None) != (groups[target][0].index is None):
-            raise WeightError(f"key {key!r} maps to {mapped!r}, which another key fills whole")
-        layer_shape = tuple(expected.shape[1:] if index is not None else expected.shape)
+        if target in groups and len(index) != len(groups[target][0].index):
+            raise WeightError(
+                f"key {key!r} maps to {mapped!r}, which another key fills "
+                + ("whole" if not groups[target][0].index else "by another slicing")
+            )
+        if row is not None and len(expected.shape) <= len(index):
+            raise WeightError(f"checkpoint key {key!r} maps to {mapped!r}, not a module parameter")
+        layer_shape = tuple(expected.shape[len(index) :])
         out_dtype = _check_shape(
             info, rule, mapped, jax.ShapeDtypeStruct(layer_shape, expected.dtype)
         )
@@ -184,7 +207,7 @@ def load_weights(
             places[target] = _placement_of(
                 target,
                 tuple(expected.shape),
-                index is not None,
+                layer is not None,
                 sharding,
                 mesh,
                 partition_rules,
@@ -205,7 +228,7 @@ def load_weights(
                         ),
                     )
                 )
-                assigned[target, None] = "(no layers)"
+                assigned[target, ()] = "(no layers)"
     _check_complete(flat, targets, assigned, stacked)
 
     total = sum(i.info.nbytes for g in groups.values() for i in g)
@@ -246,9 +269,9 @@ def load_weights(
                     for item in items:  # the bar follows the checkpoint, not the bytes read
                         bar.update(item.info.nbytes)
                     continue
-                if items[0].index is None:
+                if not items[0].index:
                     host = read(items[0])
-                else:  # one host buffer for the L slices, placed once
+                else:  # one host buffer for the L slices (or rows), placed once
                     expected = variable.get_value()
                     host = np.empty(expected.shape, expected.dtype)
                     for item in sorted(items, key=lambda i: (str(i.info.file), i.index)):
@@ -369,21 +392,29 @@ def _cast(
 
 
 def _check_complete(
-    flat: dict, targets: dict[str, Any], assigned: dict[tuple[str, int | None], str], stacked: dict
+    flat: dict,
+    targets: dict[str, Any],
+    assigned: dict[tuple[str, tuple[int, ...]], str],
+    stacked: dict,
 ) -> None:
     filled = {t for t, _ in assigned}
     missing = [t for t in targets if t not in filled and isinstance(flat[targets[t]], nnx.Param)]
     if missing:
         raise WeightError(f"{len(missing)} parameter(s) not in the checkpoint: {missing[:8]}")
     for t in filled:
-        layers = sorted(i for u, i in assigned if u == t and i is not None)
-        if layers:
-            total = flat[targets[t]].get_value().shape[0]
-            gaps = sorted(set(range(total)) - set(layers))
-            if gaps:
+        parts = {i for u, i in assigned if u == t and i}
+        if parts:
+            lead = flat[targets[t]].get_value().shape[: len(next(iter(parts)))]
+            gaps = sorted(set(itertools.product(*map(range, lead))) - parts)
+            if gaps and any(t.startswith(p + ".layer.") for p in stacked) and len(lead) == 1:
                 raise WeightError(
                     f"{len(gaps)} layer(s) of stacked parameter {t!r} not in the checkpoint: "
-                    f"layers {gaps[:8]}"
+                    f"layers {[g[0] for g in gaps[:8]]}"
+                )
+            if gaps:
+                raise WeightError(
+                    f"{len(gaps)} slice(s) of parameter {t!r} not in the checkpoint: "
+                    f"{[g if len(g) > 1 else g[0] for g in gaps[:8]]}"
                 )
     for t in targets:  # non-parameter state (e.g. buffers computed in __init__) is materialised
         if t not in filled and isinstance(flat[targets[t]].get_value(), jax.ShapeDtypeStruct):

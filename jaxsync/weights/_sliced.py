@@ -13,6 +13,7 @@ whole, once per process, and sliced after its transform.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -100,10 +101,11 @@ def index_key(index: Index, shape: tuple[int, ...]) -> tuple:
 
 class BlockReader:
     """Reads one parameter's blocks: `block(index)` for a parameter loaded from one tensor,
-    per layer for a stacked one.
+    per layer for a stacked one, per row for one grouping tensors along its first axis.
 
     Args:
-      items: the parameter's `_Load`s (one, or one per layer with `.index` set).
+      items: the parameter's `_Load`s (one with `.index` `()`, or one per layer or row with
+        `.index` `(layer,)`, `(row,)` or `(layer, row)`).
       shape: the parameter's shape (`[L, ...]` when stacked).
       read_block: `(item, stored_index or None) -> host array` reading one block (None: the whole
         tensor), transformed and cast, and counting its bytes.
@@ -113,8 +115,8 @@ class BlockReader:
         self.shape = shape
         self.read_block = read_block
         self.layers = {item.index: item for item in items}
-        self.stacked = items[0].index is not None
-        layer_shape = shape[1:] if self.stacked else shape
+        self.depth = len(items[0].index)  # leading axes indexed per tensor
+        layer_shape = shape[self.depth :]
         self.perms = {
             item.index: permutation(item.transform, item.info.shape, layer_shape) for item in items
         }
@@ -127,19 +129,22 @@ class BlockReader:
 
     def block(self, index: Index) -> np.ndarray:
         index = full_index(index, len(self.shape))
-        if not self.stacked:
-            return self._tensor_block(None, index)
-        layers = range(self.shape[0])[index[0]]
-        parts = [self._tensor_block(i, index[1:]) for i in layers]
-        return np.stack(parts) if parts else np.empty((0, *self.shape[1:]))
+        k = self.depth
+        if not k:
+            return self._tensor_block((), index)
+        ranges = [range(self.shape[a])[index[a]] for a in range(k)]
+        parts = [self._tensor_block(lead, index[k:]) for lead in itertools.product(*ranges)]
+        if not parts:
+            return np.empty((*map(len, ranges), *self.shape[k:]))
+        return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
 
-    def _tensor_block(self, layer: int | None, index: Index) -> np.ndarray:
-        item, perm = self.layers[layer], self.perms[layer]
+    def _tensor_block(self, lead: tuple[int, ...], index: Index) -> np.ndarray:
+        item, perm = self.layers[lead], self.perms[lead]
         if perm is not None:
             return self.read_block(item, stored_index(index, perm))
-        if layer not in self.whole:
-            self.whole[layer] = self.read_block(item, None)
-        return self.whole[layer][index]
+        if lead not in self.whole:
+            self.whole[lead] = self.read_block(item, None)
+        return self.whole[lead][index]
 
 
 def sharded_array(reader: BlockReader, sharding: jax.sharding.Sharding, dtype: Any) -> jax.Array:
