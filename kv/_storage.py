@@ -7,6 +7,12 @@ tensor "kv_cache" in vLLM's layout by default (`format="vllm"`: `[T, K, 2H]` pac
 hashes the kept tokens (the first `(n - 1) // S * S`, see
 `slot_mapping_for`) as int64 bytes, like upstream's `token_ids.numpy().tobytes()`.
 
+A cache spanning several processes (`jax.distributed`) is saved by shards instead: each layer
+as one file per block of its rows, `{layer}.shard-{ranges}.safetensors`, each written by a
+process holding that block from its own devices (see `_shards`); `load_kv` reads a layer's whole
+file when there is one, else each block its process's devices hold from the shard files that
+intersect it.
+
 Loading lands on each cache's own device or sharding (upstream hard-codes "cuda") and
 never waits on the device: files are read on the host, padded to the slot bucket in fresh host
 buffers, uploaded with explicit async puts and injected by one jitted call.
@@ -30,6 +36,16 @@ from jaxsync.check import entry_point
 from jaxsync.kv._file_format import Format, check_format, from_tensors, tensor_specs, to_tensors
 from jaxsync.kv._ids import check_range, host_ids
 from jaxsync.kv._layout import Cache, StackedCache, cache_leaves
+from jaxsync.kv._shards import (
+    ShardReader,
+    block_leaves,
+    index_key,
+    row_blocks,
+    row_shape,
+    shard_name,
+    spans_processes,
+    write_shard,
+)
 from jaxsync.kv._slot_plan import check_slots, row_sharding, slot_mapping_for
 from jaxsync.kv._slots import extract_kv, inject_kv
 
@@ -112,6 +128,60 @@ def _per_layer_rows(rows: Any, caches: Cache) -> dict[str, list[np.ndarray]]:
     return {n: [x[:, i] for x in leaves] for i, n in enumerate(caches.layers)}
 
 
+def _row_arrays(tree: Any, caches: Cache) -> dict[str, tuple[list, int | None]]:
+    """`{layer: ([array per leaf], row of the layer axis or None)}` of a cache-shaped tree (the
+    cache's leaves, or `extract_kv`'s rows): a stacked tree's layers share its leaves."""
+    if not isinstance(caches, StackedCache):
+        return {n: ([v] if isinstance(v, jax.Array) else list(v), None) for n, v in tree.items()}
+    leaves = [tree.kv] if isinstance(tree.kv, jax.Array) else list(tree.kv)
+    return {n: (leaves, i) for i, n in enumerate(caches.layers)}
+
+
+def _rows_shape(leaf: jax.Array, size: int, stacked: bool) -> tuple:
+    """The shape of `size` rows cut from a cache leaf (`[N, (L,) *row axes]`)."""
+    per_layer = (leaf.shape[0], *leaf.shape[2:]) if stacked else leaf.shape
+    layer_axis = (leaf.shape[1],) if stacked else ()
+    return (size, *layer_axis, *row_shape(jax.ShapeDtypeStruct(per_layer, leaf.dtype)))
+
+
+def _shard_plan(caches: Cache, size: int) -> dict[str, dict]:
+    """`{layer: {ranges: (index key, owner process)}}`: the blocks of each layer's rows (as
+    `row_sharding` cuts them from the cache), the same for a layer's k and v (ValueError else)."""
+    stacked = isinstance(caches, StackedCache)
+    plan = {}
+    for layer, (leaves, pos) in _row_arrays(caches, caches).items():
+        blocks = [row_blocks(_rows_shape(x, size, stacked), row_sharding(x), pos) for x in leaves]
+        if any(set(b) != set(blocks[0]) for b in blocks):
+            raise ValueError(f"layer {layer!r}: k and v are sharded differently; cannot save")
+        plan[layer] = blocks[0]
+    return plan
+
+
+def _save_shards(folder: str, caches: Cache, slots: np.ndarray, plan: dict, format: Format):
+    """Writes the blocks this process owns (see `_shards`), from its own devices' rows only."""
+    rows = extract_kv(caches, slots)
+    me, n = jax.process_index(), int(slots.size)
+    layers = _layers(caches)
+    wanted, fetch = [], []
+    for layer, (arrays, pos) in _row_arrays(rows, caches).items():
+        for ranges, (key, owner) in plan[layer].items():
+            if owner != me:
+                continue
+            for x in arrays:
+                shards = {index_key(sh.index, x.shape): sh for sh in x.addressable_shards}
+                fetch.append(shards[key].data)
+            wanted.append((layer, ranges, pos, key, len(arrays)))
+    host = iter(jax.device_get(fetch))  # explicit: this process's own blocks, one readback
+    for layer, ranges, pos, key, count in wanted:
+        kept = [next(host)[:n] for _ in range(count)]
+        if pos is not None:
+            kept = [a[:, pos - key[1][0]] for a in kept]
+        leaves = block_leaves(layers[layer], ranges)
+        whole = row_shape(layers[layer][0])
+        path = os.path.join(folder, shard_name(layer, ranges))
+        write_shard(path, to_tensors(kept, leaves, format), layer, ranges, whole, format)
+
+
 def _check_storable(caches: Cache) -> None:
     """Every leaf's dtype is one a safetensors file can hold (checked before any gather, so an
     unsupported cache never leaves a half-written folder behind)."""
@@ -179,7 +249,9 @@ def save_kv(
 
     Writing a file needs the data on the host, so this call waits for it (upstream's `.cpu()`
     does too); the gather itself is `extract_kv`, sync-free, and all layers are fetched with one
-    `jax.device_get`.
+    `jax.device_get`. A cache spanning several processes is saved by every process, each writing
+    the blocks of rows its own devices hold (one file per block, `{layer}.shard-{ranges}.
+    safetensors`; see `jaxsync.kv._shards`), fetching only its own devices' data.
 
     Args:
       root: storage root; the request folder is created under it.
@@ -199,11 +271,18 @@ def save_kv(
       TypeError / ValueError: as `load_kv`, for ids, hashes, caches and layer names.
       OSError: the folder cannot be created or written (e.g. NotADirectoryError when `root` is
         a file, PermissionError).
+      ValueError: (a cache spanning processes) k and v sharded differently, or rows that would
+        be split over tokens.
     """
     check_format(format)
     slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes)
     if slots.size == 0:
         return None
+    if spans_processes(jax.tree.leaves(caches)):
+        plan = _shard_plan(caches, jaxsync.bucket(int(slots.size)))
+        _writable_folder(folder)
+        _save_shards(folder, caches, slots, plan, format)
+        return folder
     _writable_folder(folder)
     rows = jax.device_get(extract_kv(caches, slots))  # explicit: the one readback, all layers
     layers = _layers(caches)
@@ -229,7 +308,8 @@ def load_kv(
 
     Args:
       root: storage root used by `save_kv`.
-      caches: `{layer: cache}` in device memory; each layer's rows land on its own sharding.
+      caches: `{layer: cache}` in device memory; each layer's rows land on its own sharding
+        (from a layer's whole file, or, without one, from the shard files of a save by shards).
       token_ids, block_ids, mm_hashes: as for `save_kv` (block ids may differ from the save).
       buckets: slot-count buckets (default: powers of two >= 8).
       format: the files' layout, as for `save_kv` ("vllm": files vLLM's connector wrote load).
@@ -243,7 +323,10 @@ def load_kv(
       ValueError: block ids outside the cache or repeated, a hash that would mis-key (see
         `kv_folder`), a file that is not valid safetensors (truncated, corrupt, missing a
         tensor), or a stored tensor whose shape or dtype does not fit the cache.
-      FileNotFoundError: a layer file is missing.
+      FileNotFoundError: a layer has neither a file nor shard files.
+      ValueError (shard files, see `save_kv`): a block this process's devices hold that the
+        saved blocks do not cover, a shard file that is corrupt, whose metadata disagrees with
+        its name, or saved from a cache of other row shapes.
     """
     check_format(format)
     slots, folder = _plan(caches, token_ids, block_ids, root, mm_hashes, buckets)
@@ -252,10 +335,20 @@ def load_kv(
         return caches
     size = jaxsync.bucket(n, buckets)
     host: dict[str, list[np.ndarray]] = {}
+    shards: dict[str, ShardReader] = {}
     for layer, leaves in _layers(caches).items():
         path = os.path.join(folder, f"{layer}.safetensors")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"no saved KV for layer {layer!r}: {path}")
+            reader = (
+                ShardReader(folder, layer, leaves, n, format, _read)
+                if os.path.isdir(folder)
+                else None
+            )
+            if not reader:
+                raise FileNotFoundError(f"no saved KV for layer {layer!r}: {path}")
+            reader.check_bounds()
+            shards[layer] = reader
+            continue
         tensors = {}
         for name, (want, dtype) in tensor_specs(leaves, n, format).items():
             stored = _read(path, name)
@@ -266,7 +359,68 @@ def load_kv(
                 )
             tensors[name] = stored
         host[layer] = from_tensors(tensors, leaves, format)
-    return inject_kv(caches, _upload_rows(caches, host, n, size), slots, buckets=buckets)
+    if shards:
+        rows = _upload_blocks(caches, host, shards, n, size)
+    else:
+        rows = _upload_rows(caches, host, n, size)
+    return inject_kv(caches, rows, slots, buckets=buckets)
+
+
+def _upload_blocks(caches, host, shards, n: int, size: int) -> Cache:
+    """Rows uploaded block by block, each leaf on its row sharding: every block this process's
+    devices hold is built on the host (from a layer's whole file, or from the shard files that
+    intersect it) before any is uploaded, so a missing or bad file leaves the caches untouched."""
+    stacked = isinstance(caches, StackedCache)
+    blocks: dict[tuple, np.ndarray] = {}
+    shard_rows: dict[tuple, list[np.ndarray]] = {}
+
+    def layer_rows(layer: str, leaf: int, ranges: tuple) -> np.ndarray:
+        if layer in host:
+            return host[layer][leaf][(slice(None), *(slice(a, b) for a, b in ranges))]
+        if (layer, ranges) not in shard_rows:
+            shard_rows[layer, ranges] = shards[layer].rows(ranges)
+        return shard_rows[layer, ranges][leaf]
+
+    names = list(caches.layers) if stacked else None
+    arrays = _row_arrays(caches, caches)
+    targets = []  # (layer or None, leaf number, cache leaf)
+    if stacked:
+        targets = [(None, i, x) for i, x in enumerate(next(iter(arrays.values()))[0])]
+    else:
+        targets = [(lay, i, x) for lay, (xs, _) in arrays.items() for i, x in enumerate(xs)]
+    puts = []
+    for layer, i, x in targets:
+        shape, sharding = _rows_shape(x, size, stacked), row_sharding(x)
+        for index in sharding.addressable_devices_indices_map(shape).values():
+            key = index_key(index, shape)
+            if (id(x), key) in blocks:
+                continue
+            if stacked:
+                (a, b), rest = key[1], key[2:]
+                part = np.stack([layer_rows(names[j], i, rest) for j in range(a, b)], axis=1)
+            else:
+                part = layer_rows(layer, i, key[1:])
+            padded = np.zeros((size, *part.shape[1:]), part.dtype)
+            padded[:n] = part
+            blocks[id(x), key] = padded
+        puts.append((layer, i, x, shape, sharding))
+
+    def put(x, shape, sharding):
+        def block(index):
+            return blocks[id(x), index_key(index, shape)]
+
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    if stacked:
+        out = [put(x, shape, sharding) for _, _, x, shape, sharding in puts]
+        return StackedCache(
+            out[0] if isinstance(caches.kv, jax.Array) else tuple(out), caches.layers
+        )
+    kv: dict[str, Any] = {}
+    for layer, value in caches.items():
+        got = [put(x, shape, sharding) for lay, _, x, shape, sharding in puts if lay == layer]
+        kv[layer] = got[0] if isinstance(value, jax.Array) else type(value)(got)
+    return kv
 
 
 def _upload_rows(caches: Cache, host: dict[str, list[np.ndarray]], n: int, size: int) -> Cache:
