@@ -10,7 +10,7 @@ Core API:
   replicated_near             - device placement for small data used next to an array.
   jit_method                  - jit an NNX module method with its graph split once.
   flat_state                  - a module's state as a flat array list for jit, and its merge.
-  precompile                  - compile every bucket of every path ahead of serving.
+  precompile, Target          - compile a server's encoders for every bucket ahead of serving.
   LayerStack                  - a tower's repeated layers stored stacked [L, ...], run as one scan.
   TowerProgram                - a family's pure forward compiled over the model's state leaves:
                                 the same program a server's own jit compiles.

@@ -1,17 +1,20 @@
-"""Ahead-of-serving compilation of every bucket of every chosen path, with progress.
+"""Ahead-of-serving compilation of a server's own encoders for every bucket, with progress.
 
-JAX compiles on first call; a server that has not warmed up pays it on a live request. `precompile`
-runs each path once per bucket so later calls hit the in-memory cache. If the user configured JAX's
-persistent compilation cache (`jax_compilation_cache_dir`), compiled programs are also written there
-and reused by the next process.
+JAX compiles on first call; a server that has not warmed up pays it on a live request.
+`precompile` calls each encoder once per bucket, with an input of exactly that bucket, so later
+calls in the bucket run the compiled program. Compiled programs belong to the object that owns
+them: pass the encoder instances the server serves with. If the user configured JAX's persistent
+compilation cache (`jax_compilation_cache_dir`), compiled programs are also written there and
+reused by the next process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,66 +23,133 @@ from tqdm import tqdm
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A named PathCase to precompile (e.g. a server's own model instance)."""
+    """Any entry point to precompile: a callable and how to make an input of a bucket.
+
+    Attributes:
+      name: the label of its progress and `Compiled` records.
+      fn: the entry point, called as `fn(*args, **kwargs)`.
+      make_inputs: `(bucket) -> argument tuple` of exactly that bucket; None: `fn` has no
+        buckets and compiles once on `inputs[0]`.
+      buckets: the buckets compiled when `precompile` is given none.
+      inputs: argument tuples of one call (the first is used when there is no `make_inputs`).
+      kwargs: keyword arguments of every call.
+    """
 
     name: str
-    case: Any
+    fn: Callable[..., Any]
+    make_inputs: Callable[[int], tuple] | None = None
+    buckets: tuple[int, ...] = ()
+    inputs: Sequence[tuple] = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """One precompiled (path, bucket) and how long its first call took."""
+    """One precompiled (encoder, bucket) and how long its first call took."""
 
     path: str
     bucket: int | None
     seconds: float
 
 
-def _items(targets: Sequence[str | Any] | None, buckets: Sequence[int] | None):
-    from jaxsync.harness import registry
+def _check_buckets(buckets: Any) -> tuple[int, ...] | None:
+    if buckets is None:
+        return None
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
+        raise TypeError(f"buckets must be a sequence of sizes, got {type(buckets).__name__}")
+    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, numbers.Integral)]
+    if bad:
+        raise TypeError(f"buckets must be integers, got {bad!r}")
+    sizes = tuple(int(b) for b in buckets)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"buckets must be positive sizes, got {list(sizes)}")
+    return sizes
 
-    named = [t for t in targets or () if isinstance(t, str)]
-    cases = [(t.name, t.case) for t in targets or () if isinstance(t, Target)]
-    cases += [(getattr(t.fn, "__qualname__", "path"), t) for t in targets or ()
-              if isinstance(t, registry.PathCase)]  # fmt: skip
-    if targets is None or named:
-        cases += [(spec.name, spec.build(None)) for spec in registry.paths(named or None)]
-    items = []
-    for name, case in cases:
-        chosen = tuple(buckets) if buckets else case.buckets
-        if case.make_inputs is not None and chosen:
-            for b in chosen:
-                items.append((name, b, case.fn, case.make_inputs(b), case.kwargs))
+
+def _target_items(t: Target, buckets: tuple[int, ...] | None) -> list[tuple]:
+    if not callable(t.fn):
+        raise TypeError(f"Target {t.name!r}: fn must be callable, got {type(t.fn).__name__}")
+    chosen = buckets if buckets is not None else tuple(t.buckets)
+    if t.make_inputs is not None and chosen:
+        return [(t.name, b, t.fn, lambda b=b: (t.make_inputs(b), t.kwargs)) for b in chosen]
+    if not t.inputs:
+        raise ValueError(f"Target {t.name!r} has neither make_inputs with buckets nor inputs")
+    return [(t.name, None, t.fn, lambda: (t.inputs[0], t.kwargs))]
+
+
+def _encoder_items(enc: Any, buckets: tuple[int, ...] | None) -> list[tuple]:
+    from jaxsync.models._bucket_inputs import bucket_inputs
+
+    spec = bucket_inputs(enc)
+    if spec is None:
+        if isinstance(enc, str):
+            raise TypeError(
+                f"precompile takes encoder objects, got the name {enc!r} (registered paths are "
+                "the harness's: `jaxsync precompile --paths NAME`)"
+            )
+        raise TypeError(
+            "precompile takes the encoders of jaxsync.models (<Family><Modality>Encoder "
+            f"instances) or jaxsync.Target, got {type(enc).__name__}"
+        )
+    name = type(enc).__name__
+    chosen = buckets if buckets is not None else spec.default
+    if not chosen:
+        raise ValueError(f"{name} has no default buckets: pass buckets")
+    for b in chosen:
+        spec.check(b)
+    return [(name, b, enc, lambda b=b: spec.make(b)) for b in chosen]
+
+
+def _items(encoders: Any, buckets: Any) -> list[tuple]:
+    """(name, bucket, fn, () -> (args, kwargs)) per program; every check runs here, before any
+    input is made or any program compiled."""
+    sizes = _check_buckets(buckets)
+    if isinstance(encoders, (str, bytes)) or not isinstance(encoders, Sequence):
+        encoders = [encoders]  # one encoder
+    if not encoders:
+        raise ValueError("precompile needs at least one encoder")
+    items: list[tuple] = []
+    for enc in encoders:
+        if isinstance(enc, Target):
+            items += _target_items(enc, sizes)
         else:
-            for args in case.inputs[:1]:
-                items.append((name, None, case.fn, args, case.kwargs))
+            items += _encoder_items(enc, sizes)
     return items
 
 
 def precompile(
-    paths: Sequence[str | Any] | None = None,
+    encoders: Any,
     buckets: Sequence[int] | None = None,
     *,
     progress: bool = True,
 ) -> list[Compiled]:
-    """Compiles every bucket of every chosen path (all registered paths by default).
+    """Compiles each encoder for every bucket, ahead of serving.
 
-    Compiled programs belong to the objects that own them: a registered name builds the registry's
-    tiny instance, so a server passes the `PathCase` of its *own* entry point (its `make_inputs`
-    gives one input per bucket). With `jax_compilation_cache_dir` set, every compile is also
-    written there and reused by later processes and other instances.
+    Each encoder is called once per bucket with a host input of exactly that bucket (zeros; see
+    `jaxsync.models._bucket_inputs` for each family's bucket), so a later call in the bucket
+    compiles nothing. With `jax_compilation_cache_dir` set, every compile is also written there
+    and reused by later processes.
+
+    >>> from jaxsync.models.glm4v import Glm4vVisionEncoder  # doctest: +SKIP
+    >>> enc = Glm4vVisionEncoder(load_model(ckpt, cfg))  # doctest: +SKIP
+    >>> jaxsync.precompile([enc], buckets=[256, 1024])  # doctest: +SKIP
 
     Args:
-      paths: registered path names or families, `PathCase`s, or `Target(name, case)`s; None
-        for every registered path.
-      buckets: bucket sizes to compile for paths that can make inputs per bucket; None uses each
-        path's own default buckets.
+      encoders: the server's encoder instances (`<Family><Modality>Encoder` of
+        `jaxsync.models`), one or a sequence; a `Target` for any other entry point.
+      buckets: bucket sizes compiled for every encoder (each must be one of the encoder's own
+        buckets); None compiles each encoder's own default buckets.
       progress: print a progress bar to stderr.
 
     Returns:
-      One record per compiled (path, bucket).
+      One record per compiled (encoder, bucket).
+
+    Raises:
+      TypeError: an object that is not an encoder or a `Target`, or non-integer buckets.
+      ValueError: no encoders, empty or non-positive buckets, or a bucket an encoder never pads
+        to; all before anything is compiled.
     """
-    items = _items(paths, buckets)
+    items = _items(encoders, buckets)
     done: list[Compiled] = []
     if jax.config.jax_compilation_cache_dir and progress:
         print(
@@ -95,8 +165,9 @@ def precompile(
         disable=not progress,
     )
     with bar:
-        for name, b, fn, args, kwargs in items:
+        for name, b, fn, make in items:
             bar.set_postfix_str(name + (f" bucket={b}" if b is not None else ""))
+            args, kwargs = make()
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args, **kwargs))
             done.append(Compiled(name, b, time.perf_counter() - t0))

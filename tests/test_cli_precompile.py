@@ -11,7 +11,9 @@ def test_precompile_then_mixed_stream_does_not_recompile(capsys):
     from jaxsync.check import no_recompile
     from jaxsync.harness.paths.demo import table_gather
 
-    done = jaxsync.precompile(["core.table_gather"], buckets=[8, 16, 32, 64])
+    (spec,) = registry.paths(["core.table_gather"])
+    target = spec.build(None).target(spec.name)
+    done = jaxsync.precompile([target], buckets=[8, 16, 32, 64])
     assert [c.bucket for c in done] == [8, 16, 32, 64]
     assert "precompile 4/4 [###" in capsys.readouterr().err
     rng = np.random.default_rng(0)
@@ -28,23 +30,17 @@ def test_without_precompile_a_new_bucket_recompiles():
         table_gather(list(range(90)))  # bucket 128 was never compiled
 
 
-def test_precompile_a_servers_own_instance():
-    # Compiled programs belong to the instance: precompile the PathCase of the object you serve.
+def test_precompile_a_registered_encoder_by_its_target():
+    # A registered path's case as a Target: its own buckets and inputs, the instance it serves.
     import jaxsync
     from jaxsync.check import no_recompile
 
     (spec,) = registry.paths(["glm4v.vision_tower"])
     case = spec.build(None)
-    enc = case.fn
-    done = jaxsync.precompile([jaxsync.Target("tower", case)], buckets=[24, 32, 48], progress=False)
-    assert [(c.path, c.bucket) for c in done] == [("tower", 24), ("tower", 32), ("tower", 48)]
-    from jaxsync.harness.paths.glm4v import reference as ref
-
-    grids = [[[1, 6, 14]], [[1, 8, 12]], [[1, 10, 14]], [[1, 4, 20]], [[2, 6, 8]], [[1, 8, 24]]]
-    inputs = [(ref.pixels(g, enc.cfg, seed=i), g) for i, g in enumerate(grids)]  # 21..48 tokens
+    done = jaxsync.precompile([case.target("tower")], buckets=[24, 32], progress=False)
+    assert [(c.path, c.bucket) for c in done] == [("tower", 24), ("tower", 32)]
     with no_recompile():
-        for px, g in inputs:
-            enc(px, g)
+        case.fn(*case.make_inputs(32))
 
 
 def test_precompile_command(capsys):

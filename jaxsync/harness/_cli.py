@@ -34,7 +34,8 @@ def precompile(argv: Sequence[str]) -> int:
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     specs = _select(ap, args.paths)
-    done = jaxsync.precompile([s.name for s in specs], args.buckets)
+    # Programs belong to the instances: build each path's own, then compile those.
+    done = jaxsync.precompile([s.build(None).target(s.name) for s in specs], args.buckets)
     print(f"{len(done)} program(s) compiled in {sum(c.seconds for c in done):.1f} s")
     return 0
 

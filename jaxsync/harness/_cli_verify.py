@@ -33,7 +33,7 @@ def _build(spec: Any, checkpoint: str | None) -> Any:
 def _verify_one(
     spec: Any, checkpoint: str | None, probe: bool, precompile: bool, progress: Progress
 ) -> dict[str, Any]:
-    from jaxsync._precompile import Target, precompile as run_precompile
+    from jaxsync._precompile import precompile as run_precompile
     from jaxsync.check import check_sync_free
 
     row: dict[str, Any] = {"path": spec.name, "description": spec.description}
@@ -49,7 +49,7 @@ def _verify_one(
     row["build_s"] = round(time.perf_counter() - t0, 2)
     if precompile:  # the same instance verify then runs, so its programs are the warm ones
         progress.stage("precompiling every bucket")
-        done = run_precompile([Target(spec.name, case)], progress=False)
+        done = run_precompile([case.target(spec.name)], progress=False)
         row["precompiled_buckets"] = [c.bucket for c in done]
 
     progress.stage("parity against the reference")

@@ -69,6 +69,12 @@ class PathCase:
     make_inputs: Callable[[int], tuple] | None = None
     buckets: tuple[int, ...] = ()
 
+    def target(self, name: str) -> Any:
+        """This case as a `jaxsync.Target` named `name`, for `jaxsync.precompile`."""
+        from jaxsync._precompile import Target
+
+        return Target(name, self.fn, self.make_inputs, self.buckets, self.inputs, self.kwargs)
+
 
 @dataclasses.dataclass(frozen=True)
 class PathSpec:

@@ -144,7 +144,7 @@ def test_precompiled_buckets_serve_many_lengths_without_recompiling():
 
     (spec,) = registry.paths(["voxtral.log_mel"])
     case = spec.build(None)
-    jaxsync.precompile([jaxsync.Target("mel", case)], buckets=[256, 1024, 4096], progress=False)
+    jaxsync.precompile([case.target("mel")], buckets=[256, 1024, 4096], progress=False)
     rng = np.random.default_rng(0)
     with no_recompile():
         for n in (200 * 160 + 7, 1000 * 160, 3000 * 160 + 1, 4000 * 160, 700 * 160):
