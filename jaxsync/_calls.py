@@ -17,11 +17,18 @@ the full path built: a repeated call runs the program and the output wrapper, no
 What a key cannot see, the prepared call catches: a deleted (donated) array makes the program
 refuse it before any launch, and `prepared_call` turns that into the entry's documented
 `ValueError`.
+
+The key rule: a key covers every check a hit skips. An entry's checks of its device input
+declare what they read (`@reads("shape", "dtype")`), and `CallCache(checks=...)` keys exactly
+those fields, so a check and its key cannot drift apart: a field no key can cover (the array's
+values) is refused when the cache is built, and "live" is what `prepared_call` re-checks on
+every call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import operator
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
@@ -41,15 +48,80 @@ def _live(x: Any) -> bool:
     return False
 
 
+# What a check of a device input may read, and the attribute a key takes it from. "metadata" is
+# the exact content of the host metadata beside the input (always keyed); "live" (not deleted)
+# is re-checked by the kept call itself on every call.
+KEYED = {
+    "type": "__class__",
+    "shape": "shape",
+    "dtype": "dtype",
+    "sharding": "sharding",
+    "committed": "committed",
+}
+PER_CALL = frozenset({"live", "metadata"})
+_ALL = ("shape", "dtype", "sharding", "committed")
+
+
+def reads(*fields: str) -> Callable[[Callable], Callable]:
+    """Declares what a check of a device input reads (names of `KEYED`, "live", "metadata").
+
+    A `CallCache` built with `checks=` keys exactly the union of its checks' declarations.
+    """
+    unknown = set(fields) - set(KEYED) - PER_CALL
+    if unknown:
+        raise ValueError(
+            f"a kept call cannot skip a check reading {sorted(unknown)}: no key covers it "
+            f"(keyable: {sorted(KEYED)}, re-checked per call: {sorted(PER_CALL)})"
+        )
+
+    def mark(check: Callable) -> Callable:
+        check.reads = frozenset(fields)  # type: ignore[attr-defined]
+        return check
+
+    return mark
+
+
+def key_fields(checks: Iterable[Callable]) -> tuple[str, ...]:
+    """The input fields a key must cover: the union of `checks`' `reads`, in a fixed order.
+
+    Raises:
+      TypeError: a check without a `reads` declaration.
+    """
+    fields: set[str] = set()
+    for check in checks:
+        declared = getattr(check, "reads", None)
+        if declared is None:
+            raise TypeError(f"check {check!r} declares nothing it reads: decorate it with reads()")
+        fields |= declared
+    return tuple(f for f in KEYED if f in fields)
+
+
+def _getter(fields: tuple[str, ...]) -> Callable[[Any], tuple]:
+    names = [KEYED[f] for f in fields]
+    if not names:
+        return lambda x: ()
+    return operator.attrgetter(*names)  # one C call (a single field: its value, no tuple)
+
+
+_FULL = _getter(_ALL)
+
+
 def call_key(x: Any, *metadata: Any) -> Hashable | None:
     """The signature of a call on the device array `x` with host `metadata`, or None.
 
     None when `x` is not a live device array (host data, a tracer) or some metadata has no
-    content key (see `metadata_key`); a None metadata counts as absent.
+    content key (see `metadata_key`); a None metadata counts as absent. The signature is
+    `(shape, dtype, sharding, committed, *metadata keys)`.
     """
+    return _key(_FULL, x, metadata)
+
+
+def _key(fields: Callable[[Any], Any], x: Any, metadata: tuple) -> Hashable | None:
+    """`call_key` over the input fields `fields(x)` reads."""
     if type(x) not in _LIVE_TYPES and not _live(x):
         return None
-    parts: list[Any] = [x.shape, x.dtype, x.sharding, x.committed]
+    got = fields(x)
+    parts: list[Any] = list(got) if fields is _FULL else [got]
     for m in metadata:
         if m is None:
             parts.append(None)
@@ -85,14 +157,21 @@ class CallCache:
     Store only a call whose full checks passed for that key: a hit skips them. A kept call
     that holds something derived from the weights must be dropped (`clear()`) by the entry's
     `load_state`; one that reads the weights at call time (`TowerProgram.prepared`) need not.
+
+    Args:
+      maxsize: signatures kept, least recently used evicted first.
+      checks: the entry's checks of its device input, each declared with `reads`: the key
+        covers exactly their fields (default: shape, dtype, sharding and commitment).
     """
 
-    def __init__(self, maxsize: int = 64):
+    def __init__(self, maxsize: int = 64, *, checks: Iterable[Callable] | None = None):
         self._calls: PlanCache[Callable[[jax.Array], Any]] = PlanCache(maxsize)
+        self.fields = _ALL if checks is None else key_fields(checks)
+        self._fields = _FULL if checks is None else _getter(self.fields)
 
     def find(self, x: Any, *metadata: Any) -> tuple[Callable[[jax.Array], Any] | None, Any]:
         """(the prepared call of this signature or None, the signature for `keep`)."""
-        key = call_key(x, *metadata)
+        key = _key(self._fields, x, metadata)
         return (None if key is None else self._calls.peek(key)), key
 
     def keep(self, key: Hashable | None, run: Callable[[jax.Array], Any]) -> Callable:

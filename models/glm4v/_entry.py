@@ -9,6 +9,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxsync
+from jaxsync._calls import reads
+from jaxsync._entry import TowerEntry, alive, on_devices
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.glm4v import _plan
@@ -89,15 +91,22 @@ class Glm4vVisionEncoder:
         self.dtype = model.dtype
         self.buckets = _plan.check_buckets(buckets)
         self.encoder_only = bool(encoder_only)
-        self._program = jaxsync.TowerProgram(
-            model,
-            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
-        )
         self._table = model.embeddings.position_embedding[...]
         check_placement(placement, self._table)
         self.placement = _home(self._table) if placement is None else placement
-        self._plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
-        self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device pixels
+        program = jaxsync.TowerProgram(
+            model,
+            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
+        )
+        weights = self._table.sharding.device_set
+        self._entry = TowerEntry(
+            program,
+            name=PIXELS,
+            checks=(self._check_pixels, alive(PIXELS), on_devices(weights, PIXELS)),
+            fits=_padded,
+            plan_cache_size=plan_cache_size,
+        )
+        self._calls = self._entry.calls  # repeated calls on device pixels
 
     def load_state(self, model: Glm4vVisionTower) -> None:
         """Takes the weights of `model` (e.g. after `nnx.update`) without recompiling.
@@ -105,13 +114,13 @@ class Glm4vVisionEncoder:
         Raises:
           ValueError: a different structure, shape, dtype or placement (build a new encoder).
         """
-        self._program.load_state(model)
+        self.program.load_state(model)
         self._table = model.embeddings.position_embedding[...]
 
     @property
     def program(self) -> jaxsync.TowerProgram:
         """The compiled forward over the tower's state leaves (`.leaves`, `.num_state_args`)."""
-        return self._program
+        return self._entry.program
 
     def plan(self, grid_thw, num_patches: int | None = None) -> Glm4vPlan:
         """The host plan of a batch with this encoder's buckets and layout (validates
@@ -125,12 +134,11 @@ class Glm4vVisionEncoder:
             num_patches=num_patches,
         )
 
-    def _planned(self, grid_thw, num_patches: int | None, placement, on_miss=None):
-        """(plan, uploaded meta, output row layout), cached per grid content and placement.
+    def _planned(self, grid_thw, num_patches: int | None, placement):
+        """(plan key, plan build): plans are cached per grid content, patches and placement.
 
         A grid of Python ints or a numpy array is keyed as given (a repeated call costs the
         key, not the checks); other host types are validated first and keyed as int64.
-        `on_miss` runs before a new plan is built (and its metadata uploaded).
         """
         key = jaxsync.metadata_key(grid_thw)
         if key is None:
@@ -138,46 +146,27 @@ class Glm4vVisionEncoder:
             key = jaxsync.metadata_key(grid_thw)
 
         def build():
-            plan = self.plan(grid_thw, num_patches)  # validates the grid
-            meta = jaxsync.upload_packed(plan, placement=placement)
-            return plan, meta, jaxsync.Embeddings.layout(plan.lengths)
+            return self.plan(grid_thw, num_patches)  # validates the grid
 
-        return self._plans.get((key, num_patches, placement), build, on_miss=on_miss)
+        return (key, num_patches, placement), build
 
     def _device_placement(self, pixels: jax.Array):
-        """Uploads beside device pixels; refuses pixels away from the weights."""
+        """Uploads beside checked device pixels (replicated over their mesh)."""
         if isinstance(pixels, jax.core.Tracer):  # traced by a checker: placement is the jit's
             return self.placement
-        if pixels.is_deleted():
-            raise ValueError("pixel_values is a deleted (donated) device array")
-        have = pixels.sharding.device_set
-        weights = self._table.sharding.device_set
-        if have != weights:
-            raise ValueError(
-                f"pixel_values live on {sorted(d.id for d in have)} but the tower's weights on "
-                f"{sorted(d.id for d in weights)}: put them on the same devices"
-            )
         sharding = pixels.sharding
         if isinstance(sharding, NamedSharding):
             return NamedSharding(sharding.mesh, PartitionSpec())
+        have = sharding.device_set
         return next(iter(have)) if len(have) == 1 else self.placement
 
-    def _host_pixels(self, pixel_values, plan: Glm4vPlan) -> jax.Array:
-        shape = (plan.padded_patches, self.cfg.patch_dim)  # padding patches are zero pixels
-        return jaxsync.default_staging.put(  # NaN / inf refused as they are copied
-            pixel_values, shape, dtype=self.dtype, placement=self.placement, finite=PIXELS
-        )
-
-    def _check_pixels(self, pixel_values) -> tuple[Any, bool]:
-        is_device = isinstance(pixel_values, jax.Array)
-        if not is_device:
-            pixel_values = jaxsync.host_array(pixel_values, name="pixel_values")
+    @reads("type", "shape", "dtype")
+    def _check_pixels(self, pixel_values) -> None:
         shape, dtype = pixel_values.shape, np.dtype(pixel_values.dtype)
         if len(shape) != 2 or shape[1] != self.cfg.patch_dim:
             raise ValueError(f"pixel_values must be [P, {self.cfg.patch_dim}], got {shape}")
         if not np.issubdtype(dtype, np.floating) and dtype != np.dtype(self.dtype):
             raise TypeError(f"pixel_values must be floating point, got {dtype}")
-        return pixel_values, is_device
 
     @entry_point
     def __call__(self, pixel_values, image_grid_thw) -> jaxsync.Embeddings:
@@ -205,44 +194,37 @@ class Glm4vVisionEncoder:
         run, key = self._calls.find(pixel_values, image_grid_thw)
         if run is not None:
             return run(pixel_values)
-        pixels, is_device = self._check_pixels(pixel_values)
-        if not is_device:  # finite: checked before a new plan's upload, or while staged
-            check = lambda: jaxsync.check_finite(pixels, name=PIXELS)  # noqa: E731
-            plan, meta, layout = self._planned(
-                image_grid_thw, pixels.shape[0], self.placement, on_miss=check
+        entry = self._entry
+        if not isinstance(pixel_values, jax.Array):
+            pixels = jaxsync.host_array(pixel_values, name=PIXELS)
+            self._check_pixels(pixels)
+            plan_key, build = self._planned(image_grid_thw, pixels.shape[0], self.placement)
+            shape = lambda plan: (plan.padded_patches, self.cfg.patch_dim)  # noqa: E731
+            return entry.host(
+                pixels, plan_key, build, self.placement, shape=shape, dtype=self.dtype
             )
-            return self._encode(self._host_pixels(pixels, plan), meta, layout)
-        placement = self._device_placement(pixels)
-        plan, meta, layout = self._planned(image_grid_thw, None, placement)
-        if pixels.shape[0] != plan.padded_patches:
-            raise ValueError(
-                f"a device pixel array must already be padded to the bucket: "
-                f"{plan.padded_patches} rows, got {pixels.shape[0]}"
-            )
-        run = self._program.prepared(meta, finish=_assembler(layout), name="pixel_values")
-        return self._calls.keep(key, run)(pixels)
-
-    def _encode(self, pixels: jax.Array, meta: jaxsync.Packed, layout) -> jaxsync.Embeddings:
-        return _assembler(layout)(self._program(pixels, meta))
+        entry.check(pixel_values)
+        placement = self._device_placement(pixel_values)
+        plan_key, build = self._planned(image_grid_thw, None, placement)
+        return entry.device(pixel_values, key, entry.planned(plan_key, build, placement))
 
     def lower(self, pixels: jax.Array, meta: jaxsync.Packed) -> Any:
         """`jax.jit(...).lower` of the tower program (argument counts, HLO, cost analysis)."""
-        return self._program.lower(pixels, meta)
+        return self.program.lower(pixels, meta)
 
     @entry_point
     def pos_embeds(self, image_grid_thw) -> jax.Array:
         """Interpolated position embeddings of a batch alone: [P_bucket, D] in the model dtype
         (upstream's `pos_embeds_interpolate`); rows >= sum(t*h*w) are padding."""
-        _, meta, _ = self._planned(image_grid_thw, None, self.placement)
-        return _pos_program(self._table, meta)
+        key, build = self._planned(image_grid_thw, None, self.placement)
+        return _pos_program(self._table, self._entry.planned(key, build, self.placement).meta)
 
 
-def _assembler(layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
-    """`Encoded -> Embeddings` with the plan's cached row layout: `Embeddings.of(encoded, plan)`
-    without recomputing the layout per call."""
-
-    def finish(out: jaxsync.Encoded) -> jaxsync.Embeddings:
-        extras = {"finite": out.finite, **out.extras} if out.extras else {"finite": out.finite}
-        return jaxsync.Embeddings.from_layout(out.rows, layout, extras)
-
-    return finish
+@reads("shape", "metadata")
+def _padded(pixels: jax.Array, plan: Glm4vPlan) -> None:
+    """Device pixels come padded to the plan's patch bucket (zeros past the real ones)."""
+    if pixels.shape[0] != plan.padded_patches:
+        raise ValueError(
+            f"a device pixel array must already be padded to the bucket: "
+            f"{plan.padded_patches} rows, got {pixels.shape[0]}"
+        )

@@ -1,0 +1,185 @@
+"""TowerEntry: the per-call host pipeline every family's entry runs, in one place.
+
+A family's entry (`<Family><Modality>Encoder`) supplies three things: its input checks, its
+planner (`plan(host metadata, cfg, *, buckets=None) -> <Family>Plan`) and its `forward`. The
+`TowerEntry` it holds does the rest:
+
+    run, key = entry.calls.find(x, metadata)      # a repeated call on device input: one hit
+    if run is not None:
+        return run(x)
+    entry.check(x)                                # the family's declared checks
+    planned = entry.planned(plan_key, build_plan, placement)  # PlanCache: plan + one upload
+    return entry.device(x, key, planned)          # TowerProgram, kept under `key`
+    # host input: entry.host(x, plan_key, build_plan, placement, shape=...)  (finite, staged)
+
+The call cache's key is derived from the checks (`jaxsync._calls.reads`): every check a kept
+call skips declares what it reads, so the key covers it. The program is the `TowerProgram` of
+the family's forward, shared by every entry of the same structure (it holds no weights), and the
+output is `Embeddings.of(encoded, plan)` with the plan's row layout computed once. Uploads,
+finiteness checks and staging go through the `jaxsync` namespace (what tests and tools watch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+
+import jaxsync
+from jaxsync._calls import CallCache, deleted_message, reads
+from jaxsync._outputs import Embeddings, Encoded
+from jaxsync._plans import PlanCache
+from jaxsync._tower import TowerProgram
+from jaxsync._transfer import Packed
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class Planned(NamedTuple):
+    """What an entry keeps per plan key: all a repeated call needs."""
+
+    plan: Any  # the family's plan (`lengths`, `meta`, its static pads)
+    meta: Packed  # the plan's meta, uploaded once
+    finish: Callable[[Encoded], Embeddings]  # Encoded -> Embeddings on the plan's row layout
+
+
+def assembler(layout: Layout) -> Callable[[Encoded], Embeddings]:
+    """`Encoded -> Embeddings.of(encoded, plan)` on the plan's row layout computed once:
+    extras "finite" and the forward's own."""
+
+    def finish(out: Encoded) -> Embeddings:
+        extras = {"finite": out.finite, **out.extras} if out.extras else {"finite": out.finite}
+        return Embeddings.from_layout(out.rows, layout, extras)
+
+    return finish
+
+
+def planned(plan: Any, placement: Any) -> Planned:
+    """A plan, its one packed upload to `placement` and its output assembly."""
+    return Planned(
+        plan,
+        jaxsync.upload_packed(plan, placement=placement),
+        assembler(Embeddings.layout(plan.lengths)),
+    )
+
+
+def devices_of(placement: Any) -> frozenset:
+    """The devices of a `jax.Device` or a `Sharding`."""
+    if isinstance(placement, jax.Device):
+        return frozenset((placement,))
+    return frozenset(placement.device_set)
+
+
+def alive(name: str) -> Callable[[jax.Array], None]:
+    """A check refusing a deleted (donated) device input (a kept call re-checks it per call)."""
+
+    @reads("live")
+    def check(x: jax.Array) -> None:
+        if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            raise ValueError(deleted_message(name))
+
+    return check
+
+
+def on_devices(devices: Iterable[jax.Device], name: str) -> Callable[[jax.Array], None]:
+    """A check refusing a device input that lives on other devices than `devices` (the
+    weights'), naming both."""
+    want = frozenset(devices)
+
+    @reads("sharding")
+    def check(x: jax.Array) -> None:
+        if isinstance(x, jax.core.Tracer):  # traced by a checker: placement is the jit's
+            return
+        have = x.sharding.device_set
+        if have != want:
+            raise ValueError(
+                f"{name} live on devices {sorted(d.id for d in have)} but the weights on "
+                f"{sorted(d.id for d in want)}: put them on the same devices"
+            )
+
+    return check
+
+
+class TowerEntry:
+    """The shared host pipeline of one entry point over one `TowerProgram`.
+
+    Args:
+      program: the family's `TowerProgram(model, forward)`.
+      name: the device input's name in errors (e.g. "pixel_values").
+      checks: the family's checks of a device input, in order, each declared with
+        `jaxsync._calls.reads`; `check(x)` runs them and the call cache's key covers their reads.
+      fits: a check of a device input against its plan, `fits(x, plan)` (e.g. padded to the
+        plan's bucket), declared with `reads` too; `device` runs it before keeping the call.
+      plan_cache_size: plan keys (and call signatures) kept, least recently used evicted first.
+      plans: a plan cache to share with another entry of the same encoder (default: its own).
+    """
+
+    def __init__(
+        self,
+        program: TowerProgram,
+        *,
+        name: str,
+        checks: Iterable[Callable[[jax.Array], Any]] = (),
+        plan_cache_size: int = 64,
+        fits: Callable[[jax.Array, Any], Any] | None = None,
+        plans: PlanCache[Planned] | None = None,
+    ):
+        self.program = program
+        self.name = name
+        self.checks = tuple(checks)
+        self.fits = fits
+        self.plans: PlanCache[Planned] = PlanCache(plan_cache_size) if plans is None else plans
+        declared = self.checks if fits is None else (*self.checks, fits)
+        self.calls = CallCache(plan_cache_size, checks=declared)
+
+    def check(self, x: jax.Array) -> None:
+        """Runs the declared checks of a device input (what a kept call of it skips)."""
+        for check in self.checks:
+            check(x)
+
+    def planned(
+        self,
+        key: Hashable,
+        plan: Callable[[], Any],
+        placement: Any,
+        *,
+        on_miss: Callable[[], Any] | None = None,
+    ) -> Planned:
+        """The `Planned` of `key`, else `planned(plan(), placement)` after `on_miss()`."""
+        return self.plans.get(key, lambda: planned(plan(), placement), on_miss=on_miss)
+
+    def host(
+        self,
+        x: Any,
+        key: Hashable,
+        plan: Callable[[], Any],
+        placement: Any,
+        *,
+        shape: Callable[[Any], tuple[int, ...]] | None = None,
+        dtype: Any = None,
+        stage_at: Any = None,
+        name: str | None = None,
+    ) -> Embeddings:
+        """A call on host data `x`: NaN / inf refused before a new plan's metadata goes up, or,
+        on a known plan, as `x` is copied into its staging buffer (one pass), zero padded to
+        `shape(plan)`, uploaded to `stage_at` (default `placement`), then the program."""
+        name = self.name if name is None else name
+        p = self.planned(key, plan, placement, on_miss=lambda: jaxsync.check_finite(x, name=name))
+        staged = jaxsync.default_staging.put(
+            x,
+            None if shape is None else shape(p.plan),
+            dtype=dtype,
+            placement=placement if stage_at is None else stage_at,
+            finite=name,
+        )
+        return p.finish(self.program(staged, p.meta))
+
+    def device(self, x: jax.Array, key: Hashable | None, p: Planned) -> Embeddings:
+        """A call on a checked device input: `fits(x, plan)`, then the prepared call, kept
+        under `key`, run."""
+        if self.fits is not None:
+            self.fits(x, p.plan)
+        run = self.program.prepared(p.meta, finish=p.finish, name=self.name)
+        return self.calls.keep(key, run)(x)
