@@ -63,6 +63,33 @@ DROPPED_BY_TRANSFORMERS = frozenset(
 )
 
 
+# Keys that transformers 4.x's `PretrainedConfig.to_dict()` wrote into every config it saved,
+# sub-configs included, at these defaults (and that current transformers keeps when it loads such
+# a config): accepted at exactly these values. At another value some change the model (pruned
+# heads, cross-attention, a decoder mask), so a family refuses them unless it handles them.
+LEGACY_DEFAULTS: dict[str, Any] = {
+    "add_cross_attention": False,
+    "bos_token_id": None,
+    "cross_attention_hidden_size": None,
+    "decoder_start_token_id": None,
+    "eos_token_id": None,
+    "finetuning_task": None,
+    "gradient_checkpointing": False,
+    "is_decoder": False,
+    "pad_token_id": None,
+    "prefix": None,
+    "pruned_heads": {},
+    "sep_token_id": None,
+    "task_specific_params": None,
+    "tf_legacy_loss": False,
+    "tie_encoder_decoder": False,
+    "tokenizer_class": None,
+    "torchscript": False,
+    "use_bfloat16": False,
+    "xla_device": None,
+}
+
+
 class MissingConfigError(WeightError, FileNotFoundError):
     """No `config.json` where one was asked for (also a `FileNotFoundError`, as `open` raises)."""
 
@@ -142,19 +169,23 @@ def unhandled_fields(
     ignored: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Fields of `actual` that are not handled, not ignored, not generic (nor dropped by
-    transformers), and either unknown to `default` or different from it.
+    transformers), and either unknown to `default` or different from it; a key `default` lacks
+    passes at its `LEGACY_DEFAULTS` value (what older transformers saved).
 
     >>> unhandled_fields({"a": 1, "b": [1, 2], "dtype": "f32"}, {"a": 1, "b": (1, 2)}, ())
     {}
     >>> unhandled_fields({"a": 2, "new": 0}, {"a": 1}, ())
     {'a': 2, 'new': 0}
+    >>> unhandled_fields({"pruned_heads": {}, "is_decoder": True}, {}, ())
+    {'is_decoder': True}
     """
     skip = GENERIC_FIELDS | DROPPED_BY_TRANSFORMERS | set(handled) | set(ignored)
     missing = object()
     return {
         k: v
         for k, v in actual.items()
-        if k not in skip and _canonical(default.get(k, missing)) != _canonical(v)
+        if k not in skip
+        and _canonical(default.get(k, LEGACY_DEFAULTS.get(k, missing))) != _canonical(v)
     }
 
 

@@ -38,6 +38,8 @@ IGNORED_FIELDS = frozenset(
     {
         "attention_dropout",  # dropout is off at inference (the tower runs in eval mode)
         "initializer_range",  # only draws fresh weights
+        # the released GLM-4.1V config.json carries it; no module of the tower reads it
+        "hidden_dropout_prob",
     }
 )
 _INT_FIELDS = (

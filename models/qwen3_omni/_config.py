@@ -34,6 +34,29 @@ _MODELLED_FIELDS = (
     "output_dim",
     "downsample_hidden_size",
 )
+# transformers' `Qwen3OmniMoeAudioEncoderConfig()` defaults beyond the generic fields, kept here so
+# the product reads configs identically with or without transformers installed; a test pins them
+# to the class.
+HF_DEFAULTS: dict[str, Any] = {
+    "num_mel_bins": 128,
+    "encoder_layers": 32,
+    "encoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "d_model": 1280,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    "activation_function": "gelu",
+    "activation_dropout": 0.0,
+    "scale_embedding": False,
+    "initializer_range": 0.02,
+    "max_source_positions": 1500,
+    "n_window": 50,
+    "output_dim": 3584,
+    "n_window_infer": 800,
+    "conv_chunksize": 500,
+    "downsample_hidden_size": 480,
+}
+
 # HF computes `embed_scale` from it but never applies it; a checkpoint that sets it expects
 # something HF does not do, so we refuse instead of guessing.
 _REJECTED_DEFAULTS = {"scale_embedding": False}
@@ -167,18 +190,8 @@ class Qwen3OmniAudioConfig:
         # Qwen2.5-Omni's audio encoder shares these field names but not the downsampling.
         check_model_type(cfg, "qwen3_omni_moe_audio_encoder", what="Qwen3-Omni audio encoder")
         ignored = IGNORED_FIELDS | set(_REJECTED_DEFAULTS)
-        bad = unhandled_fields(cfg, _hf_defaults(), _MODELLED_FIELDS, ignored=ignored)
+        bad = unhandled_fields(cfg, HF_DEFAULTS, _MODELLED_FIELDS, ignored=ignored)
         bad.update({k: cfg[k] for k, v in _REJECTED_DEFAULTS.items() if k in cfg and cfg[k] != v})
         if bad:
             raise ValueError(f"unsupported non-default Qwen3-Omni audio config fields: {bad}")
         return cls(**{k: cfg[k] for k in _MODELLED_FIELDS if k in cfg})
-
-
-def _hf_defaults() -> dict[str, Any]:
-    try:
-        from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-            Qwen3OmniMoeAudioEncoderConfig,
-        )
-    except ImportError:  # transformers is optional: fall back to our own defaults
-        return {f.name: f.default for f in dataclasses.fields(Qwen3OmniAudioConfig)}
-    return Qwen3OmniMoeAudioEncoderConfig().to_dict()
