@@ -26,7 +26,13 @@ from jaxsync.models.gemma3n import (
     load_model,
     plan,
 )
-from jaxsync.testing import assert_layers_run, assert_same_math, rel_err, requires_torch
+from jaxsync.testing import (
+    assert_layers_run,
+    assert_same_math,
+    rel_err,
+    requires_torch,
+    server_step,
+)
 
 
 BUCKET = 64
@@ -98,7 +104,7 @@ def test_plan_cached_per_mask(cfg, encoder):
 def test_server_form_in_a_server_jit(cfg, model, encoder):
     feats, mask = _batch(cfg, [41, 7, 29], 41, seed=5)
     x, _, meta = _device_inputs(cfg, feats, mask)
-    step, leaves = R.server_step(model)  # forward over the flat state leaves
+    step, leaves = server_step(model, forward)  # forward over the flat state leaves
     out = step(leaves, x, meta)
     assert isinstance(out, jaxsync.Encoded) and out.extras is None
     want = encoder(feats, mask)
@@ -137,7 +143,7 @@ def test_entry_returns_embeddings_of_its_plan(cfg, model, encoder):
 def test_forward_refuses_features_the_plan_does_not_fit(cfg, model):
     feats, mask = _batch(cfg, [41, 7, 29], 41, seed=5)
     x, _, meta = _device_inputs(cfg, feats, mask)  # plan: [4 clips, 64 frames]
-    step, leaves = R.server_step(model)  # forward over the flat state leaves
+    step, leaves = server_step(model, forward)  # forward over the flat state leaves
     step(leaves, x, meta)  # the control: the planned shape runs
     for bad in (x[:, :41], x[:3], x[..., :-1]):
         with pytest.raises(ValueError, match=r"do not fit the plan.*\[4 clips, 64 frames, 13"):

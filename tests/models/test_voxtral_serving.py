@@ -188,12 +188,12 @@ def test_bench_flops_count_every_matmul_of_the_forward(windows):
 def test_bench_server_form_row_computes_the_entrys_rows():
     """The bench's '· server form' rows time the entry's own computation (control: another
     plan's windows give other rows)."""
-    from jaxsync.harness.paths.voxtral.bench import server_step
-    from jaxsync.models.voxtral import plan
+    from jaxsync.harness.paths._server import rows_only, server_runner
+    from jaxsync.models.voxtral import forward, plan
 
     tower = _tower()
     feats = jax.device_put(_mel(3, tower.cfg, 6).astype(np.float32))
-    runner = server_step(tower)
+    runner = server_runner(tower, rows_only(forward))
     run = runner(plan([1, 1, 1], tower.cfg, buckets=(3,)), lambda: feats)
     want = VoxtralAudioEncoder(tower)(input_features=feats).rows
     jaxsync.testing.assert_same_math(run(), want)

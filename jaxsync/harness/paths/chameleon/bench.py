@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jaxsync
 from jaxsync.harness.bench._programs import main_program_args
+from jaxsync.harness.paths._server import server_runner
 from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.harness.registry import BenchCase, register_bench
 from jaxsync.models.chameleon import (
@@ -83,7 +83,7 @@ def _tokenizer_cases(device: str, size: str) -> list[BenchCase]:
     dtype = jnp.bfloat16 if size == "released" else jnp.float32
     tower = ChameleonImageTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     paths = ChameleonImageEncoder(tower)
-    server = server_step(tower)
+    server = server_runner(tower, forward)
     tdtype = "bfloat16" if size == "released" else "float32"
     hf_vq = ref.build_hf_vqvae(ref.tiny_vq_config() if vq_dict else {}, dtype=tdtype).to(device)
     hf_map = HFMapping(cfg.vocabulary_map)
@@ -110,34 +110,11 @@ def _tokenizer_cases(device: str, size: str) -> list[BenchCase]:
         jax_fn = ft.partial(paths.get_image_tokens, jpx)
         name = f"image_tokens[{size},B={batch}]"
         cases.append(BenchCase(name, jax_fn, torch_fns))
-        cases.append(BenchCase(f"{name} · server form", server(paths.plan(batch), jpx)))
+        # the pixels padded to the plan's bucket once, outside the timed call
+        p = paths.plan(batch)
+        padded = jnp.pad(jpx, ((0, p.rows - batch),) + ((0, 0),) * (jpx.ndim - 1))
+        cases.append(BenchCase(f"{name} · server form", server(p, lambda x=padded: x)))
     return cases
-
-
-def server_step(tower: ChameleonImageTower):
-    """`(plan, pixels) -> run`: the server form of one workload, `forward` in a server's own jit
-    over the tower's flat state leaves; the plan's meta uploaded and the pixels padded to its
-    bucket once, outside the timed call."""
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    @jax.jit
-    def step(leaves, pixels, meta):
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-        return forward(model, pixels, meta)
-
-    def runner(plan, pixels: jax.Array):
-        meta = jaxsync.upload_packed(plan)
-        pad = ((0, plan.rows - pixels.shape[0]),) + ((0, 0),) * (pixels.ndim - 1)
-        padded = jnp.pad(pixels, pad)
-
-        def run():
-            return step(leaves, padded, meta)
-
-        jax.block_until_ready(run())  # compile outside the timed region
-        return run
-
-    return runner
 
 
 @register_bench("chameleon")

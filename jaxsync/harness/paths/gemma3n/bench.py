@@ -14,7 +14,8 @@ import numpy as np
 import jaxsync
 from jaxsync.harness.paths.gemma3n import reference as R
 from jaxsync.harness.registry import BenchCase, register_bench
-from jaxsync.models.gemma3n import Gemma3nAudioEncoder, load_model, plan
+from jaxsync.models.gemma3n import Gemma3nAudioEncoder, forward, load_model, plan
+from jaxsync.testing import server_step
 
 
 _FRAMES_PER_SECOND = 100  # Gemma3nAudioFeatureExtractor: 10 ms hop
@@ -35,7 +36,7 @@ def _server_runner(model, emb: Gemma3nAudioEncoder, batches, *, on_device: bool,
     """The server form on the same rotated batches: each batch planned (the entry's buckets)
     and its meta uploaded once, outside the timed call; features padded to the plan's shape,
     on the device already (`on_device`) or uploaded per call as a server's host features are."""
-    step, leaves = R.server_step(model)
+    step, leaves = server_step(model, forward)
     staged = []
     for feats, mask in batches:
         p = plan(mask, emb.cfg, buckets=emb.buckets)

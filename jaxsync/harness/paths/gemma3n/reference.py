@@ -23,7 +23,6 @@ __all__ = [
     "mel_batch",
     "per_clip",
     "reference_embed",
-    "server_step",
     "tiny_config",
 ]
 
@@ -197,23 +196,3 @@ def per_clip(out: Any) -> np.ndarray:
     rows = np.array(out.embeddings, np.float32)[: out.num_tokens]  # a writable copy
     n = out.lengths[0]
     return rows.reshape(len(out.lengths), n, rows.shape[-1])
-
-
-def server_step(model: Any, fn: Any = None) -> tuple[Any, list]:
-    """A server's jitted step over `model`: `(leaves, features, meta) -> fn(nnx.merge(graphdef,
-    leaves), features, meta)` with the state as flat leaves (as tpu-inference and sglang-jax pass
-    it), and those leaves. `fn` defaults to `gemma3n.forward`."""
-    import jax
-    from flax import nnx
-
-    from jaxsync.models.gemma3n import forward
-
-    fn = forward if fn is None else fn
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    @jax.jit
-    def step(leaves, x, meta):
-        return fn(nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), x, meta)
-
-    return step, leaves

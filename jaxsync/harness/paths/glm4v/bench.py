@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
+from jaxsync.harness.paths._server import rows_only, server_runner
 from jaxsync.harness.paths.glm4v import reference as ref
 from jaxsync.harness.registry import BenchCase, register_bench
 from jaxsync.models.glm4v import (
@@ -58,7 +59,7 @@ def _bench(device: str, size: str) -> list[BenchCase]:
         for layout in ("dense", "segments")
         if layout != enc.layout
     }
-    step = server_step(tower)
+    step = server_runner(tower, rows_only(forward))
     grids = _BENCH_GRIDS
     if size == "tiny":  # the tiny table is 6x6 with patch 7: same shapes, smaller images
         grids = {k: [[t, h // 4, w // 4] for t, h, w in g] for k, g in grids.items()}
@@ -84,7 +85,7 @@ def _bench(device: str, size: str) -> list[BenchCase]:
 
         name = f"glm4v.vision_tower {label}"
         cases.append(BenchCase(name, jax_fn, {"transformers_eager": torch_fn}))
-        cases.append(BenchCase(f"{name} · server form", step(plan, jpx)))
+        cases.append(BenchCase(f"{name} · server form", step(plan, lambda jpx=jpx: next(jpx))))
         for layout, other in others.items() if label in _LAYOUT_ROWS else ():
 
             def other_fn(jpx=jpx, grid=grid, other=other):
@@ -92,7 +93,11 @@ def _bench(device: str, size: str) -> list[BenchCase]:
 
             name = f"glm4v.vision_tower {label} [{layout}]"
             cases.append(BenchCase(name, other_fn))
-            cases.append(BenchCase(f"{name} · server form", step(other.plan(grid), jpx)))
+            cases.append(
+                BenchCase(
+                    f"{name} · server form", step(other.plan(grid), lambda jpx=jpx: next(jpx))
+                )
+            )
 
     grid = grids["4 images"]
     cases.append(
@@ -104,29 +109,6 @@ def _bench(device: str, size: str) -> list[BenchCase]:
     )
     cases.append(BenchCase("glm4v.pos_embeds 4 images · server form", pos_step(tower, enc, grid)))
     return cases
-
-
-def server_step(tower: Glm4vVisionTower):
-    """`(plan, pixels) -> run`: the server form of one workload, `forward` in a server's own jit
-    over the tower's flat state leaves; the plan's meta uploaded once, outside the timed call."""
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    @jax.jit
-    def step(leaves, pixels, meta):
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-        return forward(model, pixels, meta).rows
-
-    def runner(plan, pixels):
-        meta = jaxsync.upload_packed(plan)
-
-        def run():
-            return step(leaves, next(pixels), meta)
-
-        jax.block_until_ready(run())  # compile outside the timed region
-        return run
-
-    return runner
 
 
 def pos_step(tower: Glm4vVisionTower, enc: Glm4vVisionEncoder, grid):

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
+from jaxsync.harness.paths._server import rows_only
 from jaxsync.harness.paths.qwen3_omni import reference as ref
 from jaxsync.harness.paths.qwen3_omni.verify import BENCH_SECONDS, padded_inputs
 from jaxsync.harness.registry import BenchCase, register_bench
 from jaxsync.models.qwen3_omni import Qwen3OmniAudioEncoder, Qwen3OmniAudioTower, forward
+from jaxsync.testing import server_step
 
 
 @register_bench("qwen3_omni")
@@ -76,14 +78,7 @@ def _bench(device: str, size: str) -> list[BenchCase]:
 def server_runner(tower: Qwen3OmniAudioTower, encoder: Qwen3OmniAudioEncoder, rotation):
     """The server form in a server's own jit: `forward(nnx.merge(flat state leaves), ...)`, each
     batch's meta uploaded once (`upload_packed(plan)`) outside the timed call."""
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    @jax.jit
-    def step(leaves, x, meta):
-        tower = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-        return forward(tower, x, meta).rows
-
+    step, leaves = server_step(tower, rows_only(forward))
     metas = [(x, jaxsync.upload_packed(encoder.plan(x.shape, lens))) for x, lens in rotation]
     inputs = itertools.cycle(metas)
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
+from jaxsync.harness.paths._server import rows_only, server_runner
 from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.harness.paths.voxtral.verify import _SR, _batch
 from jaxsync.harness.registry import BenchCase, register_bench
@@ -118,7 +119,7 @@ def _encoder_cases(device: str, size: str) -> list[BenchCase]:
     configs = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}.values()
     model = VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     emb = VoxtralAudioEncoder(model, MelConfig(num_mel_bins=cfg.num_mel_bins))
-    step = server_step(model)
+    step = server_runner(model, rows_only(forward))
     cases = []
     for c in counts:
         mels = [np.random.default_rng(s).uniform(-1, 2, (c, 128, cfg.chunk_frames)) for s in (0, 1)]
@@ -144,29 +145,6 @@ def _encoder_cases(device: str, size: str) -> list[BenchCase]:
         server = step(plan([1] * c, cfg, buckets=(c,)), jx)
         cases.append(BenchCase(f"{name} · server form", server, flops=encoder_flops(cfg, c)))
     return cases
-
-
-def server_step(tower: VoxtralAudioTower):
-    """`(plan, features) -> run`: `forward` in a server's own jit over the tower's flat state
-    leaves; the plan's meta uploaded once, outside the timed call."""
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    @jax.jit
-    def run_step(leaves, features, meta):
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-        return forward(model, features, meta).rows
-
-    def runner(planned, features):
-        meta = jaxsync.upload_packed(planned)
-
-        def run():
-            return run_step(leaves, features(), meta)
-
-        jax.block_until_ready(run())  # compile outside the timed region
-        return run
-
-    return runner
 
 
 def _log_mel_step(spec: MelSpec, mel, waveforms):
