@@ -1,8 +1,8 @@
 """GLM-4.1V's vision tower loaded in 2 processes (`jaxsync.testing.run_distributed`, the global
 ("data", "model") mesh's "model" axis spanning both): its fused qkv goes through a head-major
-reordering (reshape, transpose, reshape) that maps no block index, so each process reads it
-whole and keeps its columns; the linear weights split over "model" are read by halves. The
-forward in a jit over both processes equals one process's."""
+reordering (reshape, transpose, reshape), a gather of rows, so each process reads just the q, k
+and v rows of its own heads; with the linear weights split over "model", every split weight is
+read by halves. The forward in a jit over both processes equals one process's."""
 
 import numpy as np
 import pytest
@@ -81,6 +81,7 @@ def _worker(ctx, ckpt, pixels):
         bytes_read=stats.bytes_read,
         selected_bytes=stats.selected_bytes,
         whole=stats.whole,
+        sliced=stats.sliced,
         params=params,
     )
 
@@ -106,16 +107,19 @@ def test_the_forward_over_both_processes_equals_one_process(run):
             assert_close(got["rows"][c], want, rtol=1e-5, err_msg=f"call {c}, process {p}")
 
 
-def test_qkv_is_read_whole_and_the_other_split_weights_by_halves(run):
+def test_each_process_reads_half_of_every_split_weight_qkv_included(run):
     _, _, results = run
     params = results[0]["params"]
     qkv = {"blocks.layer.attn.qkv.kernel", "blocks.layer.attn.qkv.bias"}
-    assert {p for p, (_, rep) in params.items() if not rep} > qkv  # qkv and more are split
-    whole = sum(params[p][0] for p in qkv)
-    halved = sum(n for p, (n, rep) in params.items() if not rep and p not in qkv)
+    split = {p for p, (_, rep) in params.items() if not rep}
+    assert split > qkv  # qkv and more are split
+    halved = sum(params[p][0] for p in split)
     replicated = sum(n for n, rep in params.values() if rep)
-    assert halved > 0.1 * (whole + halved + replicated)  # an exact count below tells halves
+    assert sum(params[p][0] for p in qkv) > 0.1 * (halved + replicated)  # the count tells qkv
     for got in results:
-        # qkv, and replicated weights whose transforms reshape (read whole either way)
-        assert qkv <= set(got["whole"]) and all(params[p][1] for p in set(got["whole"]) - qkv)
-        assert got["bytes_read"] == replicated + whole + halved // 2
+        # the head-major qkv by the rows its heads take; only replicated weights whose
+        # transforms reshape are read whole (every process holds them whole either way)
+        assert qkv <= set(got["sliced"])
+        assert all(params[p][1] for p in got["whole"])
+        assert got["bytes_read"] == replicated + halved // 2
+        assert got["bytes_read"] < got["selected_bytes"]

@@ -20,7 +20,22 @@ from jaxsync.weights import (
     reshape,
     transpose,
 )
-from jaxsync.weights._sliced import permutation, stored_index
+from jaxsync.weights._sliced import gather_map, permutation, stored_index
+
+
+def _head_major(bias):
+    from jaxsync.models.glm4v._config import Glm4vVisionConfig
+    from jaxsync.models.glm4v._weights import _head_major_qkv
+
+    cfg = Glm4vVisionConfig(depth=1, hidden_size=16, num_heads=4, out_hidden_size=8,
+                            intermediate_size=8)  # fmt: skip  # head_dim 4
+    return _head_major_qkv(cfg, bias=bias)
+
+
+def _glu_pairs():
+    from jaxsync.models.gemma3n._weights import GLU_PAIRS
+
+    return GLU_PAIRS
 
 
 @pytest.mark.parametrize(
@@ -63,6 +78,48 @@ def test_other_transforms_are_read_whole(transform, stored, param):
     assert permutation(transform, stored, param) is None
 
 
+@pytest.mark.parametrize(
+    ("transform", "stored", "param", "index", "reads"),
+    [  # GLM-4.1V's fused qkv [3*N*H, D] -> [D, N*3*H]: heads 1 and 2 take 3 runs of 8 rows
+        (_head_major(False), (48, 16), (16, 48), (slice(None), slice(12, 36)), 3),
+        (_head_major(True), (48,), (48,), (slice(12, 36),), 3),
+        (_glu_pairs(), (12, 6), (6, 12), (slice(1, 5), slice(4, 8)), 2),  # value and gate rows
+        (lambda w: w[::-1], (4, 6), (4, 6), (slice(1, 3), slice(2, 5)), 1),  # a flip
+        (compose(linear, lambda w: w[:, ::-1]), (6, 4), (4, 6), (slice(0, 3), slice(4, 6)), 1),
+    ],
+    ids=["head_major_qkv", "head_major_qkv_bias", "glu_pairs", "flip", "linear_flip"],
+)
+def test_reordering_transforms_read_only_the_rows_a_block_takes(
+    transform, stored, param, index, reads
+):
+    gather = gather_map(transform, stored, param)
+    assert gather is not None
+    w = np.random.default_rng(0).standard_normal(stored).astype(np.float32)
+    want = np.asarray(transform(w))[index]
+    read = []
+    block = gather.read(lambda i: read.append(w[i]) or w[i], index)
+    np.testing.assert_array_equal(block, want)
+    assert len(read) == reads
+    assert sum(r.nbytes for r in read) == want.nbytes  # the block's own elements, no more
+
+
+@pytest.mark.parametrize(
+    ("transform", "stored", "param"),
+    [
+        (lambda w: w.T * 2, (6, 4), (4, 6)),
+        (lambda w: w - w.min(), (4, 6), (4, 6)),  # the indices are offset: the min shows
+        (lambda w: np.abs(w), (4, 6), (4, 6)),  # the negated indices show
+        (lambda w: w.astype(np.float32), (4, 6), (4, 6)),
+        (lambda w: w.reshape(6, 4), (4, 6), (6, 4)),  # moves elements, not separably per axis
+        (lambda w: np.sort(w, axis=None).reshape(w.shape), (4, 6), (4, 6)),
+        (None, (4, 6), (4, 6)),  # no transform: the permutation path's
+    ],
+    ids=["scaled", "minus_min", "abs", "cast", "reshape", "sort", "none"],
+)
+def test_value_changing_transforms_are_no_gather(transform, stored, param):
+    assert gather_map(transform, stored, param) is None
+
+
 class _Block(nnx.Module):
     def __init__(self, rngs):
         self.fc = nnx.Linear(12, 12, rngs=rngs)
@@ -74,6 +131,7 @@ class _Tiny(nnx.Module):
         self.blocks = jaxsync.LayerStack(_Block, 3, rngs=rngs)
         self.conv = nnx.Conv(4, 8, kernel_size=(3,), rngs=rngs)
         self.scaled = nnx.Linear(12, 4, use_bias=False, rngs=rngs)
+        self.glu = nnx.Linear(6, 12, use_bias=False, rngs=rngs)
 
 
 _SCALED = Transform(lambda w: w.T * 2, lambda t: (t[1], t[0]), "scaled")
@@ -82,6 +140,7 @@ RULES = (
     Rule(r"(proj|blocks\.\d+\.fc|conv)\.bias", r"\1.bias"),
     Rule(r"conv\.weight", "conv.kernel", conv(1)),
     Rule(r"scaled\.weight", "scaled.kernel", _SCALED),
+    Rule(r"glu\.weight", "glu.kernel", _glu_pairs()),
 )
 PARTITION_RULES = (
     (r"proj\.kernel", (None, "model")),  # stored [O, I]: the block index maps to stored axis 0
@@ -89,6 +148,7 @@ PARTITION_RULES = (
     (r"blocks\.layer\.fc\.kernel", ("model", "data")),  # stacked, both axes split
     (r"conv\.kernel", (None, "data", "model")),  # stored [O, I, k]
     (r"scaled\.kernel", (None, "model")),  # not a permutation: read whole, then sliced
+    (r"glu\.kernel", (None, "model")),  # a gather: each block's rows of value and gate
 )
 
 
@@ -96,7 +156,7 @@ PARTITION_RULES = (
 def checkpoint(tmp_path_factory):
     rng = np.random.default_rng(1)
     shapes = {"proj.weight": (12, 8), "proj.bias": (12,), "conv.weight": (8, 4, 3)}
-    shapes |= {"conv.bias": (8,), "scaled.weight": (4, 12)}
+    shapes |= {"conv.bias": (8,), "scaled.weight": (4, 12), "glu.weight": (12, 6)}
     for i in range(3):
         shapes |= {f"blocks.{i}.fc.weight": (12, 12), f"blocks.{i}.fc.bias": (12,)}
     tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -122,6 +182,7 @@ def test_the_block_path_loads_what_the_whole_tensor_path_loads(checkpoint, monke
     blocks, stats = _load(checkpoint)
     assert stats.whole == ["scaled.kernel"]
     assert "blocks.layer.fc.kernel" in stats.sliced and "conv.kernel" in stats.sliced
+    assert "glu.kernel" in stats.sliced
     # The distinct blocks of 8 devices cover each tensor once: every byte, none twice.
     assert stats.bytes_read == stats.selected_bytes
     assert [p for p, _ in whole] == [p for p, _ in blocks]
@@ -131,6 +192,7 @@ def test_the_block_path_loads_what_the_whole_tensor_path_loads(checkpoint, monke
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
     loaded = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in blocks}
     np.testing.assert_array_equal(loaded["scaled.kernel"], tensors["scaled.weight"].T * 2)
+    np.testing.assert_array_equal(loaded["glu.kernel"], _glu_pairs()(tensors["glu.weight"]))
     np.testing.assert_array_equal(
         loaded["blocks.layer.fc.kernel"][2], tensors["blocks.2.fc.weight"].T
     )

@@ -29,11 +29,15 @@ class Transform:
         derived (the loader then checks the shape after `fn` only). Raises `ValueError` when the
         transform does not apply to a parameter of that shape.
       name: shown in error messages.
+      axes_only: the transform only permutes axes, whatever the shape (`linear`, `conv`,
+        `transpose` and compositions of them): a block of the parameter is the same permutation
+        of a block of the stored tensor, so a multi-process load reads just that block.
     """
 
     fn: Callable[[jax.Array], jax.Array]
     stored_shape: Callable[[Shape], Shape | None]
     name: str = "transform"
+    axes_only: bool = False
 
     def __call__(self, w: jax.Array) -> jax.Array:
         return self.fn(w)
@@ -84,7 +88,7 @@ def _linear_stored(target: Shape) -> Shape:
 
 # Transforms use array methods, so the loader applies them to host numpy arrays (no device
 # program per tensor) and checks them abstractly on `jax.ShapeDtypeStruct`s alike.
-linear = Transform(lambda w: w.T, _linear_stored, "linear")
+linear = Transform(lambda w: w.T, _linear_stored, "linear", axes_only=True)
 """torch Linear weight [O, I] -> nnx.Linear kernel [I, O]."""
 
 
@@ -96,7 +100,9 @@ def conv(ndim: int) -> Transform:
         _ndim(name, target, ndim + 2)
         return (target[-1], target[-2], *target[:-2])
 
-    return Transform(lambda w: w.transpose((*range(2, ndim + 2), 1, 0)), stored, name)
+    return Transform(
+        lambda w: w.transpose((*range(2, ndim + 2), 1, 0)), stored, name, axes_only=True
+    )
 
 
 def transpose(*axes: int) -> Transform:
@@ -112,7 +118,7 @@ def transpose(*axes: int) -> Transform:
             out[a] = target[i]
         return tuple(out)
 
-    return Transform(lambda w: w.transpose(axes), stored, name)
+    return Transform(lambda w: w.transpose(axes), stored, name, axes_only=True)
 
 
 def reshape(*shape: int, stored: Shape | None = None) -> Transform:
@@ -152,4 +158,5 @@ def compose(*fs: Transform | Callable) -> Transform:
                 return None
         return shape
 
-    return Transform(fn, stored, name)
+    axes_only = all(getattr(f, "axes_only", False) for f in fs)
+    return Transform(fn, stored, name, axes_only=axes_only)

@@ -2,12 +2,19 @@
 
 Under `jax.distributed` a parameter sharded over a mesh spanning several processes is built with
 `jax.make_array_from_callback`: each process reads, for every distinct block its own devices
-hold, just that block of the stored tensor (`safe_open(...).get_slice(key)[index]`), mapped back
-through the rule's transform. A transform is mapped when it is a pure axis permutation (`linear`,
-`conv(n)`, `transpose(...)`, a composition of them, a plain `lambda w: w.T`): found by applying
-it to a small probe array of distinct axis sizes and values, and confirmed against the real
-shapes. Any other transform (a reshape, arithmetic) cannot map an index; such a tensor is read
-whole, once per process, and sliced after its transform.
+hold, just the part of the stored tensor that block takes (`safe_open(...).get_slice(key)[...]`),
+mapped back through the rule's transform:
+
+* a transform marked `axes_only` (`linear`, `conv(n)`, `transpose(...)`, compositions of them)
+  permutes axes whatever the shape: the block's index, permuted, is the stored block (the
+  permutation found by applying it to a small probe array of distinct axis sizes and values);
+* any other transform (a plain callable, a reshape-transpose-reshape reordering one axis in
+  groups) is run on the stored tensor's element indices at the real shape (`gather_map`); when
+  it only moves elements, separably per axis, the block takes given rows of each stored axis,
+  read as contiguous runs and gathered (GLM-4.1V's head-major qkv, gemma3n's GLU pairs);
+* a transform that changes values, mixes axes (a reshape to another rank), or whose tensor is
+  over `_GATHER_LIMIT` elements maps no index: that tensor is read whole, once per process, and
+  sliced after its transform.
 """
 
 from __future__ import annotations
@@ -99,6 +106,110 @@ def index_key(index: Index, shape: tuple[int, ...]) -> tuple:
     return tuple(part.indices(n) for part, n in zip(index, shape, strict=True))
 
 
+_GATHER_LIMIT = 1 << 24  # elements: a larger tensor's transform is not probed (the probe's memory)
+_MAX_READS = 64  # contiguous reads for one block; past it, the bounding box of its rows is read
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """A transform that only moves elements, separably per axis: `param =
+    stored.transpose(perm)[np.ix_(*rows)]` (parameter axis i is stored axis perm[i], taken at
+    positions rows[i]). A reshape-transpose-reshape that reorders one axis in groups (GLM-4.1V's
+    head-major qkv, gemma3n's GLU pairs) is one."""
+
+    perm: tuple[int, ...]
+    rows: tuple[np.ndarray, ...]
+
+    def read(self, read_raw: Callable[[Index], np.ndarray], index: Index) -> np.ndarray:
+        """A parameter block from the stored rows it takes: each stored axis' needed positions
+        read as contiguous runs (`read_raw(stored index)`), then gathered and transposed."""
+        picks: list[np.ndarray] = [np.empty(0, np.int64)] * len(self.perm)
+        for axis, part in enumerate(index):
+            picks[self.perm[axis]] = self.rows[axis][part]
+        if any(p.size == 0 for p in picks):
+            return np.empty(tuple(len(r[i]) for r, i in zip(self.rows, index, strict=True)))
+        wanted = [np.unique(p) for p in picks]
+        runs = [_runs(u) for u in wanted]
+        if math.prod(len(r) for r in runs) > _MAX_READS:
+            wanted = [np.arange(u[0], u[-1] + 1) for u in wanted]
+            runs = [[(0, int(u[0]), int(u[-1]) + 1)] for u in wanted]
+        buf = None
+        for combo in itertools.product(*runs):
+            part = read_raw(tuple(slice(a, b) for _, a, b in combo))
+            if buf is None:
+                buf = np.empty(tuple(len(u) for u in wanted), part.dtype)
+            buf[tuple(slice(o, o + b - a) for o, a, b in combo)] = part
+        pos = [np.searchsorted(u, p) for u, p in zip(wanted, picks, strict=True)]
+        return buf.transpose(self.perm)[np.ix_(*(pos[a] for a in self.perm))]
+
+
+def _runs(sorted_unique: np.ndarray) -> list[tuple[int, int, int]]:
+    """`(offset in the array, start, stop)` of each run of consecutive values."""
+    breaks = np.flatnonzero(np.diff(sorted_unique) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [sorted_unique.size]])
+    return [
+        (int(a), int(sorted_unique[a]), int(sorted_unique[b - 1]) + 1)
+        for a, b in zip(starts, stops, strict=True)
+    ]
+
+
+def gather_map(transform: Callable | None, stored: tuple[int, ...], param: tuple[int, ...]):
+    """The `Gather` a transform is on a tensor of shape `stored`, or None.
+
+    The transform runs on the stored tensor's element indices (int64, offset by the element
+    count, of the real shape: a reshape to fixed sizes runs as on the weight): a result of the
+    parameter's shape and dtype whose every element is a stored index, whose indices split into
+    one stored axis per parameter axis, and which takes the negated indices to the negated
+    result, is a gather. Arithmetic moves the values off their indices, off int64, or breaks the
+    sign symmetry (abs, clip), so it is not taken for one. Tensors over `_GATHER_LIMIT` elements
+    are not probed.
+    """
+    ndim = len(stored)
+    numel = math.prod(stored)
+    if transform is None or ndim == 0 or len(param) != ndim or not 0 < numel <= _GATHER_LIMIT:
+        return None
+    probe = np.arange(numel, 2 * numel, dtype=np.int64).reshape(stored)
+    try:
+        out = np.asarray(transform(probe))
+        negated = np.asarray(transform(-probe))
+    except Exception:  # a transform that cannot run on the indices is not mapped
+        return None
+    del probe
+    if out.shape != tuple(param) or out.dtype != np.int64 or not np.array_equal(negated, -out):
+        return None
+    del negated
+    out = out - numel
+    if out.min() < 0 or out.max() >= numel:
+        return None
+    strides = [math.prod(stored[a + 1 :]) for a in range(ndim)]
+    perm: list[int | None] = [None] * ndim
+    rows: list[np.ndarray] = []
+    for i in range(ndim):
+        line = out[tuple(slice(None) if a == i else 0 for a in range(ndim))]
+        coords = np.unravel_index(line, stored)
+        moving = [a for a in range(ndim) if np.any(coords[a] != coords[a][0])]
+        if len(moving) > 1:
+            return None
+        perm[i] = moving[0] if moving else None
+        rows.append(coords[moving[0]] if moving else coords[0][:1])
+    free = [a for a in range(ndim) if a not in perm]
+    for i in range(ndim):
+        if perm[i] is None:  # an axis of size 1: whichever stored axis is left, at its position
+            perm[i] = free.pop(0)
+            rows[i] = np.atleast_1d(np.unravel_index(out.flat[0], stored)[perm[i]])
+    if sorted(perm) != list(range(ndim)):
+        return None
+    flat = np.zeros((1,) * ndim, np.int64)
+    for i, (a, r) in enumerate(zip(perm, rows, strict=True)):
+        flat = flat + (strides[a] * r.astype(np.int64)).reshape(
+            [-1 if b == i else 1 for b in range(ndim)]
+        )
+    if not np.array_equal(out, flat):
+        return None
+    return Gather(tuple(perm), tuple(np.asarray(r, np.int64) for r in rows))
+
+
 class BlockReader:
     """Reads one parameter's blocks: `block(index)` for a parameter loaded from one tensor,
     per layer for a stacked one, per row for one grouping tensors along its first axis.
@@ -117,15 +228,22 @@ class BlockReader:
         self.layers = {item.index: item for item in items}
         self.depth = len(items[0].index)  # leading axes indexed per tensor
         layer_shape = shape[self.depth :]
-        self.perms = {
-            item.index: permutation(item.transform, item.info.shape, layer_shape) for item in items
+        self.perms = {  # transforms permuting axes whatever the shape (None: no transform)
+            item.index: permutation(item.transform, item.info.shape, layer_shape)
+            if item.transform is None or getattr(item.transform, "axes_only", False)
+            else None
+            for item in items
         }
+        self.gathers = {}  # any other transform: a gather, probed at the real shape (`Gather`)
+        for lead, item in self.layers.items():
+            if self.perms[lead] is None:
+                self.gathers[lead] = _gather_of(item.transform, item.info.shape, layer_shape)
         self.whole: dict[Any, np.ndarray] = {}  # tensors read whole, kept for their other blocks
 
     @property
     def mapped(self) -> bool:
         """Whether every tensor's transform maps a block index (else some are read whole)."""
-        return all(p is not None for p in self.perms.values())
+        return all(p is not None or self.gathers[k] is not None for k, p in self.perms.items())
 
     def block(self, index: Index) -> np.ndarray:
         index = full_index(index, len(self.shape))
@@ -142,9 +260,29 @@ class BlockReader:
         item, perm = self.layers[lead], self.perms[lead]
         if perm is not None:
             return self.read_block(item, stored_index(index, perm))
+        if (gather := self.gathers[lead]) is not None:  # the stored rows it takes, untransformed
+            raw = dataclasses.replace(item, transform=None)
+            return gather.read(lambda stored: self.read_block(raw, stored), index)
         if lead not in self.whole:
             self.whole[lead] = self.read_block(item, None)
         return self.whole[lead][index]
+
+
+_GATHERS: dict[Any, Gather | None] = {}  # (transform, stored, param) -> its gather, per load
+
+
+def _gather_of(transform: Callable | None, stored: tuple, param: tuple) -> Gather | None:
+    """`gather_map`, once per transform and shapes (a stacked parameter's layers share one)."""
+    try:
+        key = (transform, tuple(stored), tuple(param))
+        hash(key)
+    except TypeError:
+        return gather_map(transform, stored, param)
+    if key not in _GATHERS:
+        if len(_GATHERS) >= 16:
+            _GATHERS.pop(next(iter(_GATHERS)))
+        _GATHERS[key] = gather_map(transform, stored, param)
+    return _GATHERS[key]
 
 
 def sharded_array(reader: BlockReader, sharding: jax.sharding.Sharding, dtype: Any) -> jax.Array:
