@@ -1,6 +1,8 @@
-"""The loader's block reading, in one process: how a block index maps through each transform,
-and a load forced through the block path (as a process holding part of a sharding takes it)
-equal, bit for bit, to the whole-tensor load. tests/test_distributed.py runs it in 2 processes."""
+"""The loader's block reading: how a block index maps through each transform (axis
+permutations, gathers such as head-major qkv and GLU pairs, and the value-changing transforms
+read whole), a load forced through the block path in one process (as a process holding part of a
+sharding takes it) equal, bit for bit, to the whole-tensor load, and the same load in 2
+processes, each reading half of every split weight except the one read whole, counted."""
 
 import jax
 import numpy as np
@@ -9,6 +11,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import jaxsync
+import jaxsync.testing
 from jaxsync.weights import (
     Rule,
     Transform,
@@ -196,3 +199,39 @@ def test_the_block_path_loads_what_the_whole_tensor_path_loads(checkpoint, monke
     np.testing.assert_array_equal(
         loaded["blocks.layer.fc.kernel"][2], tensors["blocks.2.fc.weight"].T
     )
+
+
+# ---------------------------------------------------------------- in 2 processes
+
+distributed = jaxsync.testing.distributed_fixture(scope="module", timeout=240)
+
+
+def _tiny_worker(ctx, path):
+    module = load_weights(
+        lambda: _Tiny(nnx.Rngs(0)), path, RULES, mesh=ctx.mesh, partition_rules=PARTITION_RULES
+    )
+    stats = _loader.last_load_stats()
+    params = {}
+    for p, var in nnx.to_flat_state(nnx.state(module)):
+        x = var.get_value()
+        params[".".join(map(str, p))] = (x.nbytes, x.sharding.is_fully_replicated, ctx.gather(x))
+    return dict(params=params, bytes_read=stats.bytes_read, whole=stats.whole, sliced=stats.sliced)
+
+
+def test_in_two_processes_each_reads_half_of_each_split_weight(checkpoint, distributed):
+    """The gather (glu) and permutation (linear, conv) weights split over processes are read by
+    halves; `scaled` (arithmetic) is read whole in each process: its fallback, counted."""
+    path, tensors = checkpoint
+    whole, _ = _load(path)
+    want = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in whole}
+    results = distributed(_tiny_worker, path)
+    params = results[0]["params"]
+    split = {p for p, (_, rep, _) in params.items() if not rep}
+    assert {"glu.kernel", "proj.kernel", "conv.kernel", "scaled.kernel"} <= split
+    replicated = sum(n for n, rep, _ in params.values() if rep)
+    halved = sum(params[p][0] for p in split - {"scaled.kernel"})
+    for got in results:
+        assert got["whole"] == ["scaled.kernel"] and "glu.kernel" in got["sliced"]
+        assert got["bytes_read"] == replicated + halved // 2 + params["scaled.kernel"][0]
+        for p, (_, _, value) in got["params"].items():
+            np.testing.assert_array_equal(value, want[p], err_msg=p)
