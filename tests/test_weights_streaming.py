@@ -92,7 +92,8 @@ def checkpoint(tmp_path_factory):
 
 
 class _CountingOpen:
-    """Wraps `safe_open`: records the files opened and the tensor bytes read through them."""
+    """Wraps `safe_open` (headers) and the reader's plain `open` (tensor data): records the
+    shard files opened and the tensor bytes read."""
 
     def __init__(self):
         self.opened, self.bytes = [], 0
@@ -100,6 +101,34 @@ class _CountingOpen:
     def __call__(self, file, framework):
         self.opened.append(Path(file).name)
         return _CountingHandle(safe_open(file, framework=framework), self)
+
+    def open(self, file, mode="r", **kwargs):
+        real = open(file, mode, **kwargs)
+        if "b" not in mode or Path(file).suffix != ".safetensors":
+            return real
+        self.opened.append(Path(file).name)
+        return _CountingFile(real, self)
+
+
+class _CountingFile:
+    """A binary file whose `readinto` (the tensor reader) counts the bytes it reads."""
+
+    def __init__(self, real, log):
+        self.real, self.log = real, log
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.real.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def readinto(self, buffer):
+        n = self.real.readinto(buffer)
+        self.log.bytes += n or 0
+        return n
 
 
 class _CountingHandle:
@@ -145,6 +174,7 @@ class _CountingSlice:
 def test_opens_only_needed_shards_and_reads_only_needed_bytes(checkpoint, monkeypatch, kind):
     counter = _CountingOpen()
     monkeypatch.setattr("jaxsync.weights._checkpoint.safe_open", counter)
+    monkeypatch.setattr("jaxsync.weights._checkpoint.open", counter.open, raising=False)
     net = load(kind, checkpoint)
     tiny_bytes = sum(a.nbytes for a in weights.to_numpy_state(net).values() if a.size < 100)
     if kind == "tiny":

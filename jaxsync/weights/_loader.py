@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,46 @@ def _row_slot(target: str, targets: dict[str, Any]) -> tuple[str, int | None]:
     return head, int(row)
 
 
+_ABSTRACT: dict[Any, nnx.Module] = {}  # factory key -> its module under `nnx.eval_shape`
+
+
+def _factory_key(factory: Callable) -> Any:
+    """What determines `factory()`'s structure: a class, a `functools.partial`'s function and
+    arguments, or a function's code with the values it closes over, its defaults and the
+    globals it names; None (not cached) when any of them is unhashable."""
+    if isinstance(factory, type):
+        key: Any = factory
+    elif isinstance(factory, functools.partial):
+        key = (_factory_key(factory.func), factory.args, tuple(sorted(factory.keywords.items())))
+    elif isinstance(factory, types.FunctionType):
+        code, env = factory.__code__, factory.__globals__
+        cells = tuple(c.cell_contents for c in factory.__closure__ or ())
+        named = tuple((n, env[n]) for n in code.co_names if n in env)
+        kwdefaults = tuple(sorted((factory.__kwdefaults__ or {}).items()))
+        key = (code, cells, factory.__defaults__, kwdefaults, named)
+    else:
+        return None
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def abstract_module(factory: Callable[[], nnx.Module]) -> nnx.Module:
+    """`nnx.eval_shape(factory)`, built once per factory (see `_factory_key`): repeated loads of
+    one tower class and config skip tracing its constructor. Each load gets its own copy
+    (`nnx.clone`): loading fills the variables it is given, never the cached module's."""
+    key = _factory_key(factory)
+    if key is None:
+        return nnx.eval_shape(factory)
+    if key not in _ABSTRACT:
+        if len(_ABSTRACT) >= 64:
+            _ABSTRACT.pop(next(iter(_ABSTRACT)))
+        _ABSTRACT[key] = nnx.eval_shape(factory)
+    return nnx.clone(_ABSTRACT[key])
+
+
 def load_weights(
     factory: Callable[[], nnx.Module],
     checkpoint: str | Path,
@@ -163,7 +205,7 @@ def load_weights(
         placement that does not fit, or an unreadable file (missing, truncated, bad header, an
         index naming a key its shard lacks).
     """
-    abstract = nnx.eval_shape(factory)
+    abstract = abstract_module(factory)
     stacked = stacks(abstract)
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
