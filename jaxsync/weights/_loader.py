@@ -399,7 +399,7 @@ def _check_shape(info: TensorInfo, rule: Rule, target: str, expected: Any) -> jn
     # Also the forward map: the only check for a transform without an inverse shape map, and a
     # guard against a custom inverse map that disagrees with its transform.
     try:
-        out = jax.eval_shape(rule.transform, jax.ShapeDtypeStruct(info.shape, info.dtype))
+        out = _forward_shape(rule.transform, info.shape, info.dtype)
     except Exception as e:  # any failure of the user's transform on this shape is a misfit
         raise WeightError(f"{where}: transform fails on stored shape {info.shape}: {e}") from e
     if tuple(out.shape) != want:
@@ -408,6 +408,21 @@ def _check_shape(info: TensorInfo, rule: Rule, target: str, expected: Any) -> jn
             f"the module expects {want}"
         )
     return out.dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def _traced_shape(transform: Callable, shape: tuple[int, ...], dtype: Any) -> Any:
+    return jax.eval_shape(transform, jax.ShapeDtypeStruct(shape, dtype))
+
+
+def _forward_shape(transform: Callable, shape: tuple[int, ...], dtype: Any) -> Any:
+    """The transform's result shape and dtype, traced once per (transform, stored shape, dtype):
+    one rule serves every layer of a tower."""
+    try:
+        hash(transform)
+    except TypeError:
+        return jax.eval_shape(transform, jax.ShapeDtypeStruct(shape, dtype))
+    return _traced_shape(transform, shape, dtype)
 
 
 def _cast(
