@@ -133,6 +133,11 @@ def _kv_worker(ctx, root, shared):
         )
     for variant in VARIANTS:  # a (k, v) pair and a stacked cache, saved by shards
         _save_and_load(ctx, out, heads, *variant)
+    k, v = VARIANTS[0][1].random(["a"], jax.random.key(2), placement=heads)["a"]
+    mixed = {"a": (k, jax.device_put(v, everywhere))}  # k split over heads, v whole everywhere
+    mixed_root = str(ctx.workdir / "mixed")
+    _attempt(out, "save_mixed", lambda: kv.save_kv(mixed_root, mixed, TOKENS, SAVE_BLOCKS))
+    out["mixed_written"] = os.path.exists(mixed_root)
     return out
 
 
@@ -341,6 +346,14 @@ def test_pairs_and_stacked_caches_round_trip_by_shards(outcomes, tmp_path, name,
             assert heads == {(4 * p, 4 * p + 2), (4 * p + 2, 4 * p + 4)}
             for key, block in blocks:
                 assert block.tobytes() == leaf[tuple(slice(a, b) for a, b in key)].tobytes()
+
+
+def test_save_kv_refuses_k_and_v_sharded_differently_before_writing(outcomes):
+    for o in outcomes:
+        assert (
+            o["save_mixed"] == "ValueError: layer 'a': k and v are sharded differently; cannot save"
+        )
+        assert not o["mixed_written"]
 
 
 def _one_process_heads():
