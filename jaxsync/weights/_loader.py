@@ -167,8 +167,10 @@ def load_weights(
     built with `jax.make_array_from_callback` from the blocks this process's devices hold: each
     distinct block is read alone (`get_slice(key)[index]`), its index mapped back through the
     rule's transform when that is an axis permutation (`linear`, `conv`, `transpose`, their
-    compositions). A tensor whose transform cannot map an index (a reshape, arithmetic) is read
-    whole in each process and sliced after its transform. `last_load_stats()` reports the bytes
+    compositions), or through a transform that gathers rows per axis (a head-major reorder, GLU
+    pairs; see `_sliced.gather_map`) to the stored rows the block takes. A tensor whose
+    transform maps no index (arithmetic, a change of rank) is read whole in each process and
+    sliced after its transform. `last_load_stats()` reports the bytes
     read. Parameters this process's devices hold whole (every single-process load) are read
     whole and placed with one `jax.device_put`.
 
