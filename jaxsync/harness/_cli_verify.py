@@ -205,6 +205,10 @@ def verify(argv: Sequence[str]) -> int:
     progress = Progress(what)  # on stderr from the first second
     try:
         return _verify(ap, args, progress)
+    except CheckpointError as e:  # one line, after the bar is gone
+        progress.close()
+        print(f"jaxsync verify: error: {e}", file=sys.stderr)
+        return 2
     finally:
         progress.close()
 
@@ -222,15 +226,10 @@ def _verify(ap: argparse.ArgumentParser, args: argparse.Namespace, progress: Pro
     if not args.json:  # rows stream as they finish: a slow or killed run still shows its results
         progress.write(f"jaxsync verify — backend: {backend}\n{HEADER}\n{'-' * len(HEADER)}")
     rows = []
-    try:
-        for spec in specs:
-            row = _verify_one(spec, args.checkpoint, not args.no_probe, args.precompile, progress)
-            rows.append(row)
-            progress.done(None if args.json else format_row(row))
-    except CheckpointError as e:
-        progress.close()
-        print(f"jaxsync verify: error: {e}", file=sys.stderr)
-        return 2
+    for spec in specs:
+        row = _verify_one(spec, args.checkpoint, not args.no_probe, args.precompile, progress)
+        rows.append(row)
+        progress.done(None if args.json else format_row(row))
     progress.close()
     if args.json:
         print(json.dumps({"backend": backend, "paths": rows}, indent=2, default=str))
@@ -244,12 +243,7 @@ def _verify(ap: argparse.ArgumentParser, args: argparse.Namespace, progress: Pro
 def _lower_for(
     specs: Sequence[Any], args: argparse.Namespace, backend: str, progress: Progress
 ) -> int:
-    try:
-        rows = _lower_rows(specs, args.checkpoint, args.lower_for, progress)
-    except CheckpointError as e:
-        progress.close()
-        print(f"jaxsync verify: error: {e}", file=sys.stderr)
-        return 2
+    rows = _lower_rows(specs, args.checkpoint, args.lower_for, progress)
     progress.close()
     if args.json:
         print(json.dumps({"backend": backend, "lower_for": rows}, indent=2))
