@@ -129,15 +129,23 @@ def open_shard(file: Path) -> Iterator[Any]:
         yield handle
 
 
-def read_tensor(handle: Any, info: TensorInfo) -> np.ndarray:
+def read_tensor(handle: Any, info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     """Reads one tensor's bytes from an open shard into a host numpy array (bf16 kept as bf16;
-    the only reader): straight from the file at the offset its header gives, one copy."""
+    the only reader): straight from the file at the offset its header gives, one copy, into
+    `out` when given (a C-contiguous array of the tensor's shape and dtype, returned)."""
     if info.offset is None:
         try:
-            return np.asarray(handle.get_tensor(info.key))
+            value = np.asarray(handle.get_tensor(info.key))
         except (SafetensorError, OSError) as e:
             raise WeightError(f"cannot read {info.key!r} from {info.file}: {e}") from e
-    out = np.empty(info.shape, info.dtype)
+        if out is None:
+            return value
+        out[...] = value
+        return out
+    if out is None or out.shape != info.shape or out.dtype != info.dtype:
+        out = np.empty(info.shape, info.dtype)
+    elif not out.flags.c_contiguous:
+        raise ValueError("read_tensor needs a C-contiguous out array")
     view = memoryview(out.reshape(-1).view(np.uint8))
     done = 0
     try:

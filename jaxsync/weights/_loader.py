@@ -287,18 +287,22 @@ def load_weights(
                     handles[item.info.file] = files.enter_context(open_shard(item.info.file))
                 return handles[item.info.file]
 
-            def read_block(item: _Load, index: tuple[slice, ...] | None) -> np.ndarray:
-                """One tensor (index None) or one block of it, transformed and cast."""
+            def read_block(
+                item: _Load, index: tuple[slice, ...] | None, out: np.ndarray | None = None
+            ) -> np.ndarray:
+                """One tensor (index None) or one block of it, transformed and cast; a tensor
+                kept as stored is read straight into `out` when one is given."""
                 if index is None:
-                    raw = np.asarray(read_tensor(handle(item), item.info))
+                    kept = item.transform is None and item.cast is None
+                    raw = read_tensor(handle(item), item.info, out=out if kept else None)
                 else:
                     raw = read_slice(handle(item), item.info, index)
                 stats.bytes_read += raw.nbytes
                 stats.tensors += 1
                 return _host_value(item, raw)
 
-            def read(item: _Load) -> np.ndarray:
-                value = read_block(item, None)
+            def read(item: _Load, out: np.ndarray | None = None) -> np.ndarray:
+                value = read_block(item, None, out)
                 bar.update(item.info.nbytes)
                 return value
 
@@ -319,7 +323,9 @@ def load_weights(
                     expected = variable.get_value()
                     host = np.empty(expected.shape, expected.dtype)
                     for item in sorted(items, key=lambda i: (str(i.info.file), i.index)):
-                        host[item.index] = read(item)
+                        slot = host[item.index]  # read into in place (the kernel fills it)
+                        if (value := read(item, slot)) is not slot:
+                            slot[...] = value
                 variable.set_value(jax.device_put(host, places[target]))
                 del host
     finally:
