@@ -12,17 +12,23 @@ released. Tensor bytes are a repeated random pattern: the bench measures I/O and
 Each measurement runs in a fresh process (median of `--repeats`), after `posix_fadvise(DONTNEED)`
 on every shard so the files are read from the disk, not the page cache (the output says whether
 that took effect, from a timed read of one shard before and after):
-  load s     `load_model(dir, dtype=bfloat16)` until every parameter is ready;
+  load s     `load_model(dir, dtype=bfloat16)` until every parameter is ready, split into
+             abstract (building the module's abstract state), read (tensor bytes from the files),
+             transform (host transforms and casts), place (`jax.device_put`) and other (config,
+             headers, checks);
+  hand s     the same tensors read by hand in another fresh process: `safetensors.safe_open`
+             (`framework="flax"`, which keeps bf16) and `get_tensor` per key, then one
+             `jax.device_put` of each shard's list;
   peak MiB   VmHWM during the load over the VmRSS of the process that imported jax and jaxsync
              (on the CPU backend the placed tower itself is host memory), and of it the peak of
              RssAnon (sampled every 5 ms): the rest is shard pages mapped while they are read;
   MiB read   tensor bytes the loader read (its `read_tensor` calls), and disk MiB the kernel read
              for the process (`/proc/self/io` read_bytes: includes readahead and headers);
-  shards     distinct shard files opened (`safe_open`, headers included).
-The "read everything" baseline `safetensors.flax.load_file`s every shard, one at a time.
+  shards     distinct shard files opened (headers included).
+The "read every shard" control (`--baseline FAMILY`) `safetensors.flax.load_file`s every shard.
 
 Usage: python tools/bench_load.py [--dir D] [--families glm4v ...] [--lm-layers 2] [--repeats 3]
-                                  [--baseline glm4v] [--clean]
+                                  [--baseline glm4v] [--clean] [--json FILE]
 """
 
 from __future__ import annotations
@@ -61,27 +67,56 @@ def _proc(path: str, field: str) -> int:
 
 
 def _instrument() -> dict[str, Any]:
-    """Counts the shard files opened (every `safe_open` in the loaded modules) and the tensor
-    bytes the loader reads."""
+    """Counts the shard files opened (every `safe_open` and the loader's data reads), the tensor
+    bytes and keys the loader reads, and the seconds of each phase of `load_weights`: building
+    the abstract module (`abstract`), reading tensor bytes (`read`), transforms and casts on the
+    host (`transform`) and placing (`place`: `jax.device_put`); the rest is `other` (config,
+    headers, checks)."""
+    import jax
     import safetensors
+    from flax import nnx
 
     from jaxsync.weights import _loader
 
-    seen: dict[str, Any] = {"files": set(), "bytes": 0}
-    real_open, real_read = safetensors.safe_open, _loader.read_tensor
+    seen: dict[str, Any] = {"files": set(), "bytes": 0, "keys": []}
+    phases = dict(abstract=0.0, read=0.0, transform=0.0, place=0.0)
+    seen["phases"] = phases
+
+    def timed(phase: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[phase] += time.perf_counter() - t0
+
+        return wrapper
+
+    real_open = safetensors.safe_open
 
     def safe_open(filename, *args, **kwargs):
         seen["files"].add(os.path.basename(os.fspath(filename)))
         return real_open(filename, *args, **kwargs)
 
-    def read_tensor(handle, info):
-        seen["bytes"] += info.nbytes
-        return real_read(handle, info)
-
     for module in list(sys.modules.values()):
         if getattr(module, "safe_open", None) is real_open:
             module.safe_open = safe_open
-    _loader.read_tensor = read_tensor
+    real_read = _loader.read_tensor
+
+    def read_tensor(handle, info, **kwargs):
+        seen["bytes"] += info.nbytes
+        seen["keys"].append([str(info.file), info.key])
+        return real_read(handle, info, **kwargs)
+
+    _loader.read_tensor = timed("read", read_tensor)
+    _loader.read_slice = timed("read", _loader.read_slice)
+    if hasattr(_loader, "_host_value"):
+        _loader._host_value = timed("transform", _loader._host_value)
+    if hasattr(_loader, "abstract_module"):
+        _loader.abstract_module = timed("abstract", _loader.abstract_module)
+    else:
+        nnx.eval_shape = timed("abstract", nnx.eval_shape)
+    jax.device_put = timed("place", jax.device_put)
     return seen
 
 
@@ -103,7 +138,7 @@ class _AnonPeak(threading.Thread):
         return max(self.peak, _proc("/proc/self/status", "RssAnon"))
 
 
-def _child(family: str, checkpoint: str, baseline: bool) -> dict[str, Any]:
+def _child(family: str, checkpoint: str, mode: str, keys_file: str | None) -> dict[str, Any]:
     import importlib
 
     import jax
@@ -113,10 +148,15 @@ def _child(family: str, checkpoint: str, baseline: bool) -> dict[str, Any]:
     import jaxsync  # noqa: F401
 
     models = importlib.import_module(f"jaxsync.models.{family}")
+    from safetensors import safe_open
     from safetensors.flax import load_file
 
     jax.devices()
     seen = _instrument()
+    hand_keys: dict[str, list[str]] = {}
+    if mode == "hand":
+        for file, key in json.loads(Path(keys_file).read_text()):
+            hand_keys.setdefault(file, []).append(key)
     bare = _proc("/proc/self/status", "VmRSS")
     bare_anon = _proc("/proc/self/status", "RssAnon")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -124,23 +164,40 @@ def _child(family: str, checkpoint: str, baseline: bool) -> dict[str, Any]:
     anon.start()
     disk0 = _proc("/proc/self/io", "read_bytes")
     t0 = time.perf_counter()
-    if baseline:
-        tower_bytes = tower_params = 0
+    tower_bytes = tower_params = 0
+    if mode == "all":
         for shard in sorted(Path(checkpoint).glob("*.safetensors")):
             tensors = load_file(shard)
             jax.block_until_ready(tensors)
             seen["files"].add(shard.name)
             seen["bytes"] += sum(t.nbytes for t in tensors.values())
             del tensors
+    elif mode == "hand":  # the same tensors, by hand: safetensors, then one device_put per shard
+        device = jax.devices()[0]
+        for file, keys in hand_keys.items():
+            with safe_open(file, framework="flax") as f:
+                arrays = [f.get_tensor(k) for k in keys]
+            placed = jax.device_put(arrays, device)
+            jax.block_until_ready(placed)
+            seen["files"].add(Path(file).name)
+            seen["bytes"] += sum(a.nbytes for a in arrays)
+            tower_bytes += sum(a.nbytes for a in placed)
+            tower_params += sum(a.size for a in placed)
+            del arrays, placed
     else:
         tower = models.load_model(checkpoint, dtype=jnp.bfloat16)
         leaves = jax.tree.leaves(nnx.state(tower, nnx.Param))
         jax.block_until_ready(leaves)
         tower_bytes = sum(x.nbytes for x in leaves)
         tower_params = sum(x.size for x in leaves)
+        if keys_file:
+            Path(keys_file).write_text(json.dumps(seen["keys"]))
     seconds = time.perf_counter() - t0
+    phases = dict(seen["phases"]) if mode == "load" else dict.fromkeys(seen["phases"], 0.0)
     return dict(
         seconds=seconds,
+        **{f"{k}_s": v for k, v in phases.items()},
+        other_s=seconds - sum(phases.values()) if mode == "load" else 0.0,
         peak_mib=(_proc("/proc/self/status", "VmHWM") - bare) / 1024,
         peak_anon_mib=(anon.stop() - bare_anon) / 1024,
         read_mib=seen["bytes"] / _MIB,
@@ -191,13 +248,26 @@ def cache_check(checkpoint: Path, nbytes: int = 512 * _MIB) -> dict[str, float]:
     )
 
 
-def measure(family: str, checkpoint: Path, repeats: int, baseline: bool = False) -> dict:
-    """Median over `repeats` fresh processes, each after evicting the shards."""
+def measure(
+    family: str,
+    checkpoint: Path,
+    repeats: int,
+    baseline: bool = False,
+    *,
+    mode: str | None = None,
+    keys: Path | None = None,
+) -> dict:
+    """Median over `repeats` fresh processes, each after evicting the shards.
+
+    mode: "load" (the family's `load_model`; writes the keys it read to `keys`), "hand" (the
+    keys in `keys`, read by hand) or "all" (every shard; `baseline=True` means it too).
+    """
+    mode = mode or ("all" if baseline else "load")
     runs = []
     for _ in range(repeats):
         evict(checkpoint)
-        cmd = [sys.executable, __file__, "--child", family, str(checkpoint)]
-        cmd += ["--baseline-child"] if baseline else []
+        cmd = [sys.executable, __file__, "--child", family, str(checkpoint), "--mode", mode]
+        cmd += ["--keys", str(keys)] if keys else []
         out = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
         if out.returncode:
             raise RuntimeError(f"{family} measurement failed:\n{out.stderr[-4000:]}")
@@ -212,23 +282,30 @@ def _child_env() -> dict[str, str]:
 
 
 def table(rows: list[dict]) -> str:
+    """One row per family: the load, its phases, the hand read of the same tensors, and the
+    memory and bytes of the load; rows labelled "read every shard" are the whole-checkpoint
+    control."""
     head = (
-        "| family | tower params | tower MiB | checkpoint GiB / shards written (released) "
-        "| LM layers written / released | shards opened | load s | peak host MiB over bare "
-        "| of it anon MiB | MiB read (loader) | disk MiB read |"
+        "| family | tower params / MiB | checkpoint GiB / shards written (released) "
+        "| shards opened | load s | abstract / read / transform / place / other s "
+        "| hand read s | load / hand | peak host MiB over bare (anon) | MiB read |"
     )
-    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
+    lines = [head, "|" + " --- |" * (head.count(" | ") + 1)]
     for r in rows:
-        m, c = r["measured"], r["checkpoint"]
-        params = f"{m['tower_params'] / 1e6:.1f} M" if m["tower_params"] else "-"
-        tower = f"{m['tower_bytes'] / _MIB:.0f}" if m["tower_bytes"] else "-"
+        m, c, hand = r["measured"], r["checkpoint"], r.get("hand")
+        params = f"{m['tower_params'] / 1e6:.1f} M / {m['tower_bytes'] / _MIB:,.0f}"
+        phases = " / ".join(
+            f"{m[k]:.2f}" for k in ("abstract_s", "read_s", "transform_s", "place_s", "other_s")
+        )
+        if r["label"].endswith("read every shard"):
+            params, phases = "", ""
+        vs_hand = f"{hand['seconds']:.2f}" if hand else ""
+        ratio = f"{m['seconds'] / hand['seconds']:.2f}" if hand else ""
         lines.append(
-            f"| {r['label']} | {params} | {tower} | {c['bytes'] / 2**30:.2f} / {c['shards']} "
+            f"| {r['label']} | {params} | {c['bytes'] / 2**30:.2f} / {c['shards']} "
             f"({c['released_bytes'] / 2**30:.1f} / {c['shards_released']}) "
-            f"| {c['lm_layers_written']} / {c['lm_layers_released']} | {m['shards_opened']:.0f} "
-            f"| {m['seconds']:.2f} | {m['peak_mib']:.0f} | {m['peak_anon_mib']:.0f} "
-            f"| {m['read_mib']:.0f} "
-            f"| {m['disk_mib']:.0f} |"
+            f"| {m['shards_opened']:.0f} | {m['seconds']:.2f} | {phases} | {vs_hand} | {ratio} "
+            f"| {m['peak_mib']:,.0f} ({m['peak_anon_mib']:,.0f}) | {m['read_mib']:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -246,8 +323,10 @@ def _family_rows(family: str, root: Path, args: argparse.Namespace) -> list[dict
     for note in facts["notes"]:
         print(f"#   {note}")
     print(f"# {family}: page cache eviction check {json.dumps(cache_check(directory))}")
-    measured = measure(family, directory, args.repeats)
-    rows.append(dict(label=family, checkpoint=facts, measured=measured))
+    keys = directory / "keys-read.json"
+    measured = measure(family, directory, args.repeats, mode="load", keys=keys)
+    hand = measure(family, directory, args.repeats, mode="hand", keys=keys)
+    rows.append(dict(label=family, checkpoint=facts, measured=measured, hand=hand))
     if family in args.baseline:
         measured = measure(family, directory, args.repeats, baseline=True)
         rows.append(dict(label=f"{family}: read every shard", checkpoint=facts, measured=measured))
@@ -264,14 +343,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lm-layers", type=int, default=2)
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--baseline", nargs="*", default=["glm4v"], help="families to read whole")
+    p.add_argument("--baseline", nargs="*", default=[], help="families to also read whole")
     p.add_argument("--clean", action="store_true", help="delete each checkpoint once measured")
     p.add_argument("--json", type=Path, default=None, help="write the rows here too")
     p.add_argument("--child", nargs=2, metavar=("FAMILY", "CHECKPOINT"), help=argparse.SUPPRESS)
-    p.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--mode", default="load", choices=["load", "hand", "all"], help=argparse.SUPPRESS
+    )
+    p.add_argument("--keys", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(*args.child, args.baseline_child)))
+        print(json.dumps(_child(*args.child, args.mode, args.keys)))
         return
     root = args.dir or Path(tempfile.mkdtemp(prefix="jaxsync-bench-load-"))
     try:
