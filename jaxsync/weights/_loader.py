@@ -30,6 +30,7 @@ from jaxsync.weights import _progress
 from jaxsync.weights._checkpoint import (
     TensorInfo,
     WeightError,
+    host_buffer,
     open_shard,
     read_slice,
     read_tensor,
@@ -321,7 +322,7 @@ def load_weights(
                     host = read(items[0])
                 else:  # one host buffer for the L slices (or rows), placed once
                     expected = variable.get_value()
-                    host = np.empty(expected.shape, expected.dtype)
+                    host = host_buffer(expected.shape, expected.dtype)
                     for item in sorted(items, key=lambda i: (str(i.info.file), i.index)):
                         slot = host[item.index]  # read into in place (the kernel fills it)
                         if (value := read(item, slot)) is not slot:
