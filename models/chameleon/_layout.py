@@ -6,7 +6,9 @@ of one shape are stacked together (`jaxsync.LayerStack`), one stack per kind:
 - `res.w{C}_{C2}`: the first residual block of a level that widens C -> C2;
 - `attn.w{C}`: attention blocks of width C (levels in `attn_resolutions`, the mid attention);
 - `downsample.w{C}`: the stride-2 convolutions after every level but the last.
-The state then holds one leaf per weight kind and width, whatever `num_res_blocks`.
+The state then holds one leaf per weight kind and width, whatever `num_res_blocks`. Within a
+block, the GroupNorm scales and biases and the conv biases of one width are the rows of one
+parameter (`block_rows`), so a block's leaves are its conv kernels and one or two row groups.
 
 `encoder_layout(cfg)` says, for one config, how many layers each stack holds, which stack slice
 each checkpoint block (`encoder.down.{i}.block.{j}`, `encoder.mid.block_1`, ...) fills, and the
@@ -23,6 +25,32 @@ from jaxsync.models.chameleon._config import ChameleonVQConfig
 
 GROUPS = ("res", "attn", "downsample")
 """The encoder's stack groups (each an `nnx.Dict` of `jaxsync.LayerStack`s by width key)."""
+
+
+_NORM_IN = ("norm1.weight", "norm1.bias")
+_RES_OUT = ("conv1.bias", "norm2.weight", "norm2.bias", "conv2.bias")
+_ATTN = ("norm.weight", "norm.bias", "q.bias", "k.bias", "v.bias", "proj_out.bias")
+
+
+@ft.cache
+def block_rows(group: str, cin: int, cout: int) -> dict[str, tuple[str, int]]:
+    """`{checkpoint leaf of the block: (its parameter, row)}`: the block's GroupNorm weights and
+    biases and its conv biases, grouped by width.
+
+    A residual block C -> C holds all six in `vectors` `[6, C]`; one that widens C -> C2 holds
+    norm1's in `vectors_in` `[2, C]` and the rest (its `nin_shortcut` bias too) in `vectors`
+    `[5, C2]`; an attention block holds its norm's and its four projections' in `vectors`
+    `[6, C]`. A downsample keeps its conv's bias (it has no other vector).
+    """
+    if group == "attn":
+        return {name: ("vectors", i) for i, name in enumerate(_ATTN)}
+    if group != "res":
+        return {}
+    if cin == cout:
+        return {name: ("vectors", i) for i, name in enumerate(_NORM_IN + _RES_OUT)}
+    rows = {name: ("vectors_in", i) for i, name in enumerate(_NORM_IN)}
+    rows.update({name: ("vectors", i) for i, name in enumerate((*_RES_OUT, "nin_shortcut.bias"))})
+    return rows
 
 
 def width_key(cin: int, cout: int | None = None) -> str:

@@ -15,12 +15,13 @@ import functools as ft
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype
 from jaxtyping import Array, Float, Int
 
 import jaxsync
 from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.chameleon._config import GROUP_NORM_GROUPS, ChameleonConfig, ChameleonVQConfig
-from jaxsync.models.chameleon._layout import encoder_layout
+from jaxsync.models.chameleon._layout import block_rows, encoder_layout
 from jaxsync.models.chameleon._vocab import img2bpe
 
 
@@ -40,50 +41,112 @@ def _norm(channels: int, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.GroupNorm:
     )
 
 
+def group_norm(
+    x: Float[Array, "B H W C"], scale: Float[Array, " C"], bias: Float[Array, " C"], dtype
+) -> Float[Array, "B H W C"]:
+    """`_norm(C, dtype, ...)` (an `nnx.GroupNorm`) with its scale and bias given: the same
+    operations in the same order and dtypes, for a block whose norm weights are rows of one
+    parameter. Statistics in at least fp32, two-pass variance (as torch)."""
+    x, scale, bias = promote_dtype((x, scale, bias), dtype=dtype)
+    b, hh, ww, c = x.shape
+    size = c // GROUP_NORM_GROUPS
+    stats = jnp.asarray(
+        x.reshape(b, hh, ww, GROUP_NORM_GROUPS, size), jnp.promote_types(x.dtype, jnp.float32)
+    )
+    mean = stats.mean((1, 2, 4))  # [B, G]
+    var = jax.lax.square(stats - jnp.expand_dims(mean, (1, 2, 4))).mean((1, 2, 4))
+    mean = jnp.repeat(mean, size, axis=1).reshape(b, 1, 1, c)
+    var = jnp.repeat(var, size, axis=1).reshape(b, 1, 1, c)
+    mul = jax.lax.rsqrt(var + _EPS) * scale.reshape(1, 1, 1, c)
+    y = (x - mean) * mul + bias.reshape(1, 1, 1, c)
+    return jnp.asarray(y, x.dtype)
+
+
 def _conv(cin: int, cout: int, k: int, dtype, param_dtype, rngs: nnx.Rngs, **kw) -> nnx.Conv:
     pad = (k - 1) // 2
     kw.setdefault("padding", ((pad, pad), (pad, pad)))
     return nnx.Conv(cin, cout, (k, k), dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kw)
 
 
-class ResnetBlock(nnx.Module):
-    """GroupNorm-SiLU-conv twice, with a 1x1 `nin_shortcut` when the width changes."""
+class _Rows(nnx.Module):
+    """A block whose GroupNorm weights and conv biases are rows of few parameters, one per
+    width (`_layout.block_rows`); its convs hold their kernels only."""
+
+    def _init_rows(self, kind: tuple[str, int, int], widths: dict[str, int], param_dtype):
+        self.kind = kind  # (group, cin, cout): the block's rows are `block_rows(*kind)`
+        rows = block_rows(*kind)
+        for param, width in widths.items():
+            names = sorted((i, n) for n, (p, i) in rows.items() if p == param)
+            # torch's initialisation: norm weights 1, norm and conv biases 0
+            init = [
+                1.0 if n.startswith("norm") and n.endswith(".weight") else 0.0 for _, n in names
+            ]
+            value = jnp.broadcast_to(jnp.asarray(init, param_dtype)[:, None], (len(init), width))
+            setattr(self, param, nnx.Param(value))
+
+    def _row(self, name: str) -> jax.Array:
+        param, i = block_rows(*self.kind)[name]
+        return getattr(self, param)[i]
+
+    def _conv_biased(self, conv: nnx.Conv, name: str, x: jax.Array) -> jax.Array:
+        """`conv(x)` plus its bias row, as `nnx.Conv` with its own bias adds it."""
+        y = conv(x)
+        (bias,) = promote_dtype((self._row(name),), dtype=conv.dtype or y.dtype)
+        return y + bias.reshape(1, 1, 1, -1)
+
+    def _normed(self, name: str, x: jax.Array) -> jax.Array:
+        return group_norm(x, self._row(f"{name}.weight"), self._row(f"{name}.bias"), self.dtype)
+
+
+class ResnetBlock(_Rows):
+    """GroupNorm-SiLU-conv twice, with a 1x1 `nin_shortcut` when the width changes.
+
+    Its norm weights and conv biases are the rows of `vectors` (and `vectors_in`, norm1's, when
+    the block widens): `_layout.block_rows`."""
 
     def __init__(self, cin: int, cout: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.norm1 = _norm(cin, dtype, param_dtype, rngs)
-        self.conv1 = _conv(cin, cout, 3, dtype, param_dtype, rngs)
-        self.norm2 = _norm(cout, dtype, param_dtype, rngs)
-        self.conv2 = _conv(cout, cout, 3, dtype, param_dtype, rngs)
-        self.nin_shortcut = _conv(cin, cout, 1, dtype, param_dtype, rngs) if cin != cout else None
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, use_bias=False)
+        self.conv1 = _conv(cin, cout, 3, **kw)
+        self.conv2 = _conv(cout, cout, 3, **kw)
+        self.nin_shortcut = _conv(cin, cout, 1, **kw) if cin != cout else None
+        widths = {"vectors": cout} if cin == cout else {"vectors_in": cin, "vectors": cout}
+        self._init_rows(("res", cin, cout), widths, param_dtype)
 
     def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B H W C2"]:
-        h = self.conv1(jax.nn.silu(self.norm1(x)))
-        h = self.conv2(jax.nn.silu(self.norm2(h)))  # dropout: identity at inference
-        residual = x if self.nin_shortcut is None else self.nin_shortcut(x)
-        return residual + h
+        h = self._conv_biased(self.conv1, "conv1.bias", jax.nn.silu(self._normed("norm1", x)))
+        h = jax.nn.silu(self._normed("norm2", h))  # dropout: identity at inference
+        h = self._conv_biased(self.conv2, "conv2.bias", h)
+        if self.nin_shortcut is None:
+            return x + h
+        return self._conv_biased(self.nin_shortcut, "nin_shortcut.bias", x) + h
 
 
-class AttnBlock(nnx.Module):
-    """Single-head self-attention over the H*W grid, with 1x1 conv projections."""
+class AttnBlock(_Rows):
+    """Single-head self-attention over the H*W grid, with 1x1 conv projections.
+
+    Its norm weights and projection biases are the rows of `vectors` `[6, C]`."""
 
     def __init__(self, channels: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.norm = _norm(channels, dtype, param_dtype, rngs)
-        self.q = _conv(channels, channels, 1, dtype, param_dtype, rngs)
-        self.k = _conv(channels, channels, 1, dtype, param_dtype, rngs)
-        self.v = _conv(channels, channels, 1, dtype, param_dtype, rngs)
-        self.proj_out = _conv(channels, channels, 1, dtype, param_dtype, rngs)
+        self.dtype = dtype
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, use_bias=False)
+        self.q = _conv(channels, channels, 1, **kw)
+        self.k = _conv(channels, channels, 1, **kw)
+        self.v = _conv(channels, channels, 1, **kw)
+        self.proj_out = _conv(channels, channels, 1, **kw)
+        self._init_rows(("attn", channels, channels), {"vectors": channels}, param_dtype)
 
     def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B H W C"]:
         b, hh, ww, c = x.shape
-        h = self.norm(x)
-        q = self.q(h).reshape(b, hh * ww, c)  # [B, S, C]
-        k = self.k(h).reshape(b, hh * ww, c)
-        v = self.v(h).reshape(b, hh * ww, c)
+        h = self._normed("norm", x)
+        q = self._conv_biased(self.q, "q.bias", h).reshape(b, hh * ww, c)  # [B, S, C]
+        k = self._conv_biased(self.k, "k.bias", h).reshape(b, hh * ww, c)
+        v = self._conv_biased(self.v, "v.bias", h).reshape(b, hh * ww, c)
         scores = jnp.einsum("bqc,bkc->bqk", q, k) * jnp.asarray(c**-0.5, q.dtype)
         # Softmax statistics in fp32, as torch's reduced-precision softmax kernels do.
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
         out = jnp.einsum("bqk,bkc->bqc", probs, v).reshape(b, hh, ww, c)
-        return x + self.proj_out(out)
+        return x + self._conv_biased(self.proj_out, "proj_out.bias", out)
 
 
 class Downsample(nnx.Module):

@@ -2,8 +2,9 @@
 
 The encoder's blocks are stacked by shape kind (`_layout.py`), so a block's checkpoint path
 (`vqmodel.encoder.down.2.block.0`) maps onto a slice of its stack (`vqmodel.encoder.res.w256.1`,
-which the loader fills as slice 1 of `res.w256.layer`). That map depends on the config: the
-rules are generated per config by `weight_rules(cfg)`.
+which the loader fills as slice 1 of `res.w256.layer`), and a block's norm weights and conv
+biases onto rows of its vector parameters (`...res.w256.1.vectors.3`). That map depends on the
+config: the rules are generated per config by `weight_rules(cfg)`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsync.models.chameleon._config import ChameleonConfig, ChameleonVQConfig
-from jaxsync.models.chameleon._layout import encoder_layout
+from jaxsync.models.chameleon._layout import block_rows, encoder_layout
 from jaxsync.models.chameleon._modules import ChameleonImageTower
 from jaxsync.weights import PartitionRules, Rule, checkpoint_dtype, conv, load_weights
 
@@ -26,12 +27,13 @@ SELECT = r"model\.(?:vqmodel\.(?!post_quant_conv\.)|embed_tokens\.weight$)"
 
 _NORMS = "norm|norm1|norm2|norm_out"
 _CONVS = "conv_in|conv_out|conv1|conv2|conv|nin_shortcut|q|k|v|proj_out|quant_conv"
+# torch Conv2d [O, I, kh, kw] -> nnx.Conv [kh, kw, I, O]
+_KERNEL = (rf"({_CONVS})\.weight", r"\1.kernel", conv(2))
 _LEAVES = (
     # torch GroupNorm (weight, bias) -> nnx.GroupNorm (scale, bias)
     (rf"({_NORMS})\.weight", r"\1.scale", None),
     (rf"({_NORMS})\.bias", r"\1.bias", None),
-    # torch Conv2d [O, I, kh, kw] -> nnx.Conv [kh, kw, I, O]
-    (rf"({_CONVS})\.weight", r"\1.kernel", conv(2)),
+    _KERNEL,
     (rf"({_CONVS})\.bias", r"\1.bias", None),
 )
 
@@ -39,19 +41,27 @@ _LEAVES = (
 def weight_rules(cfg: ChameleonConfig | ChameleonVQConfig) -> tuple[Rule, ...]:
     """HF key (after `model.`) -> `ChameleonImageTower` parameter path, for this config.
 
-    Every encoder block's key prefix maps to its stack slice; the layer's own leaves (norms,
-    convs) map one to one below it.
+    Every encoder block's key prefix maps to its stack slice; its conv kernels map one to one
+    below it, and its norm weights and conv biases onto rows of its vector parameters
+    (`_layout.block_rows`: `down.0.block.1.norm2.bias` -> `res.w128.1.vectors.4`, row 4 of
+    layer 1 of `res.w128.layer.vectors`).
     """
     vq = cfg.vq if isinstance(cfg, ChameleonConfig) else cfg
+    layout = encoder_layout(vq)
     # Prefixes hold no group: the leaf patterns' group is the rules' `\1`.
-    places = [(r"vqmodel\.encoder\.", "vqmodel.encoder."), (r"vqmodel\.", "vqmodel.")]
-    for block, slot in encoder_layout(vq).slots.items():
-        places.append((rf"vqmodel\.encoder\.{re.escape(block)}\.", f"vqmodel.encoder.{slot.path}."))
     rules = [
         Rule(src + pattern, dst + target, transform)
-        for src, dst in places
+        for src, dst in ((r"vqmodel\.encoder\.", "vqmodel.encoder."), (r"vqmodel\.", "vqmodel."))
         for pattern, target, transform in _LEAVES
     ]
+    for block, slot in layout.slots.items():
+        src, dst = rf"vqmodel\.encoder\.{re.escape(block)}\.", f"vqmodel.encoder.{slot.path}."
+        _, cin, cout = layout.stacks[slot.group][slot.key]
+        rows = block_rows(slot.group, cin, cout)
+        for leaf, (param, row) in rows.items():
+            rules.append(Rule(src + re.escape(leaf), f"{dst}{param}.{row}"))
+        leaves = (_KERNEL,) if rows else _LEAVES  # the rows take the norms and biases
+        rules.extend(Rule(src + pattern, dst + target, f) for pattern, target, f in leaves)
     rules.append(Rule(r"vqmodel\.quantize\.embedding\.weight", "vqmodel.quantize.embedding"))
     rules.append(Rule(r"embed_tokens\.weight", "embed_tokens.embedding"))  # [V, D], same layout
     return tuple(rules)

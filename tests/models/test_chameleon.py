@@ -273,7 +273,7 @@ def test_released_checkpoint_keys_map_onto_the_module():
     transformers = pytest.importorskip("transformers")
     from jaxsync._stack import stacks
     from jaxsync.models.chameleon._weights import PREFIX, SELECT
-    from jaxsync.weights._loader import _stacked_slot
+    from jaxsync.weights._loader import _row_slot, _stacked_slot
 
     cfg = ChameleonConfig.from_hf_config(ref.released_hf_config())
     with torch.device("meta"):
@@ -285,6 +285,7 @@ def test_released_checkpoint_keys_map_onto_the_module():
     keys = {f"model.vqmodel.{k}": t for k, t in hf.state_dict().items()}
     keys["model.embed_tokens.weight"] = embed.weight
     seen = set()
+    import itertools
     import re
 
     for key, t in keys.items():
@@ -293,20 +294,45 @@ def test_released_checkpoint_keys_map_onto_the_module():
             continue
         short = key[len(PREFIX) :]
         rule, mapped = next((r, r.match(short)) for r in weight_rules(cfg) if r.match(short))
-        target, index = _stacked_slot(mapped, stacked)
+        target, layer = _stacked_slot(mapped, stacked)
+        target, row = _row_slot(target, flat)
+        index = tuple(i for i in (layer, row) if i is not None)
         shape = tuple(t.shape)
         if rule.transform is not None:
             shape = shape[2:] + (shape[1], shape[0])
-        want = flat[target].get_value().shape
-        assert (want if index is None else want[1:]) == shape, key
+        assert flat[target].get_value().shape[len(index) :] == shape, key
         assert (target, index) not in seen, key
         seen.add((target, index))
-    # every parameter, and every layer of every stacked one, is filled exactly once
-    layers = {t: v.get_value().shape[0] for t, v in flat.items() if ".layer." in t}
-    assert seen == {(t, None) for t in flat if t not in layers} | {
-        (t, i) for t, n in layers.items() for i in range(n)
+
+    # every parameter, every layer of a stacked one and every row of a block's vectors is
+    # filled exactly once
+    def lead(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        rows = path.rsplit(".", 1)[-1] in ("vectors", "vectors_in")
+        return shape[: (".layer." in path) + rows]
+
+    assert seen == {
+        (t, i)
+        for t, v in flat.items()
+        for i in itertools.product(*map(range, lead(t, v.get_value().shape)))
     }
-    assert len(jax.tree.leaves(nnx.state(ours))) == 68  # whatever num_res_blocks: see serving
+    assert len(jax.tree.leaves(nnx.state(ours))) == 38  # whatever num_res_blocks: see serving
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_block_group_norm_is_nnx_group_norm_bit_for_bit(dtype):
+    """The blocks' norms read their weights from rows (`group_norm`): the very operations of
+    the `nnx.GroupNorm` the encoder's `norm_out` is, so the grouping changes no number."""
+    from jaxsync.models.chameleon._modules import _norm, group_norm
+
+    rng = np.random.default_rng(0)
+    norm = _norm(64, dtype, dtype, nnx.Rngs(0))
+    norm.scale[...] = jnp.asarray(rng.standard_normal(64), dtype)
+    norm.bias[...] = jnp.asarray(rng.standard_normal(64), dtype)
+    x = jnp.asarray(rng.standard_normal((2, 5, 7, 64)) * 3 + 1, dtype)
+    want = jax.jit(lambda x: norm(x))(x)
+    got = jax.jit(lambda x: group_norm(x, norm.scale[...], norm.bias[...], dtype))(x)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_registered_for_verify_and_bench():
