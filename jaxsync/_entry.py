@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 
 import jaxsync
-from jaxsync._calls import CallCache, deleted_message, reads
+from jaxsync._calls import CallCache, deleted_message, prepared_call, reads
 from jaxsync._outputs import Embeddings, Encoded
 from jaxsync._plans import PlanCache
 from jaxsync._tower import TowerProgram
@@ -102,6 +102,10 @@ def on_devices(devices: Iterable[jax.Device], name: str) -> Callable[[jax.Array]
     return check
 
 
+def _planner(x: jax.Array, plan: Any) -> None:
+    """Stands for the family's planner in a key's declarations (the planner checks itself)."""
+
+
 class TowerEntry:
     """The shared host pipeline of one entry point over one `TowerProgram`.
 
@@ -112,6 +116,8 @@ class TowerEntry:
         `jaxsync._calls.reads`; `check(x)` runs them and the call cache's key covers their reads.
       fits: a check of a device input against its plan, `fits(x, plan)` (e.g. padded to the
         plan's bucket), declared with `reads` too; `device` runs it before keeping the call.
+      plan_reads: what the family's planner reads of a device input (its checks of the
+        input's shape against the metadata): the key covers it as well.
       plan_cache_size: plan keys (and call signatures) kept, least recently used evicted first.
       plans: a plan cache to share with another entry of the same encoder (default: its own).
     """
@@ -125,13 +131,15 @@ class TowerEntry:
         plan_cache_size: int = 64,
         fits: Callable[[jax.Array, Any], Any] | None = None,
         plans: PlanCache[Planned] | None = None,
+        plan_reads: tuple[str, ...] = ("shape", "metadata"),
     ):
         self.program = program
         self.name = name
         self.checks = tuple(checks)
         self.fits = fits
         self.plans: PlanCache[Planned] = PlanCache(plan_cache_size) if plans is None else plans
-        declared = self.checks if fits is None else (*self.checks, fits)
+        planner = reads(*plan_reads)(_planner)
+        declared = (*self.checks, planner) if fits is None else (*self.checks, fits, planner)
         self.calls = CallCache(plan_cache_size, checks=declared)
 
     def check(self, x: jax.Array) -> None:
@@ -176,10 +184,14 @@ class TowerEntry:
         )
         return p.finish(self.program(staged, p.meta))
 
-    def device(self, x: jax.Array, key: Hashable | None, p: Planned) -> Embeddings:
+    def device(
+        self, x: jax.Array, key: Hashable | None, p: Planned, *, unbatched: bool = False
+    ) -> Embeddings:
         """A call on a checked device input: `fits(x, plan)`, then the prepared call, kept
-        under `key`, run."""
+        under `key`, run. `unbatched`: `x` lacks the program's leading batch axis."""
         if self.fits is not None:
             self.fits(x, p.plan)
         run = self.program.prepared(p.meta, finish=p.finish, name=self.name)
+        if unbatched:
+            run = prepared_call(lambda x, run=run: run(x[None]), self.name)
         return self.calls.keep(key, run)(x)

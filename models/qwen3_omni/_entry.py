@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,8 @@ import numpy as np
 from jaxtyping import Array, Float
 
 import jaxsync
+from jaxsync._calls import reads
+from jaxsync._entry import Planned, TowerEntry, alive
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
@@ -20,13 +22,7 @@ from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
 from jaxsync.models.qwen3_omni._plan import Qwen3OmniBuckets, Qwen3OmniPlan, plan
 
 
-class _Planned(NamedTuple):
-    """What the encoder keeps per (shape, lengths, placement): all a repeated call needs."""
-
-    plan: Qwen3OmniPlan
-    placement: Any  # where this mix's uploads live
-    meta: jaxsync.Packed  # the plan's meta, uploaded
-    finish: Any  # Encoded -> Embeddings on this plan's row layout (built once)
+FEATURES = "features"
 
 
 def _devices(sharding: jax.sharding.Sharding) -> list[str]:
@@ -99,16 +95,18 @@ class Qwen3OmniAudioEncoder:
         self.cfg: Qwen3OmniAudioConfig = model.cfg
         self.placement = placement
         self.buckets = buckets
-        self.program = jaxsync.TowerProgram(model, with_out_sharding(forward, out_sharding))
-        self._weights_at(model)
-        check_placement(placement, jax.tree.leaves(model)[0])
-        self.plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache(plan_cache_size)
-        self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device features
-
-    def _weights_at(self, tower: Qwen3OmniAudioTower) -> None:
-        leaf = jax.tree.leaves(tower)[0]
+        leaf = jax.tree.leaves(model)[0]
         self._weight_devices = leaf.sharding.device_set
         self._home = jaxsync.replicated_near(leaf)  # host features go up next to the weights
+        check_placement(placement, leaf)
+        self._entry = TowerEntry(
+            jaxsync.TowerProgram(model, with_out_sharding(forward, out_sharding)),
+            name=FEATURES,
+            checks=(alive(FEATURES), self._check_features, self._check_devices),
+            plan_cache_size=plan_cache_size,
+        )
+        self.program, self.plans = self._entry.program, self._entry.plans
+        self._calls = self._entry.calls  # repeated calls on device features
 
     def load_state(self, tower: Qwen3OmniAudioTower) -> None:
         """Takes the tower's current weights (e.g. after `nnx.update`) without recompiling.
@@ -135,32 +133,34 @@ class Qwen3OmniAudioEncoder:
             )
         return plan(feature_lens, self.cfg, buckets=self.buckets, num_frames=features_shape[1])
 
-    def _placement_for(self, features: Any) -> Any:
-        """Where this call's uploads go; refuses features away from the weights."""
-        if not isinstance(features, jax.Array):
-            return self.placement if self.placement is not None else self._home
+    @reads("dtype")
+    def _check_features(self, features: Any) -> None:
+        if not jnp.issubdtype(features.dtype, jnp.floating):
+            raise TypeError(f"features must be floating point, got dtype {features.dtype}")
+
+    @reads("sharding")
+    def _check_devices(self, features: jax.Array) -> None:
+        """Refuses device features away from the weights or from the upload placement."""
         if isinstance(features, jax.core.Tracer):
-            return None
-        if features.sharding.device_set != self._weight_devices:
+            return
+        have = features.sharding.device_set
+        if have != self._weight_devices:
             raise ValueError(
                 f"features are on devices {_devices(features.sharding)} but the encoder's weights "
                 f"are on {sorted(str(d) for d in self._weight_devices)}: place them on the same "
                 "devices (or mesh)"
             )
-        if self.placement is not None:
-            target = self.placement
-            where = {target} if isinstance(target, jax.Device) else target.device_set
-            if where != features.sharding.device_set:
+        target = self.placement
+        if target is not None:
+            if ({target} if isinstance(target, jax.Device) else target.device_set) != have:
                 raise ValueError(
                     f"features are on devices {_devices(features.sharding)} but the encoder "
                     f"uploads to placement {target}"
                 )
-            return target
-        return jaxsync.replicated_near(features)
 
-    def _planned(self, features: Any, feature_lens: Any, on_miss: Any = None) -> _Planned:
-        """`plan()` and its uploads, cached per (shape, dtype, placement, lengths); `on_miss()`
-        runs first when the plan is new.
+    def _planned(self, features: Any, feature_lens: Any, placement: Any) -> Planned:
+        """`plan()` and its upload, cached per (shape, dtype, placement, lengths); host features
+        are checked finite first when the plan is new.
 
         A list or tuple of ints (what a server passes) becomes the key without numpy; other
         lengths pass the type checks first. `type(n) is int` keeps floats and bools (equal to
@@ -172,17 +172,7 @@ class Qwen3OmniAudioEncoder:
             lens = tuple(check_feature_lens(feature_lens).tolist())  # the same key
         where = getattr(features, "sharding", None)
         key = (features.shape, features.dtype, where, lens)
-        return self.plans.get(key, lambda: self._build(features, lens), on_miss=on_miss)
-
-    def _build(self, features: Any, lens: tuple[int, ...]) -> _Planned:
-        if not jnp.issubdtype(features.dtype, jnp.floating):
-            raise TypeError(f"features must be floating point, got dtype {features.dtype}")
-        planned = self.plan(features.shape, lens)
-        placement = self._placement_for(features)
-        meta = jaxsync.upload_packed(planned, placement=placement)
-        # Embeddings.of's layout (plan.lengths, contiguous from row 0), computed once per plan
-        layout = jaxsync.Embeddings.layout(planned.lengths)
-        return _Planned(planned, placement, meta, _finish(layout))
+        return key, lambda: self.plan(features.shape, lens)
 
     @entry_point
     def __call__(
@@ -234,32 +224,16 @@ class Qwen3OmniAudioEncoder:
             name = "input_features"
         elif features is None or feature_lens is None:
             raise TypeError("features and feature_lens are required")
-        on_host = not isinstance(features, jax.Array)
-        if on_host:
-            features = jaxsync.host_array(features, name="features")
-        elif not isinstance(features, jax.core.Tracer) and features.is_deleted():
-            raise ValueError("features were deleted (donated to another program, or freed)")
-        # Host features: NaN / inf refused before a new plan's metadata goes up, or, on a known
-        # plan, as they are copied into their staging buffer (one pass over them).
-        check = (lambda: jaxsync.check_finite(features, name=name)) if on_host else None
-        planned = self._planned(features, feature_lens, check)
-        if on_host:
-            features = jaxsync.default_staging.put(
-                features, dtype=np.float32, placement=planned.placement, finite=name
-            )
-            return self._encode(features, planned)
-        run = self.program.prepared(planned.meta, finish=planned.finish, name="features")
-        return self._calls.keep(key, run)(features)
-
-    def _encode(self, features: jax.Array, planned: _Planned) -> jaxsync.Embeddings:
-        return planned.finish(self.program(features, planned.meta))
-
-
-def _finish(layout: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
-    """`Encoded -> Embeddings` on a layout computed once per plan: `Embeddings.of` without its
-    per-call row-layout conversion."""
-
-    def finish(encoded: jaxsync.Encoded) -> jaxsync.Embeddings:
-        return jaxsync.Embeddings.from_layout(encoded.rows, layout, {"finite": encoded.finite})
-
-    return finish
+        entry = self._entry
+        if not isinstance(features, jax.Array):
+            features = jaxsync.host_array(features, name=FEATURES)
+            self._check_features(features)
+            placement = self.placement if self.placement is not None else self._home
+            key, build = self._planned(features, feature_lens, placement)
+            return entry.host(features, key, build, placement, dtype=np.float32, name=name)
+        entry.check(features)
+        placement = self.placement
+        if placement is None and not isinstance(features, jax.core.Tracer):
+            placement = jaxsync.replicated_near(features)
+        plan_key, build = self._planned(features, feature_lens, placement)
+        return entry.device(features, key, entry.planned(plan_key, build, placement))
