@@ -14,6 +14,8 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
+from jaxsync._calls import reads
+from jaxsync._entry import Planned, TowerEntry, alive, devices_of, on_devices
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.gemma3n._forward import encode, forward
@@ -30,12 +32,6 @@ from jaxsync.models.gemma3n._plan import AudioTruncationWarning, Gemma3nBuckets,
 
 
 __all__ = ["Gemma3nAudioEncoder"]
-
-
-def _devices(placement: jax.Device | jax.sharding.Sharding) -> frozenset:
-    if isinstance(placement, jax.Device):
-        return frozenset((placement,))
-    return frozenset(placement.device_set)
 
 
 class Gemma3nAudioEncoder:
@@ -87,7 +83,7 @@ class Gemma3nAudioEncoder:
         self.cfg = cfg if overflow is None else dataclasses.replace(cfg, overflow=overflow)
         self.embed = bool(embed)
         self.buckets = _buckets(frame_buckets, batch_buckets)
-        self.program = jaxsync.TowerProgram(
+        program = jaxsync.TowerProgram(
             model, with_out_sharding(forward if self.embed else encode, out_sharding)
         )
         # The padding embedding needs the embedder only: its state as plain jit arguments.
@@ -99,20 +95,26 @@ class Gemma3nAudioEncoder:
             return nnx.merge(graphdef, state).embed_ids(ids)[0].astype(dtype)
 
         self._pad_fn = jax.jit(pad_fn)
-        self.plans: jaxsync.PlanCache = jaxsync.PlanCache(plan_cache_size)
-        self._calls = jaxsync.CallCache(plan_cache_size)  # repeated calls on device features
         self._take_weights(model)
         self.placement = self._home if placement is None else placement
-        if _devices(self.placement) != self._devices:
+        if devices_of(self.placement) != self._devices:
             raise ValueError(
-                f"placement uses devices {sorted(map(str, _devices(self.placement)))} but the "
+                f"placement uses devices {sorted(map(str, devices_of(self.placement)))} but the "
                 f"weights live on {sorted(map(str, self._devices))}"
             )
+        self._entry = TowerEntry(
+            program,
+            name=FEATURES,
+            checks=(alive(FEATURES), self._check_device, on_devices(self._devices, FEATURES)),
+            plan_cache_size=plan_cache_size,
+        )
+        self.program, self.plans = program, self._entry.plans
+        self._calls = self._entry.calls  # repeated calls on device features
 
     def _take_weights(self, model: Gemma3nAudioModel) -> None:
         leaf = jax.tree.leaves(nnx.state(model))[0]
         self._home = jaxsync.replicated_near(leaf)
-        self._devices = _devices(leaf.sharding)
+        self._devices = devices_of(leaf.sharding)
         self._pad_state = nnx.split(model.embed_audio)[1]
         self._pads: dict[Any, jax.Array] = {}
 
@@ -136,17 +138,8 @@ class Gemma3nAudioEncoder:
             self._pads[key] = pad
         return pad
 
-    def _plan(self, key: Any, valid: Any, placement: Any, buckets: Gemma3nBuckets, on_miss=None):
-        """(plan, uploaded meta, row layout) cached per mask content, placement and buckets;
-        `valid()` gives the checked mask on a miss, after `on_miss()`."""
-
-        def build():
-            p = plan(valid(), self.cfg, buckets=buckets, embed=self.embed)
-            meta = jaxsync.upload_packed(p, placement=placement)
-            return p, meta, jaxsync.Embeddings.layout(p.lengths)
-
-        key = (key, placement, buckets)
-        return self.plans.get(key, build, on_miss=on_miss)
+    def _plan(self, valid: Any, buckets: Gemma3nBuckets):
+        return lambda: plan(valid(), self.cfg, buckets=buckets, embed=self.embed)
 
     @entry_point
     def __call__(self, input_features: Any, input_features_mask: Any = None) -> jaxsync.Embeddings:
@@ -175,26 +168,11 @@ class Gemma3nAudioEncoder:
         run, call_key = self._calls.find(input_features, input_features_mask)
         if run is not None:
             return run(input_features)
-        cfg = self.cfg
         if isinstance(input_features, jax.core.Tracer):
             raise TypeError(f"{FEATURES} is traced: inside a jit call `forward` directly")
-        on_device = isinstance(input_features, jax.Array)
-        if on_device:
-            feats, mask = input_features, input_features_mask
-            self._check_device(feats)
-            shape = feats.shape[:2]
-            # Keyed by the mask's content (checked on a miss); other host types checked first.
-            key = jaxsync.metadata_key(mask)
-            if key is None:
-                mask = frame_mask(mask, shape)
-                key = jaxsync.metadata_key(mask)
-            placement = jaxsync.replicated_near(feats)
-            exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
-            p, meta, layout = self._plan(
-                (key, shape), lambda: frame_mask(mask, shape), placement, exact
-            )
-        else:
-            n_mel = cfg.input_feat_size
+        entry = self._entry
+        if not isinstance(input_features, jax.Array):
+            n_mel = self.cfg.input_feat_size
             if isinstance(input_features, list | tuple):  # clips go straight into the bucket
                 host, valid = host_clips(input_features, input_features_mask, n_mel)
             else:
@@ -202,27 +180,36 @@ class Gemma3nAudioEncoder:
                     input_features, input_features_mask, n_mel, check_finite=False
                 )
             placement = self._meta_placement()
-            key = (valid.shape, valid.tobytes())
+            key = ((valid.shape, valid.tobytes()), placement, self.buckets)
             # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
             # the features are copied into their staging buffer (one pass over them).
-            p, meta, layout = self._plan(
-                key, lambda: valid, placement, self.buckets, lambda: check_host_finite(host)
-            )
-            feats = stage_features(host, (p.batch, p.frame_bucket, n_mel), self.placement)
-        if not on_device:
-            return self._embed(feats, p, meta, layout, stacklevel=4)
-        if p.truncation:
-            run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
-                lambda x: self._embed(x, p, meta, layout, stacklevel=6), FEATURES
-            )
-        else:  # the common case: the program and the output's assembly, nothing else
-            run = self.program.prepared(meta, finish=_assembler(layout), name=FEATURES)
+            build = self._plan(lambda: valid, self.buckets)
+            p = entry.planned(key, build, placement, on_miss=lambda: check_host_finite(host))
+            shape = (p.plan.batch, p.plan.frame_bucket, n_mel)
+            return self._embed(stage_features(host, shape, self.placement), p, stacklevel=4)
+        entry.check(input_features)
+        feats, mask = input_features, input_features_mask
+        shape = feats.shape[:2]
+        # Keyed by the mask's content (checked on a miss); other host types checked first.
+        key = jaxsync.metadata_key(mask)
+        if key is None:
+            mask = frame_mask(mask, shape)
+            key = jaxsync.metadata_key(mask)
+        placement = jaxsync.replicated_near(feats)
+        exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
+        build = self._plan(lambda: frame_mask(mask, shape), exact)
+        p = entry.planned(((key, shape), placement, exact), build, placement)
+        if not p.plan.truncation:  # the common case: the program and the output's assembly
+            return entry.device(feats, call_key, p)
+        run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
+            lambda x: self._embed(x, p, stacklevel=6), FEATURES
+        )
         return self._calls.keep(call_key, run)(feats)
 
-    def _embed(self, feats, p, meta, layout, stacklevel) -> jaxsync.Embeddings:
-        if p.truncation:  # stacklevel: the warning points at the caller's line
-            warnings.warn(p.truncation, AudioTruncationWarning, stacklevel=stacklevel)
-        return _assembler(layout)(self.program(feats, meta))
+    def _embed(self, feats, p: Planned, stacklevel: int) -> jaxsync.Embeddings:
+        if p.plan.truncation:  # stacklevel: the warning points at the caller's line
+            warnings.warn(p.plan.truncation, AudioTruncationWarning, stacklevel=stacklevel)
+        return p.finish(self.program(feats, p.meta))
 
     def _meta_placement(self) -> Any:
         p = self.placement
@@ -230,20 +217,14 @@ class Gemma3nAudioEncoder:
             return jax.sharding.NamedSharding(p.mesh, jax.P(), memory_kind="device")
         return p
 
+    @reads("shape", "dtype")
     def _check_device(self, feats: jax.Array) -> None:
-        if feats.is_deleted():
-            raise ValueError(f"{FEATURES} is a deleted (donated) device array")
         if feats.ndim != 3 or feats.shape[2] != self.cfg.input_feat_size:
             raise ValueError(
                 f"{FEATURES} must be [B, frames, {self.cfg.input_feat_size}], got {feats.shape}"
             )
         if not jax.numpy.issubdtype(feats.dtype, jax.numpy.floating):
             raise TypeError(f"{FEATURES} must be floating point, got {feats.dtype}")
-        if _devices(feats.sharding) != self._devices:
-            raise ValueError(
-                f"{FEATURES} live on {sorted(map(str, feats.sharding.device_set))} but the "
-                f"weights on {sorted(map(str, self._devices))}: put them on the same devices"
-            )
 
 
 def _buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
@@ -260,12 +241,3 @@ def _buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
     return Gemma3nBuckets(
         frames, tuple(jaxsync.host_ints(clips, name="batch_buckets", minimum=1).tolist())
     )
-
-
-def _assembler(layout: tuple[tuple[int, ...], tuple[int, ...]]):
-    """`encoded -> Embeddings.of(encoded, plan)` over the plan's row layout computed once."""
-
-    def assemble(encoded: jaxsync.Encoded) -> jaxsync.Embeddings:
-        return jaxsync.Embeddings.from_layout(encoded.rows, layout, {"finite": encoded.finite})
-
-    return assemble
