@@ -11,7 +11,8 @@ released. Tensor bytes are a repeated random pattern: the bench measures I/O and
 
 Each measurement runs in a fresh process (median of `--repeats`), after `posix_fadvise(DONTNEED)`
 on every shard so the files are read from the disk, not the page cache (the output says whether
-that took effect, from a timed read of one shard before and after):
+that took effect, from a timed read of one shard before and after); `--cache warm` instead reads
+every shard once first and leaves it cached, so the times are the loader's own work:
   load s     `load_model(dir, dtype=bfloat16)` until every parameter is ready, split into
              abstract (building the module's abstract state), read (tensor bytes from the files),
              transform (host transforms and casts), place (`jax.device_put`) and other (config,
@@ -28,7 +29,7 @@ that took effect, from a timed read of one shard before and after):
 The "read every shard" control (`--baseline FAMILY`) `safetensors.flax.load_file`s every shard.
 
 Usage: python tools/bench_load.py [--dir D] [--families glm4v ...] [--lm-layers 2] [--repeats 3]
-                                  [--baseline glm4v] [--clean] [--json FILE]
+                                  [--baseline glm4v] [--clean] [--json FILE] [--cache warm]
 """
 
 from __future__ import annotations
@@ -256,16 +257,22 @@ def measure(
     *,
     mode: str | None = None,
     keys: Path | None = None,
+    warm: bool = False,
 ) -> dict:
     """Median over `repeats` fresh processes, each after evicting the shards.
 
     mode: "load" (the family's `load_model`; writes the keys it read to `keys`), "hand" (the
     keys in `keys`, read by hand) or "all" (every shard; `baseline=True` means it too).
+    warm: leave the shards in the page cache (read once first) instead of evicting them.
     """
     mode = mode or ("all" if baseline else "load")
     runs = []
+    if warm:
+        for shard in checkpoint.glob("*.safetensors"):
+            _timed_read(shard, shard.stat().st_size)
     for _ in range(repeats):
-        evict(checkpoint)
+        if not warm:
+            evict(checkpoint)
         cmd = [sys.executable, __file__, "--child", family, str(checkpoint), "--mode", mode]
         cmd += ["--keys", str(keys)] if keys else []
         out = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
@@ -324,8 +331,9 @@ def _family_rows(family: str, root: Path, args: argparse.Namespace) -> list[dict
         print(f"#   {note}")
     print(f"# {family}: page cache eviction check {json.dumps(cache_check(directory))}")
     keys = directory / "keys-read.json"
-    measured = measure(family, directory, args.repeats, mode="load", keys=keys)
-    hand = measure(family, directory, args.repeats, mode="hand", keys=keys)
+    warm = args.cache == "warm"
+    measured = measure(family, directory, args.repeats, mode="load", keys=keys, warm=warm)
+    hand = measure(family, directory, args.repeats, mode="hand", keys=keys, warm=warm)
     rows.append(dict(label=family, checkpoint=facts, measured=measured, hand=hand))
     if family in args.baseline:
         measured = measure(family, directory, args.repeats, baseline=True)
@@ -345,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline", nargs="*", default=[], help="families to also read whole")
     p.add_argument("--clean", action="store_true", help="delete each checkpoint once measured")
+    p.add_argument(
+        "--cache", default="cold", choices=["cold", "warm"], help="shards evicted, or cached"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the rows here too")
     p.add_argument("--child", nargs=2, metavar=("FAMILY", "CHECKPOINT"), help=argparse.SUPPRESS)
     p.add_argument(
