@@ -1,52 +1,91 @@
-"""`tools/host_time.py` and `tools/roofline.py` at tiny sizes: what the benchmark page cites
-runs, and each comparison compares like with like."""
+"""`jaxsync bench SUBCOMMAND` at tiny sizes on any device: each one's help, a short run of each,
+and the figures the benchmark page cites compare like with like. The plain `jaxsync bench`
+keeps its options."""
 
 import dataclasses
-import importlib.util
-from pathlib import Path
+import json
 
+import jax
 import jax.numpy as jnp
+import pytest
+
+from jaxsync.harness import _cli
+from jaxsync.harness.bench import _host_time, _roofline
+from jaxsync.harness.bench._cli import SUBCOMMANDS
 
 
-_TOOLS = Path(__file__).resolve().parents[1] / "tools"
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_subcommand_help(name, capsys):
+    assert _cli.main(["bench", name, "--help"]) == 0
+    assert f"usage: jaxsync bench {name}" in capsys.readouterr().out
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, _TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_plain_bench_keeps_its_options_and_lists_the_subcommands(capsys):
+    assert _cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(o in out for o in ("--paths", "--sizes", "--jaxsync-only", *SUBCOMMANDS))
+    if jax.default_backend() == "cpu":  # parsed as the plain form, then refused on CPU
+        assert _cli.main(["bench", "--paths", "glm4v", "--sizes", "tiny"]) == 2
+    assert _cli.main(["bench", "--no-such-option"]) == 2
+
+
+def _cold_stream_lines(out: str) -> dict[str, tuple[float, float]]:
+    rows = {}
+    for line in out.splitlines():
+        if " cold " in line and " stream " in line:
+            name, rest = line.split(" cold ")
+            cold, stream = rest.split(" stream ")
+            rows[name.strip()] = (float(cold.split()[0]), float(stream.split()[0]))
+    return rows
 
 
 def test_host_time_entry_and_programs(capsys):
-    tool = _tool("host_time")
-    tool.main(["entry", "--smoke", "--depths", "1"])
-    tool.main(["programs", "--smoke"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if "cold" in line]
-    names = {line.split("cold")[0].strip() for line in lines}
-    assert {"depth  1  entry", "depth  1  its program", "depth  1  do-nothing, same args"} <= names
-    assert {"do-nothing", "chain of 200 matmul + tanh", "200-step fori_loop", "sort"} <= names
-    for line in lines:  # cold and stream host times, both positive
-        cold, stream = (float(part.split()[0]) for part in line.split("cold")[1].split("stream"))
-        assert cold > 0 and stream > 0
+    assert _cli.main(["bench", "host-time", "entry", "--smoke", "--depths", "1"]) == 0
+    assert _cli.main(["bench", "host-time", "programs", "--smoke"]) == 0
+    rows = _cold_stream_lines(capsys.readouterr().out)
+    assert {"depth  1  entry", "depth  1  its program", "depth  1  do-nothing, same args"} <= set(
+        rows
+    )
+    assert {"do-nothing", "chain of 10 matmul + tanh", "200-step fori_loop", "sort"} <= set(rows)
+    assert all(cold > 0 and stream > 0 for cold, stream in rows.values())
 
 
 def test_host_time_entry_program_gets_the_entrys_own_arguments():
-    tool = _tool("host_time")
-    enc, mel = tool._voxtral(1, smoke=True)
-    program, inputs = tool._program_inputs(enc, mel)
+    enc, mel = _host_time._voxtral(1, smoke=True)
+    program, inputs = _host_time._program_inputs(enc, mel)
     assert inputs[0] is mel  # the device features as given, and the plan's packed metadata
     entry_out = enc(input_features=mel).embeddings
     direct = program._jitted(program.leaves, *inputs)[0]
     assert jnp.array_equal(entry_out, direct)  # same program, same arguments, same result
 
 
+def test_host_overhead_one_entry(capsys):
+    argv = ["bench", "host-overhead", "--only", "kv.extract_kv", "--calls", "20", "--repeats", "1"]
+    assert _cli.main(argv) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("kv.")]
+    entry, floor = (float(v) for v in row.split()[1:3])
+    assert entry > 0 and floor > 0
+
+
+def test_upload_small_batches(capsys):
+    assert _cli.main(["bench", "upload", "--smoke", "--no-voxtral", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    for path in ("device_put", "async_h2d", "ring", "ring DMA (jitted copy)"):
+        assert f"  {path} " in out
+
+
 def test_roofline_floor_is_its_parts():
-    tool = _tool("roofline")
-    ms = tool.main(["--smoke", "--windows", "1"])
+    ms = _roofline.floor_ms(["--smoke", "--windows", "1"])
     assert {"layer matmuls, chained", "attention, jax xla", "floor"} <= set(ms)
     parts = ms["layer matmuls, chained"] + ms["attention, jax xla"]
     assert all(v > 0 for v in ms.values()) and ms["floor"] >= parts
+
+
+def test_roofline_at_released_width_needs_a_gpu(capsys):
+    if jax.default_backend() != "cpu":
+        pytest.skip("an accelerator is present")
+    assert _cli.main(["bench", "roofline"]) == 2
+    assert "--smoke" in capsys.readouterr().out
 
 
 def test_roofline_chain_does_every_layer_matmul():
@@ -54,10 +93,37 @@ def test_roofline_chain_does_every_layer_matmul():
     from jaxsync.harness.paths.voxtral.bench import encoder_flops
     from jaxsync.models.voxtral import VoxtralAudioConfig
 
-    tool = _tool("roofline")
     small = dataclasses.replace(VoxtralAudioConfig(), hidden_size=40, intermediate_size=160,
                                 num_attention_heads=4, num_hidden_layers=1)  # fmt: skip
-    _, chain = tool.layer_matmuls(small, 1, jnp.float32)
+    _, chain = _roofline.layer_matmuls(small, 1, jnp.float32)
     one, two = (encoder_flops(dataclasses.replace(small, num_hidden_layers=n), 1) for n in (1, 2))
     per_layer = two - one  # one more layer: its matmuls and its attention
-    assert chain == per_layer - tool.attention_flops(small, 1)
+    assert chain == per_layer - _roofline.attention_flops(small, 1)
+
+
+def test_profile_one_row(capsys):
+    argv = ["bench", "profile", "--paths", "kv", "--size", "tiny", "--calls", "1", "--top", "1",
+            "--rows", "[new numpy ids each call]"]  # fmt: skip
+    assert _cli.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "device per call" in line]
+    assert rows and all("[new numpy ids each call]" in row for row in rows)
+
+
+def test_profile_classes_kernel_names():
+    from jaxsync.harness.bench._profile import classify
+
+    assert classify("cudnn_flash_attn_fwd") == "attention"
+    assert classify("nvjet_hsh_gemm") == "matmul"
+    assert classify("loop_convert_fusion") == "fusion"  # "convert" is not a convolution
+    assert classify("something") == "other"
+
+
+def test_render_a_saved_run(tmp_path):
+    m = {"device_ms": 1.0, "blocked_ms": 0.01, "first_call_ms": 100.0}
+    env = {"date": "d", "device": "X", "jax": "j", "torch": "t", "transformers": "h", "python": "3"}
+    rows = [{"family": "kv", "size": "tiny", "name": "copy 64", "jaxsync": m}]
+    result = {"environment": env, "copy_ceiling_gbps": {"jax": 1.0, "torch": 1.0}, "rows": rows}
+    (tmp_path / "bench.json").write_text(json.dumps(result))
+    out = tmp_path / "out"
+    assert _cli.main(["bench", "render", str(tmp_path / "bench.json"), str(out)]) == 0
+    assert "| copy 64 | jaxsync | 1.000 |" in (out / "bench.md").read_text()

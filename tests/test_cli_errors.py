@@ -152,7 +152,7 @@ pkg.__path__ = [str(Path({root!r}) / "jaxsync")]
 sys.modules["jaxsync"] = pkg
 t0 = time.perf_counter()
 from jaxsync.harness import _cli
-for argv in (["--help"], ["--version"]):
+for argv in (["--help"], ["--version"], ["bench", "--help"]):
     try:
         _cli.main(argv)
     except SystemExit:
@@ -167,7 +167,7 @@ def test_cli_help_and_version_import_no_jax():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     last = proc.stdout.strip().splitlines()[-1].split()
     assert proc.returncode == 0 and last[0] == "SECONDS", proc.stderr
-    assert last[3] == "False", "the CLI imported jax for --help / --version"
+    assert last[3] == "False", "the CLI imported jax for --help / --version / bench --help"
     assert float(last[1]) < 1.0, last
 
 

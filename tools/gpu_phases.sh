@@ -5,8 +5,8 @@
 #   bench    - `jaxsync bench --sizes released` per family (default: all), default client
 #   tfrt     - the same bench under the TFRT GPU client (host time per call)
 #   host     - jaxsync's rows only (no baselines), default client: its host time per call
-#   profile  - tools/profile_device.py: device time per op class (default: voxtral glm4v)
-#   sharded  - (2+ GPUs) the sharded kv tests and tools/bench_kv_sharded.py
+#   profile  - `jaxsync bench profile`: device time per op class (default: voxtral glm4v)
+#   sharded  - (2+ GPUs) the sharded kv tests
 # Set SKIP_INSTALL=1 when the caller installed jaxsync already.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,13 +45,12 @@ case "$phase" in
     ;;
   profile)
     [ ${#families[@]} -gt 0 ] || families=(voxtral glm4v)
-    timeout 400 python3 tools/profile_device.py --paths "${families[@]}" 2>&1 \
+    timeout 400 python3 -m jaxsync bench profile --paths "${families[@]}" 2>&1 \
       | tee "$out/profile.txt"
     ;;
   sharded)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kv tests/test_device_cache.py \
       2>&1 | tail -15 | tee "$out/sharded-tests.log"
-    timeout 300 python3 tools/bench_kv_sharded.py 2>&1 | tee "$out/bench-kv-sharded.txt"
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

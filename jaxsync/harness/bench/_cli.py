@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -80,8 +81,31 @@ def _save(out: Path, env: dict, ceilings: dict, rows: list) -> dict[str, Any]:
     return result
 
 
+# `jaxsync bench SUBCOMMAND`: name -> (help, module under jaxsync.harness.bench with `main(argv)`)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "host-time": ("host time, cold and in a stream: the voxtral entry, programs", "_host_time"),
+    "host-overhead": ("every entry's host time against a do-nothing jit", "_host_overhead"),
+    "upload": ("host uploads: pageable transfers against the pinned staging ring", "_upload"),
+    "roofline": ("a floor under the voxtral encoder: its matmuls and attention alone", "_roofline"),
+    "profile": ("device time per op class, from a profiler trace of bench rows", "_profile"),
+    "render": ("re-render a bench.json as markdown and PNG chart", "_render"),
+}  # fmt: skip
+
+
 def bench(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="jaxsync bench", description=__doc__)
+    argv = list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(f"jaxsync.harness.bench.{SUBCOMMANDS[argv[0]][1]}")
+        return module.main(argv[1:])
+    ap = argparse.ArgumentParser(
+        prog="jaxsync bench",
+        usage="jaxsync bench [options]\n       jaxsync bench SUBCOMMAND [options]",
+        description=__doc__,
+        epilog="subcommands:\n"
+        + "\n".join(f"  {name:<14} {text}" for name, (text, _) in SUBCOMMANDS.items())
+        + "\n\nRun `jaxsync bench SUBCOMMAND --help` for a subcommand's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--paths", nargs="*", help="families or path names (default: all)")
     ap.add_argument(
         "--sizes", nargs="*", default=["released"], help="size presets (tiny, released)"

@@ -9,9 +9,9 @@ a `jaxsync.TowerProgram`, it also prints that program's jit call alone on the sa
 entry's time with that dispatch replaced by returning earlier outputs ("python us": the
 checks, plans and output the entry adds, free of the runtime's noise).
 
-    python tools/host_overhead.py                    # every entry
-    python tools/host_overhead.py --only glm4v kv    # entries whose name starts so
-    python tools/host_overhead.py --profile glm4v    # cProfile of one entry's hot path
+    jaxsync bench host-overhead                          # every entry
+    jaxsync bench host-overhead --only glm4v kv          # entries whose name starts so
+    jaxsync bench host-overhead --profile glm4v.vision_tower  # cProfile of one entry's hot path
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from flax import nnx
 
 import jaxsync
 from jaxsync.harness.bench._programs import main_program_args
+from jaxsync.harness.bench._timing import _noop
 
 
 def _glm4v():
@@ -188,13 +189,6 @@ def per_call_us(
     return stat(means)
 
 
-def noop_call(num_args: int) -> Callable[[], object]:
-    """A do-nothing jit of `num_args` small device arrays, bound to its arguments."""
-    args = [jnp.zeros((8,), jnp.float32) + i for i in range(num_args)]
-    noop = jax.jit(lambda *a: a[0][:1])
-    return lambda: noop(*args)
-
-
 def _main_program(call: Callable[[], object]):
     """(TowerProgram, inputs) of the entry's program dispatch in one call, or None."""
     seen = []
@@ -253,17 +247,21 @@ def python_us(call: Callable[[], object], calls: int, repeats: int, stat) -> flo
         program._jitted = jitted
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="jaxsync bench host-overhead", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--only", nargs="*", help="entry name prefixes (default: all)")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--profile", help="cProfile this entry's hot path instead")
+    ap.add_argument(
+        "--profile", choices=list(ENTRIES), help="cProfile this entry's hot path instead"
+    )
     ap.add_argument(
         "--stat", choices=("median", "min"), default="median",
         help="over the repeats (min: steadier on a loaded machine)",
     )  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.profile:
         call = ENTRIES[args.profile]()
         jax.block_until_ready(call())
@@ -271,7 +269,7 @@ def main() -> None:
         for _ in range(args.calls):  # the device idle at each call, as timed
             jax.block_until_ready(prof.runcall(call))
         pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
-        return
+        return 0
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; jaxsync {jaxsync.__name__}")
     print(f"{'entry':22} {'entry us':>9} {'floor us (same args)':>21} {'overhead us':>12} "
           f"{'jit args':>9} {'program us':>11} {'python us':>10}")  # fmt: skip
@@ -282,14 +280,11 @@ def main() -> None:
         n = main_program_args(build())  # traced on its own copy: a chain keeps no tracer
         call = build()
         entry = per_call_us(call, args.calls, args.repeats, stat)
-        floor = per_call_us(noop_call(n), args.calls, args.repeats, stat)
+        floor = per_call_us(_noop(n), args.calls, args.repeats, stat)
         raw = program_call(call)
         prog = "" if raw is None else f"{per_call_us(raw, args.calls, args.repeats, stat):11.1f}"
         own = python_us(call, args.calls, args.repeats, stat)
         own = "" if own is None else f"{own:10.1f}"
         print(f"{name:22} {entry:9.1f} {floor:21.1f} {entry - floor:12.1f} {n:9d} {prog:>11} "
               f"{own:>10}", flush=True)  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -14,9 +14,9 @@ loop (per-jit compiler options), and its device time is printed next to the plai
 `programs` times synthetic jits (big outputs, long kernel chains, loops, attention,
 convolution, sort) the same way: which program features cost the calling thread.
 
-    python tools/host_time.py entry --depths 2 8 32 [--command-buffers]
-    python tools/host_time.py programs
-    python tools/host_time.py entry --smoke          # tiny width: a CPU check of the tool
+    jaxsync bench host-time entry --depths 2 8 32 [--command-buffers]
+    jaxsync bench host-time programs
+    jaxsync bench host-time entry --smoke   # tiny width, few samples: a CPU check
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ def host_us(fn: Callable[[], Any], side: _Side, *, samples: int = 15, k: int = 8
     return cold, stream_ms(fn, side, repeat=max(1, samples // 3), k=k) * 1e3
 
 
+def _samples(args: argparse.Namespace) -> int:
+    return 3 if args.smoke else 15
+
+
 def _voxtral(depth: int, smoke: bool):
     from jaxsync.models.voxtral import (
         MelConfig,
@@ -61,7 +65,8 @@ def _voxtral(depth: int, smoke: bool):
 
     cfg = VoxtralAudioConfig()
     if smoke:
-        cfg = dataclasses.replace(cfg, hidden_size=64, intermediate_size=128, num_attention_heads=2)
+        cfg = dataclasses.replace(cfg, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                  max_source_positions=200)  # fmt: skip
     cfg = dataclasses.replace(cfg, num_hidden_layers=depth)
     tower = VoxtralAudioTower(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     enc = VoxtralAudioEncoder(tower, MelConfig(num_mel_bins=cfg.num_mel_bins))
@@ -102,7 +107,7 @@ def entry(args: argparse.Namespace) -> None:
             "do-nothing, same args": lambda p=program, i=inputs, f=nothing: f(p.leaves, *i),
         }
         for name, fn in fns.items():
-            cold, stream = host_us(fn, side)
+            cold, stream = host_us(fn, side, samples=_samples(args))
             print(f"depth {depth:2d}  {name:22s} cold {cold:7.1f} us   stream {stream:7.1f} us")
         if args.command_buffers:
             plain = measure(fns["entry"], side, repeat=3)["device_ms"]
@@ -110,7 +115,7 @@ def entry(args: argparse.Namespace) -> None:
             enc._features._jitted = jax.jit(
                 enc._features._jitted.__wrapped__, compiler_options=COMMAND_BUFFERS
             )
-            cold, stream = host_us(fns["entry"], side)
+            cold, stream = host_us(fns["entry"], side, samples=_samples(args))
             graphs = measure(fns["entry"], side, repeat=3)["device_ms"]
             print(f"depth {depth:2d}  entry, command buffers  cold {cold:7.1f} us   stream "
                   f"{stream:7.1f} us   device {graphs:.2f} ms (plain {plain:.2f} ms)")  # fmt: skip
@@ -133,6 +138,7 @@ def programs(args: argparse.Namespace) -> None:
     q = jnp.ones((4, 16 if args.smoke else 1536, 20, 64), jnp.bfloat16)
     conv_in = jnp.ones((4, 300 if args.smoke else 3000, 128), jnp.bfloat16)
     conv_w = jnp.ones((3, 128, 1280), jnp.bfloat16)
+    chains = (1, 10) if args.smoke else (1, 10, 50, 200)
     impls = ["xla"] if jax.default_backend() != "gpu" else ["cudnn", "xla"]
 
     def attention(impl):
@@ -145,7 +151,7 @@ def programs(args: argparse.Namespace) -> None:
     cases: dict[str, tuple[Callable, tuple]] = {
         "do-nothing": (jax.jit(lambda a: a[:1]), (big,)),
         f"elementwise over {big.nbytes >> 20} MiB": (jax.jit(lambda a: a + 1), (big,)),
-        **{f"chain of {k} matmul + tanh": (_chain(k), (x,)) for k in (1, 10, 50, 200)},
+        **{f"chain of {k} matmul + tanh": (_chain(k), (x,)) for k in chains},
         "200-step fori_loop": (
             jax.jit(lambda a: jax.lax.fori_loop(0, 200, lambda i, a: jnp.tanh(a @ a * 0.01), a)),
             (x,),
@@ -169,7 +175,7 @@ def programs(args: argparse.Namespace) -> None:
         "sort": (jax.jit(lambda a: jnp.sort(a.reshape(-1))[:4]), (x,)),
     }
     for name, (fn, fn_args) in cases.items():
-        cold, stream = host_us(lambda fn=fn, a=fn_args: fn(*a), side)
+        cold, stream = host_us(lambda fn=fn, a=fn_args: fn(*a), side, samples=_samples(args))
         print(f"{name:34s} cold {cold:7.1f} us   stream {stream:7.1f} us")
     # Donation: each call consumes the previous call's output (a kv cache's calling pattern).
     cache = (1024, 16, 8, 128) if not args.smoke else (16, 4, 2, 8)  # blocks, block, heads, dim
@@ -189,24 +195,23 @@ def programs(args: argparse.Namespace) -> None:
             state["c"] = fn(state["c"], ids)
             return state["c"]
 
-        cold, stream = host_us(step, side)
+        cold, stream = host_us(step, side, samples=_samples(args))
         print(f"{name:34s} cold {cold:7.1f} us   stream {stream:7.1f} us")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="jaxsync bench host-time", description=__doc__.splitlines()[0]
+    )
     sub = ap.add_subparsers(dest="mode", required=True)
     e = sub.add_parser("entry", help="the voxtral entry at each depth")
     e.add_argument("--depths", type=int, nargs="+", default=[2, 32])
     e.add_argument("--command-buffers", action="store_true")
-    e.add_argument("--smoke", action="store_true", help="tiny width (a CPU check of the tool)")
+    e.add_argument("--smoke", action="store_true", help="tiny width, few samples (a CPU check)")
     p = sub.add_parser("programs", help="synthetic programs")
-    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, few samples (a CPU check)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     (entry if args.mode == "entry" else programs)(args)
     print(f"({time.perf_counter() - t0:.0f} s, {jax.devices()[0].device_kind})")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -5,7 +5,7 @@ device events of the trace and sums their time per call by class (attention, mat
 copy/transpose, fusion, other), next to a large bf16 matmul's rate measured in the same run
 (the ceiling the model's matmuls are compared with).
 
-  python tools/profile_device.py [--paths voxtral glm4v] [--size released] [--calls 5]
+    jaxsync bench profile [--paths voxtral glm4v] [--size released] [--calls 5] [--top 30]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def profile(case, calls: int, top: int = 8) -> tuple[dict[str, float], list[tupl
 def main(argv: list[str] | None = None) -> int:
     from jaxsync.harness import registry
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="jaxsync bench profile", description=__doc__.splitlines()[0])
     ap.add_argument("--paths", nargs="+", default=None, help="families (default: all)")
     ap.add_argument("--size", default="released", choices=("tiny", "released"))
     ap.add_argument("--calls", type=int, default=5)
@@ -100,7 +100,3 @@ def main(argv: list[str] | None = None) -> int:
             for name, ms in top:
                 print(f"  {ms:8.3f} ms  {name}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -134,3 +134,17 @@ def render(result: dict[str, Any], out: Path) -> None:
     fig.text(0.01, 0.01, "missing bar: below timing resolution", fontsize=7)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(out / "bench.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`jaxsync bench render RESULT.json OUT_DIR`: the tables and chart of a saved run."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="jaxsync bench render", description=main.__doc__)
+    ap.add_argument("result", type=Path, help="a bench.json written by `jaxsync bench`")
+    ap.add_argument("out", type=Path, help="folder for bench.md and bench.png")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    render(json.loads(args.result.read_text()), args.out)
+    return 0

@@ -13,8 +13,8 @@ At the released width and `--windows` 30 s windows, in one process on one GPU:
 The floor is the chained matmuls plus the fastest attention plus the conv stem and projector at
 the chain's rate: what an encoder with these kernels takes before any other pass runs.
 
-    python tools/roofline.py [--windows 4] [--out roofline.json]
-    python tools/roofline.py --smoke          # tiny width, jax only: a CPU check of the tool
+    jaxsync bench roofline [--windows 4] [--out roofline.json]
+    jaxsync bench roofline --smoke   # tiny width, jax only: a CPU check
 """
 
 from __future__ import annotations
@@ -121,12 +121,24 @@ def encoder_rows(windows: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    return 0 if floor_ms(argv) else 2
+
+
+def floor_ms(argv: list[str] | None = None) -> dict[str, float]:
+    """The figures of one run (ms per part, and the floor); empty when refused."""
+    ap = argparse.ArgumentParser(prog="jaxsync bench roofline", description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the figures here as JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny width, jax side only")
     args = ap.parse_args(argv)
+    if not args.smoke:
+        from jaxsync.harness.bench._cli import _accelerator_or_reason
+
+        reason = _accelerator_or_reason()
+        if reason:
+            print(f"jaxsync bench roofline: {reason} (--smoke runs a tiny width on any device)")
+            return {}
 
     from jaxsync.models.voxtral import VoxtralAudioConfig
 
@@ -181,7 +193,3 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return ms
-
-
-if __name__ == "__main__":
-    main()

@@ -21,7 +21,8 @@ finished), so the ring reuses one buffer.
 16 MiB): host ms of `async_h2d` and of a pinned `StagingRing.put`, cold and in a stream behind
 queued device work (the bench's harness), and the end-to-end ms of one call run alone.
 
-Usage: python tools/bench_upload.py [--repeats 20] [--small]
+    jaxsync bench upload [--repeats 20] [--small]
+    jaxsync bench upload --smoke   # small batches, few repeats: a CPU check
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CASES = {  # name: (bucket shape, dtype, real rows)
     "9 MB bf16 [4096, 1176]": ((4096, 1176), jax.numpy.bfloat16, 4001),
     "61 MB f32 [32, 128, 3750]": ((32, 128, 3750), np.float32, 29),
 }
+SMOKE_CASES = {"61 KB f32 [8, 1920]": ((8, 1920), np.float32, 7)}
 
 
 def _measure(fn, wait, nbytes: int, repeats: int) -> tuple[float, float]:
@@ -104,8 +106,9 @@ def bench_case(shape, dtype, rows: int, repeats: int) -> dict[str, tuple[float, 
     return results
 
 
-def bench_voxtral(repeats: int) -> dict[str, tuple[float, float]]:
-    """The voxtral entry on 8 x 30 s host waveforms, through the default ring and bypassing it."""
+def bench_voxtral(repeats: int, seconds: int = 30) -> dict[str, tuple[float, float]]:
+    """The voxtral entry on 8 host waveforms of `seconds` each, through the default ring and
+    bypassing it."""
     from jaxsync.models.voxtral import VoxtralAudioConfig, VoxtralAudioEncoder, VoxtralAudioTower
 
     cfg = VoxtralAudioConfig(
@@ -114,8 +117,9 @@ def bench_voxtral(repeats: int) -> dict[str, tuple[float, float]]:
     )  # fmt: skip
     enc = VoxtralAudioEncoder(VoxtralAudioTower(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(1)
-    audio = [(0.1 * rng.standard_normal(480_000)).astype(np.float32) for _ in range(8)]
-    nbytes = 8 * 480_000 * 4
+    samples = 16_000 * seconds
+    audio = [(0.1 * rng.standard_normal(samples)).astype(np.float32) for _ in range(8)]
+    nbytes = 8 * samples * 4
 
     def call():
         return enc(audio).embeddings
@@ -130,7 +134,10 @@ def bench_voxtral(repeats: int) -> dict[str, tuple[float, float]]:
     return results
 
 
-def small_uploads(kib: tuple[int, ...] = (64, 256, 1024, 1536, 4096, 8192, 16384)) -> None:
+SMALL_KIB = (64, 256, 1024, 1536, 4096, 8192, 16384)
+
+
+def small_uploads(kib: tuple[int, ...] = SMALL_KIB, repeats: int = 20) -> None:
     """Pageable `async_h2d` against a pinned `StagingRing.put` per size (see the docstring)."""
     from jaxsync.harness.bench._timing import _Side, blocked_ms, stream_ms
 
@@ -141,30 +148,37 @@ def small_uploads(kib: tuple[int, ...] = (64, 256, 1024, 1536, 4096, 8192, 16384
         for name, fn in (("async_h2d", lambda x=x: jaxsync.async_h2d(x)),
                          ("ring.put", lambda x=x: ring.put(x, x.shape))):  # fmt: skip
             jax.block_until_ready(fn())
-            cold = statistics.median(blocked_ms(fn, side) for _ in range(11))
-            alone = _measure(fn, jax.block_until_ready, x.nbytes, 20)[1]
-            print(f"{k:>6} KiB  {name:<10}{cold:>9.3f}{stream_ms(fn, side):>11.3f}"
+            cold = statistics.median(blocked_ms(fn, side) for _ in range(min(11, repeats)))
+            alone = _measure(fn, jax.block_until_ready, x.nbytes, repeats)[1]
+            stream = stream_ms(fn, side, repeat=min(5, repeats))
+            print(f"{k:>6} KiB  {name:<10}{cold:>9.3f}{stream:>11.3f}"
                   f"{x.nbytes / alone / 1e6:>10.3f}")  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jaxsync bench upload", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-voxtral", action="store_true")
     parser.add_argument("--small", action="store_true", help="the pageable / pinned crossover")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="small batches (a CPU check)")
+    args = parser.parse_args(argv)
+    repeats = min(args.repeats, 3) if args.smoke else args.repeats
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if args.small:
-        small_uploads()
-        return
-    sections = {name: bench_case(*case, args.repeats) for name, case in CASES.items()}
+        small_uploads((64, 256) if args.smoke else SMALL_KIB, repeats)
+        return 0
+    cases = SMOKE_CASES if args.smoke else CASES
+    sections = {name: bench_case(*case, repeats) for name, case in cases.items()}
     if not args.no_voxtral:
-        sections["voxtral 8 x 30 s host waveforms (15 MB f32)"] = bench_voxtral(args.repeats)
+        seconds = 1 if args.smoke else 30
+        title = (
+            f"voxtral 8 x {seconds} s host waveforms ({8 * 16_000 * seconds * 4 / 1e6:g} MB f32)"
+        )
+        sections[title] = bench_voxtral(repeats, seconds)
     for title, results in sections.items():
         print(f"\n{title}\n  {'path':<28}{'host ms':>10}{'GB/s':>10}")
         for name, (host_ms, gbps) in results.items():
             print(f"  {name:<28}{host_ms:>10.3f}{gbps:>10.1f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
