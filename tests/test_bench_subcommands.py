@@ -102,6 +102,7 @@ def test_roofline_chain_does_every_layer_matmul():
 
 
 def test_profile_one_row(capsys):
+    pytest.importorskip("torch")  # the bench rows are built with their torch baselines
     argv = ["bench", "profile", "--paths", "kv", "--size", "tiny", "--calls", "1", "--top", "1",
             "--rows", "[new numpy ids each call]"]  # fmt: skip
     assert _cli.main(argv) == 0
