@@ -102,10 +102,6 @@ def on_devices(devices: Iterable[jax.Device], name: str) -> Callable[[jax.Array]
     return check
 
 
-def _planner(x: jax.Array, plan: Any) -> None:
-    """Stands for the family's planner in a key's declarations (the planner checks itself)."""
-
-
 class TowerEntry:
     """The shared host pipeline of one entry point over one `TowerProgram`.
 
@@ -138,7 +134,7 @@ class TowerEntry:
         self.checks = tuple(checks)
         self.fits = fits
         self.plans: PlanCache[Planned] = PlanCache(plan_cache_size) if plans is None else plans
-        planner = reads(*plan_reads)(_planner)
+        planner = reads(*plan_reads)(lambda x: None)  # the planner's reads (it checks itself)
         declared = (*self.checks, planner) if fits is None else (*self.checks, fits, planner)
         self.calls = CallCache(plan_cache_size, checks=declared)
 

@@ -13,7 +13,7 @@ The entry compiles the server form's own functions (`forward`, `forward_waveform
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -22,12 +22,13 @@ from flax import nnx
 
 import jaxsync
 import jaxsync.check
+from jaxsync._calls import reads
+from jaxsync._entry import TowerEntry, alive, on_devices
 from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._mel_plan import (
     check_audio_list,
-    check_live,
     check_waveforms,
     resolve_floor,
     stage_batch,
@@ -119,7 +120,7 @@ class VoxtralAudioEncoder:
         )
         self._features = jaxsync.TowerProgram(model, server_form(project, None, out_sharding))
         self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
-        self._devices = frozenset(
+        devices = frozenset(
             d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set
         )
         leaf = jax.tree.leaves(nnx.state(model))[0]
@@ -127,9 +128,17 @@ class VoxtralAudioEncoder:
         if placement is None:
             placement = _replicated(leaf.sharding)
         self.placement = placement
-        self._plans: jaxsync.PlanCache[_Planned] = jaxsync.PlanCache()
-        # Device inputs, by kind: a [B, W] audio batch and [F, 2P] features share a shape.
-        self._audio_calls, self._feature_calls = jaxsync.CallCache(), jaxsync.CallCache()
+        # Device inputs, by kind (a [B, W] audio batch and [F, 2P] features share a shape):
+        # one entry each over one plan cache.
+        inside = self._inside = on_devices(devices, "inputs")
+        self._audio = TowerEntry(self._waveforms, name="waveforms", checks=(_waveforms, inside))
+        self._input_features = TowerEntry(
+            self._features,
+            name=FEATURES,
+            checks=(alive(FEATURES), self._check_features, inside),
+            plans=self._audio.plans,
+        )
+        self._audio_calls, self._feature_calls = self._audio.calls, self._input_features.calls
 
     @property
     def num_state_args(self) -> int:
@@ -147,16 +156,24 @@ class VoxtralAudioEncoder:
         return (self._waveforms if x.ndim == 2 else self._features).lower(x, meta)
 
     def _meta_placement(self, x: Any) -> Any:
+        """Where a call's metadata goes: beside device inputs, else beside host uploads."""
         if isinstance(x, jax.Array):
-            if not isinstance(x, jax.core.Tracer):
-                have = frozenset(x.sharding.device_set)
-                if have != self._devices:
-                    raise ValueError(
-                        f"inputs live on devices {sorted(d.id for d in have)} but the weights "
-                        f"on {sorted(d.id for d in self._devices)}: place them together"
-                    )
             return jaxsync.replicated_near(x)
         return _replicated(self.placement)
+
+    @reads("shape", "dtype")
+    def _check_features(self, features: Any) -> None:
+        """`[C, F, 2P]` (or `[F, 2P]`) float features with at least one window."""
+        cfg = self.cfg
+        shape = tuple(features.shape)
+        shape = (1, *shape) if len(shape) == 2 else shape
+        want = (cfg.num_mel_bins, cfg.chunk_frames)
+        if len(shape) != 3 or shape[1:] != want:
+            raise ValueError(f"input_features must be [C, {want[0]}, {want[1]}], got {shape}")
+        if not np.issubdtype(features.dtype, np.floating) and features.dtype != jax.numpy.bfloat16:
+            raise TypeError(f"input_features must be floating point, got {features.dtype}")
+        if shape[0] == 0:
+            raise ValueError("input_features has no windows")
 
     @jaxsync.check.entry_point
     def __call__(
@@ -220,14 +237,16 @@ class VoxtralAudioEncoder:
     def _from_audio(
         self, audio: Any, lengths: Any, sampling_rate: Any, call_key: Any
     ) -> jaxsync.Embeddings:
+        entry = self._audio
         if isinstance(audio, list | tuple):  # rows copied straight into their bucket
             if lengths is not None:
                 raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
             x, lens = check_audio_list(audio, self.mel_config, sampling_rate=sampling_rate)
         else:
-            x, lens = check_waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
+            x, lens = _waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
         on_device = isinstance(x, jax.Array)
         if on_device:  # the caller's buffer is the bucket
+            self._inside(x)
             buckets = WaveformBuckets(self.chunk_buckets, (x.shape[0],), (x.shape[1],))
             shape = tuple(x.shape)
         else:
@@ -235,48 +254,37 @@ class VoxtralAudioEncoder:
             shape = waveform_shape(lens, self.mel_config, buckets)
         where = self._meta_placement(x)
 
-        def build() -> _Planned:
-            return _planned(
-                plan_waveforms(
-                    lens, self.cfg, self.mel_config, buckets=buckets, project=self.project
-                ),
-                where,
-            )
+        def build() -> VoxtralWaveformPlan:
+            mel = self.mel_config
+            return plan_waveforms(lens, self.cfg, mel, buckets=buckets, project=self.project)
 
         key = ("audio", lens.tobytes(), shape, where)
-        if on_device:
-            _, meta, layout = self._plans.get(key, build)  # refuses bad plans before any upload
-        else:  # samples checked while staged, before a new plan's metadata goes up
-            ring = jaxsync.default_staging
-            staged = stage_batch(x, lens, shape, self.placement)
-            try:
-                _, meta, layout = self._plans.get(key, build)
-            except BaseException:
-                ring.release(staged)
-                raise
-            return _assembler(layout)(self._waveforms(ring.upload(staged), meta))
-        run = self._prepared(self._waveforms, meta, layout, "waveforms", audio.ndim == 2)
-        return self._audio_calls.keep(call_key, run)(audio)
+        if on_device:  # refuses bad plans before any upload
+            return entry.device(
+                audio, call_key, entry.planned(key, build, where), unbatched=audio.ndim == 1
+            )
+        # samples checked while staged, before a new plan's metadata goes up
+        ring = jaxsync.default_staging
+        staged = stage_batch(x, lens, shape, self.placement)
+        try:
+            planned = entry.planned(key, build, where)
+        except BaseException:
+            ring.release(staged)
+            raise
+        return planned.finish(self._waveforms(ring.upload(staged), planned.meta))
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
-        cfg = self.cfg
+        entry = self._input_features
         on_device = isinstance(features, jax.Array)
         if on_device:
-            check_live(features, name="input_features")
+            entry.check(features)
         else:
-            features = jaxsync.host_array(features, name="input_features")
+            features = jaxsync.host_array(features, name=FEATURES)
+            self._check_features(features)
         given = features
         if features.ndim == 2:
             features = features[None]
-        want = (cfg.num_mel_bins, cfg.chunk_frames)
-        if features.ndim != 3 or tuple(features.shape[1:]) != want:
-            raise ValueError(f"input_features must be [C, {want[0]}, {want[1]}], got "
-                             f"{tuple(features.shape)}")  # fmt: skip
-        if not np.issubdtype(features.dtype, np.floating) and features.dtype != jax.numpy.bfloat16:
-            raise TypeError(f"input_features must be floating point, got {features.dtype}")
         rows = features.shape[0]
-        if rows == 0:
-            raise ValueError("input_features has no windows")
         where = self._meta_placement(features)
         # The plan, checks of num_chunks included, is cached per content of num_chunks: a
         # repeated call costs the key. Other host types are validated first, then keyed.
@@ -285,39 +293,33 @@ class VoxtralAudioEncoder:
             num_chunks = _counts(num_chunks)
             key = jaxsync.metadata_key(num_chunks)
 
-        def build() -> _Planned:
+        def build() -> VoxtralPlan:
             counts = np.ones(rows, np.int64) if num_chunks is None else _counts(num_chunks)
             total = int(counts.sum())
             # A device array's rows are the caller's bucket; host windows are bucketed here.
             if total > rows or (total != rows and not on_device):
                 raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
             buckets = (rows,) if on_device else self.chunk_buckets
-            return _planned(plan(counts, cfg, buckets=buckets, project=self.project), where)
+            return plan(counts, self.cfg, buckets=buckets, project=self.project)
 
-        # Host features are refused when not finite before a new plan's metadata goes up,
-        # or, on a known plan, as they are copied into their staging buffer (one pass).
-        check = None
-        if not on_device:
-            check = lambda: jaxsync.check_finite(features, name="input_features")  # noqa: E731
         key = ("features", key, rows, on_device, where)
-        planned, meta, layout = self._plans.get(key, build, on_miss=check)
-        if not on_device:
-            features = jaxsync.default_staging.put(
-                features, (planned.chunks, *want), dtype=np.float32, placement=self.placement,
-                finite="input_features",
-            )  # fmt: skip
-            return _assembler(layout)(self._features(features, meta))
-        run = self._prepared(self._features, meta, layout, "input_features", given.ndim == 3)
-        return self._feature_calls.keep(call_key, run)(given)
+        if on_device:
+            planned = entry.planned(key, build, where)
+            return entry.device(given, call_key, planned, unbatched=given.ndim == 2)
+        want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
+        return entry.host(
+            features, key, build, where, shape=lambda p: (p.chunks, *want), dtype=np.float32,
+            stage_at=self.placement,
+        )  # fmt: skip
 
-    @staticmethod
-    def _prepared(
-        program: jaxsync.TowerProgram, meta: jaxsync.Packed, layout: _Layout, name: str,
-        batched: bool,
-    ) -> Callable[[jax.Array], jaxsync.Embeddings]:  # fmt: skip
-        """The kept call of a device input; an unbatched one (one axis fewer) gets its axis."""
-        run = program.prepared(meta, finish=_assembler(layout), name=name)
-        return run if batched else jaxsync.prepared_call(lambda x: run(x[None]), name)
+
+FEATURES = "input_features"
+
+
+@reads("live", "dtype", "shape", "metadata")
+def _waveforms(waveforms: Any, lengths: Any, config: MelConfig, *, sampling_rate: Any):
+    """`check_waveforms`: what it reads of a device batch is declared for the call key."""
+    return check_waveforms(waveforms, lengths, config, sampling_rate=sampling_rate)
 
 
 def _counts(num_chunks: Any) -> np.ndarray:
@@ -325,22 +327,3 @@ def _counts(num_chunks: Any) -> np.ndarray:
     if counts.size == 0:
         raise ValueError("num_chunks is empty")
     return counts
-
-
-_Layout = tuple[tuple[int, ...], tuple[int, ...]]
-_Planned = tuple[VoxtralPlan | VoxtralWaveformPlan, jaxsync.Packed, _Layout]
-
-
-def _planned(planned: VoxtralPlan | VoxtralWaveformPlan, where: Any) -> _Planned:
-    """A plan, its one packed upload and its output row layout (what the plan cache keeps)."""
-    layout = jaxsync.Embeddings.layout(planned.lengths)
-    return planned, jaxsync.upload_packed(planned, placement=where), layout
-
-
-def _assembler(layout: _Layout) -> Callable[[jaxsync.Encoded], jaxsync.Embeddings]:
-    """`Encoded -> Embeddings.of(encoded, plan)` with the plan's row layout computed once."""
-
-    def assemble(out: jaxsync.Encoded) -> jaxsync.Embeddings:
-        return jaxsync.Embeddings.from_layout(out.rows, layout, {"finite": out.finite})
-
-    return assemble

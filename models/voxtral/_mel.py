@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -235,16 +236,12 @@ def log_mel_spectrogram(
         on other devices than `placement`.
       TypeError: non-integer lengths or settings, non-float waveforms.
     """
-    settings = (config, floor, pad_to_multiple_of, max_length, sampling_rate, placement)
-    try:
-        calls = _CALLS.peek(settings)
-    except TypeError:  # unhashable settings: the checks below refuse them
-        calls = settings = None
-    key = None
-    if calls is not None:
-        run, key = calls.find(waveforms, lengths)
-        if run is not None:
-            return run(waveforms)
+    token = _settings_token(
+        (config, floor, pad_to_multiple_of, max_length, sampling_rate, placement)
+    )
+    run, key = (None, None) if token is None else _CALLS.find(waveforms, lengths, token)
+    if run is not None:
+        return run(waveforms)
     floor = resolve_floor(config, floor)
     x, lens = check_waveforms(waveforms, lengths, config, sampling_rate=sampling_rate)
     on_device = isinstance(x, jax.Array)
@@ -265,15 +262,26 @@ def log_mel_spectrogram(
         feats, finite = _log_mel_jit(w[None] if w.ndim == 1 else w, meta, spec=spec)
         return LogMel(features=feats, finite=finite, num_frames=num_frames.copy())
 
-    if not on_device or settings is None:
+    if not on_device or key is None:
         return run(x)
-    if calls is None:  # no call on device waveforms with these settings yet
-        calls, key = _CALLS.get(settings, jaxsync.CallCache), jaxsync.call_key(waveforms, lengths)
-    return calls.keep(key, jaxsync.prepared_call(run, "waveforms"))(waveforms)
+    return _CALLS.keep(key, jaxsync.prepared_call(run, "waveforms"))(waveforms)
 
 
-# Kept calls on device waveforms per settings: a repeated call is a lookup and the dispatch.
-_CALLS: jaxsync.PlanCache[jaxsync.CallCache] = jaxsync.PlanCache(maxsize=16)
+# Kept calls on device waveforms, keyed by their signature, `lengths` and the settings' token:
+# a repeated call is a lookup and the dispatch.
+_CALLS = jaxsync.CallCache(maxsize=64)
+_TOKENS: dict[tuple, tuple[int]] = {}  # settings -> (n,): a process sees a handful of them
+_COUNT = itertools.count()  # unique tokens across threads
+_PLAIN = (type(None), bool, int, str, MelConfig, jax.Device, jax.sharding.Sharding)
+
+
+def _settings_token(settings: tuple) -> tuple[int] | None:
+    """A call key's stand-in for the settings (a tuple of one int), or None for settings of
+    types the checks refuse (only plain hashable types are keyed)."""
+    if not all(isinstance(s, _PLAIN) for s in settings):
+        return None
+    token = _TOKENS.get(settings)
+    return _TOKENS.setdefault(settings, (next(_COUNT),)) if token is None else token
 
 
 def check_placement(x: jax.Array, placement: Any, *, name: str) -> None:
