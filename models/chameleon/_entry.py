@@ -21,6 +21,8 @@ from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
+from jaxsync._calls import reads
+from jaxsync._entry import Planned, TowerEntry
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
 from jaxsync.models.chameleon._placing import (
@@ -51,12 +53,14 @@ def _vq_outputs(model: ChameleonImageTower, pixels: jax.Array):  # [B, h, w, L],
     return model.vqmodel(pixels)
 
 
-def _as_embeddings(enc, out: jaxsync.Encoded, n: int, layout) -> jaxsync.Embeddings:
-    # `Embeddings.of(out, plan)` with the plan's row layout computed once.
-    return jaxsync.Embeddings.from_layout(out.rows, layout, {"finite": out.finite, **out.extras})
+PIXELS = "pixel_values"
 
 
-def _as_token_rows(enc, out: jaxsync.Encoded, n: int, layout) -> jax.Array:
+def _as_embeddings(enc, out: jaxsync.Encoded, n: int, p: Planned) -> jaxsync.Embeddings:
+    return p.finish(out)  # `Embeddings.of(out, plan)` with the plan's row layout computed once
+
+
+def _as_token_rows(enc, out: jaxsync.Encoded, n: int, p: Planned) -> jax.Array:
     return _token_rows(out.extras["ids"], n, enc.tokens_per_image)
 
 
@@ -112,9 +116,6 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         vq = self.cfg.vq
         self.image_shape = (vq.in_channels, vq.resolution, vq.resolution)
         self.tokens_per_image = vq.tokens_per_image
-        self._plans = jaxsync.PlanCache()
-        # Repeated calls on device pixels, one cache per output form.
-        self._embedding_calls, self._token_calls = jaxsync.CallCache(), jaxsync.CallCache()
         self._warm: set[tuple] = set()
         self._placings: dict[Any, tuple[int, Any]] = {}
         # The server form's function; a state on one placement goes in as packed buffers.
@@ -124,6 +125,12 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         )
         self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._devices, weights_at = weights_devices(model)
+        # Repeated calls on device pixels, one entry per output form over one plan cache.
+        checks = (_live, self._check_pixels, self._check_placing)
+        self._embeddings = TowerEntry(self._program, name=PIXELS, checks=checks)
+        self._tokens = TowerEntry(
+            self._program, name=PIXELS, checks=checks, plans=self._embeddings.plans
+        )
         check_placement(placement, jax.tree.leaves(nnx.state(model))[0])
         if placement is None and len(self._devices) > 1:  # host pixels go to the weights
             self.placement = replicated_on(weights_at)
@@ -179,12 +186,12 @@ class ChameleonImageEncoder(ChameleonTextPaths):
           ValueError: wrong rank or image size, no image, non-finite host pixels, a deleted
             (donated) array, or pixels placed apart from the weights or split off the batch axis.
         """
-        return self._run(pixel_values, self._embedding_calls, _as_embeddings)
+        return self._run(pixel_values, self._embeddings, _as_embeddings)
 
     @jaxsync.check.entry_point
     def get_image_tokens(self, pixel_values) -> Int[Array, "B T"]:
         """BPE ids `[B, T]` of each image's tokens in raster order (HF `get_image_tokens`)."""
-        return self._run(pixel_values, self._token_calls, _as_token_rows)
+        return self._run(pixel_values, self._tokens, _as_token_rows)
 
     def encode(self, pixel_values: jax.Array) -> tuple[Float[Array, "B h w L"], Int[Array, "B T"]]:
         """The VQ model's own outputs, unbucketed (for parity): encoder latents (NHWC, before
@@ -193,57 +200,62 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         check_pixels(pixel_values, self.image_shape)
         return self._vq(pixel_values)
 
-    def _run(self, pixel_values, calls: jaxsync.CallCache, finish):
-        """`finish(self, encoded, n, layout)` of the batch; a repeated call on device pixels
-        runs the prepared call kept in `calls`."""
-        run, key = calls.find(pixel_values)
+    @reads("shape", "dtype")
+    def _check_pixels(self, pixel_values) -> int:
+        return check_pixels(pixel_values, self.image_shape)
+
+    @reads("sharding", "committed")
+    def _check_placing(self, pixel_values: jax.Array) -> None:
+        """Committed pixels on the weights' devices, split (if at all) over the batch axis."""
+        where = _where(pixel_values)
+        if where is not None:
+            check_same_devices(where, self._devices, PIXELS)
+        self._placing(where, PIXELS)
+
+    def _run(self, pixel_values, entry: TowerEntry, finish):
+        """`finish(self, encoded, n, planned)` of the batch; a repeated call on device pixels
+        runs the prepared call kept by `entry`."""
+        run, key = entry.calls.find(pixel_values)
         if run is not None:
             return run(pixel_values)
         on_device = isinstance(pixel_values, jax.Array)
         if on_device:
-            check_device_array(pixel_values, "pixel_values")
-            n = check_pixels(pixel_values, self.image_shape)
-            traced = isinstance(pixel_values, jax.core.Tracer)  # static scans of jaxsync.check
-            where = None if traced or not pixel_values.committed else pixel_values.sharding
-            if where is not None:
-                check_same_devices(where, self._devices, "pixel_values")
-            shards, near = self._placing(where, "pixel_values")
+            entry.check(pixel_values)
+            n, where = pixel_values.shape[0], _where(pixel_values)
         else:
             pixel_values = host_pixels(pixel_values)
-            n = check_pixels(pixel_values, self.image_shape)
-            where = self.placement
-            shards, near = self._placing(where, "placement")
+            n, where = check_pixels(pixel_values, self.image_shape), self.placement
+        shards, near = self._placing(where, PIXELS if on_device else "placement")
         # Host pixels: NaN / inf refused before a new plan's metadata goes up, or, on a known
         # plan, as they are copied into their staging buffer (one pass over them).
         check = None
         if not on_device:
-            check = lambda: jaxsync.check_finite(pixel_values, name="pixel_values")  # noqa: E731
-        plan_, meta, layout = self._plans.get(
-            (n, shards, near), lambda: self._plan(n, shards, near), on_miss=check
-        )
-        rows = plan_.rows
+            check = lambda: jaxsync.check_finite(pixel_values, name=PIXELS)  # noqa: E731
+        build = lambda: self.plan(n, batch_shards=shards)  # noqa: E731
+        p = entry.planned((n, shards, near), build, near, on_miss=check)
+        rows = p.plan.rows
         if not on_device:
             pixels = jaxsync.default_staging.put(
-                pixel_values, (rows, *self.image_shape), placement=where, finite="pixel_values"
+                pixel_values, (rows, *self.image_shape), placement=where, finite=PIXELS
             )
-            out = self._program(pixels, meta)
+            out = self._program(pixels, p.meta)
             self._warm_bucket(rows, shards, out, pixel_values, where)
-            return finish(self, out, n, layout)
+            return finish(self, out, n, p)
         pad = None if n == rows else pad_rows(where)
 
         def encode(x: jax.Array):
-            out = self._program(x if pad is None else pad(x, rows), meta)
-            return out, finish(self, out, n, layout)
+            out = self._program(x if pad is None else pad(x, rows), p.meta)
+            return out, finish(self, out, n, p)
 
         out, result = encode(pixel_values)
         self._warm_bucket(rows, shards, out, pixel_values, where)
         if pad is None:  # a full bucket: the program and the output's assembly, nothing else
             run = self._program.prepared(
-                meta, finish=lambda out: finish(self, out, n, layout), name="pixel_values"
+                p.meta, finish=lambda out: finish(self, out, n, p), name=PIXELS
             )
         else:
-            run = jaxsync.prepared_call(lambda x: encode(x)[1], "pixel_values")
-        calls.keep(key, run)
+            run = jaxsync.prepared_call(lambda x: encode(x)[1], PIXELS)
+        entry.calls.keep(key, run)
         return result
 
     def _placing(self, where, name: str) -> tuple[int, Any]:
@@ -253,12 +265,6 @@ class ChameleonImageEncoder(ChameleonTextPaths):
             hit = (batch_shards(where, name), replicated_on(where))
             self._placings[where] = hit  # only valid placements are kept
         return hit
-
-    def _plan(self, n: int, shards: int, near):
-        """(plan, uploaded meta, output row layout) of n images."""
-        plan_ = self.plan(n, batch_shards=shards)
-        meta = jaxsync.upload_packed(plan_, placement=near)
-        return plan_, meta, jaxsync.Embeddings.layout(plan_.lengths)
 
     def _warm_bucket(self, rows, shards, out, pixel_values, where) -> None:
         # Compile the per-batch-size slice / pad programs of this bucket once, on its first use,
@@ -276,3 +282,15 @@ class ChameleonImageEncoder(ChameleonTextPaths):
             if n < rows and on_device:
                 dummy = jax.device_put(np.zeros((n, *self.image_shape), pixel_values.dtype), where)
                 pad_rows(where)(dummy, rows)
+
+
+@reads("type", "live")
+def _live(pixel_values) -> None:
+    check_device_array(pixel_values, PIXELS)
+
+
+def _where(pixel_values: jax.Array) -> Any:
+    """Where committed device pixels live (None: traced by a static scan, or uncommitted)."""
+    if isinstance(pixel_values, jax.core.Tracer) or not pixel_values.committed:
+        return None
+    return pixel_values.sharding
