@@ -89,3 +89,57 @@ def test_unhashable_closure_is_never_cached(tmp_path, builds):
     weights.load_weights(factory, path, RULES)
     weights.load_weights(factory, path, RULES)
     assert len(builds) == 2
+
+
+class _MutableCfg:  # hashed by identity, changed in place between loads
+    def __init__(self, width):
+        self.width = width
+
+
+def test_a_config_mutated_between_loads_is_never_cached(tmp_path, builds):
+    narrow, wide = tmp_path / "n.safetensors", tmp_path / "w.safetensors"
+    _save(narrow, 4), _save(wide, 6)
+    cfg = _MutableCfg(4)
+    assert _load(narrow, cfg).proj.kernel.shape == (3, 4)
+    cfg.width = 6  # the same object: a cache keyed by it would give the 4-wide structure
+    assert _load(wide, cfg).proj.kernel.shape == (3, 6)
+    assert len(builds) == 2
+
+
+def test_a_factory_reading_a_module_attribute_is_never_cached(tmp_path, builds):
+    import types as _types
+
+    path = tmp_path / "m.safetensors"
+    _save(path, 4)
+    settings = _types.ModuleType("user_settings")
+    settings.cfg = _Cfg(4)
+
+    def factory():
+        return _Net(settings.cfg, rngs=nnx.Rngs(0))
+
+    weights.load_weights(factory, path, RULES)
+    weights.load_weights(factory, path, RULES)
+    assert len(builds) == 2
+
+
+@pytest.mark.parametrize("family", ["chameleon", "gemma3n", "glm4v", "qwen3_omni", "voxtral"])
+def test_a_family_factory_is_keyed_by_value(family):
+    """Control: a factory shaped as every family's (`Tower(cfg, rngs=..., dtype=...)`, closing
+    over its frozen config and dtype) is cached, and another config gives another key."""
+    import importlib
+
+    module = importlib.import_module(f"jaxsync.models.{family}._config")
+    config = next(
+        getattr(module, n)
+        for n in sorted(dir(module))
+        if n.endswith("Config") and dataclasses.is_dataclass(getattr(module, n))
+        and n not in ("MelConfig", "ChameleonVQConfig")
+    )  # fmt: skip
+
+    def key(cfg, dtype):
+        return _loader._factory_key(lambda: _Net(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+    cfg = config()
+    assert key(cfg, jnp.bfloat16) is not None
+    assert key(cfg, jnp.bfloat16) == key(config(), jnp.bfloat16)
+    assert key(cfg, jnp.bfloat16) != key(cfg, jnp.float32)
