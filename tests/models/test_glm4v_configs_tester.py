@@ -37,7 +37,11 @@ TESTER_TOP = dict(
 )  # fmt: skip
 # The tester's images: 112 x 112 pixels, patch 14 -> an 8 x 8 grid; plus a two-frame video.
 GRID = [[1, 8, 8], [2, 2, 4]]
-ODD = {"attention_dropout": 0.3, "initializer_range": 0.5}  # every ignored key, non-default
+ODD = {
+    "attention_dropout": 0.3,
+    "initializer_range": 0.5,
+    "hidden_dropout_prob": 0.4,
+}  # every ignored key, non-default
 
 
 def _hf_config(**vision):
