@@ -142,7 +142,7 @@ class StagingRing:
             placement: Placement = None, finite: str | None = None) -> jax.Array:  # fmt: skip
         """Uploads host `data` zero padded at the end of each axis to `shape` (default: its own).
 
-        With `finite` (the data's name), NaN and inf are refused as `jaxsync.check_finite`
+        With `finite` (the data's name), NaN and inf are refused as `jaxsync._host.check_finite`
         refuses them, checked while the data is copied (one pass over memory, not two) and
         before anything is uploaded; so is a value that overflows `dtype`.
 

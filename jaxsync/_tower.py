@@ -256,7 +256,7 @@ class TowerProgram:
     def prepared(
         self, *rest: Any, finish: Callable[[Any], Any], name: str
     ) -> Callable[[jax.Array], Any]:
-        """`x -> finish(self(x, *rest))`: an entry's kept call (see `jaxsync.CallCache`).
+        """`x -> finish(self(x, *rest))`: an entry's kept call (see `jaxsync._calls.CallCache`).
 
         The weights are read at call time, so `load_state` is seen. A deleted (donated) `x` is
         refused with `ValueError` naming `name` before anything is launched.

@@ -9,11 +9,12 @@ import pytest
 from flax import nnx
 
 import jaxsync
+from jaxsync._calls import CallCache, call_key, prepared_call
 
 
 def test_call_key_is_the_whole_signature():
     x = jnp.zeros((4, 3), jnp.float32)
-    key = jaxsync.call_key
+    key = call_key
     assert key(x, [1, 2]) == key(jnp.ones((4, 3), jnp.float32), [1, 2])
     others = [
         key(jnp.zeros((4, 5), jnp.float32), [1, 2]),  # shape
@@ -36,10 +37,10 @@ def test_prepared_call_refuses_deleted_input_and_passes_other_errors():
         raise RuntimeError("not about deletion")
 
     x = jnp.ones(3)
-    double = jaxsync.prepared_call(jax.jit(lambda a: 2 * a), "x")
+    double = prepared_call(jax.jit(lambda a: 2 * a), "x")
     np.testing.assert_array_equal(np.asarray(double(x)), [2, 2, 2])
     with pytest.raises(RuntimeError, match="not about deletion"):
-        jaxsync.prepared_call(boom, "x")(x)
+        prepared_call(boom, "x")(x)
     x.delete()
     with pytest.raises(ValueError, match="x was deleted"):
         double(x)
@@ -49,7 +50,7 @@ def test_prepared_call_refuses_deleted_input_and_passes_other_errors():
 
 
 def test_call_cache_keeps_at_most_maxsize_signatures():
-    cache = jaxsync.CallCache(maxsize=2)
+    cache = CallCache(maxsize=2)
     arrays = [jnp.zeros(n) for n in (1, 2, 3)]
     for a in arrays:
         run, key = cache.find(a)

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxsync
-from jaxsync._calls import reads
+from jaxsync._calls import CallCache, reads
 
 
 def _glm4v():
@@ -153,7 +153,7 @@ def test_negative_control_a_key_that_omits_a_checked_field_lets_the_bad_repeat_t
     # without it, so a repeat in another dtype hits the call kept for float32.
     enc, call, x, grid, _, _ = _glm4v()
     lying = reads("shape", "sharding", "live")(lambda x: None)
-    enc._entry.calls = enc._calls = jaxsync.CallCache(checks=[lying])
+    enc._entry.calls = enc._calls = CallCache(checks=[lying])
     jax.block_until_ready(call(x, grid))
     ints = x.astype(jnp.int32)
     out = call(ints, grid)  # not refused: the call kept for float32 pixels ran
@@ -167,6 +167,6 @@ def test_negative_control_a_key_that_omits_a_checked_field_lets_the_bad_repeat_t
 
 def test_a_check_without_a_declaration_is_refused():
     with pytest.raises(TypeError, match="reads"):
-        jaxsync.CallCache(checks=[lambda x: None])
+        CallCache(checks=[lambda x: None])
     with pytest.raises(ValueError, match="no key covers"):
         reads("values")

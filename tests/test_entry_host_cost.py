@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 import jaxsync
+from jaxsync._calls import CallCache
 from jaxsync.harness.bench._programs import main_program_args
 
 
@@ -130,7 +131,7 @@ TOWERS = sorted(f for f in ENTRIES if not f.startswith("kv"))
 def call_cache_spy(monkeypatch):
     """Records each `CallCache.find` answer (hit or miss) and each `keep` (a full-path call)."""
     seen: list[str] = []
-    find, keep = jaxsync.CallCache.find, jaxsync.CallCache.keep
+    find, keep = CallCache.find, CallCache.keep
 
     def spy_find(self, x, *metadata):
         run, key = find(self, x, *metadata)
@@ -141,8 +142,8 @@ def call_cache_spy(monkeypatch):
         seen.append("keep")
         return keep(self, key, run)
 
-    monkeypatch.setattr(jaxsync.CallCache, "find", spy_find)
-    monkeypatch.setattr(jaxsync.CallCache, "keep", spy_keep)
+    monkeypatch.setattr(CallCache, "find", spy_find)
+    monkeypatch.setattr(CallCache, "keep", spy_keep)
     return seen
 
 
@@ -222,8 +223,8 @@ def test_repeated_device_call_runs_a_short_hot_path(family, monkeypatch):
     kept = _own_frames(lambda: call(x))
     assert kept <= 13, kept
     # control: the same call with every kept call missed runs the full checks
-    find = jaxsync.CallCache.find
-    monkeypatch.setattr(jaxsync.CallCache, "find", lambda self, x, *m: (None, find(self, x, *m)[1]))
+    find = CallCache.find
+    monkeypatch.setattr(CallCache, "find", lambda self, x, *m: (None, find(self, x, *m)[1]))
     assert _own_frames(lambda: call(x)) >= kept + 8
 
 

@@ -1,4 +1,4 @@
-"""Entry plans keyed by the content of the host metadata (`jaxsync.metadata_key`): metadata
+"""Entry plans keyed by the content of the host metadata (`jaxsync._plans.metadata_key`): metadata
 mutated in place after a call is planned (or refused) again, never served the stale plan."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxsync
+from jaxsync._plans import metadata_key
 
 
 def test_metadata_key_is_exact_content():
-    key = jaxsync.metadata_key
+    key = metadata_key
     assert key([[1, 4, 6]]) == key([[1, 4, 6]]) != key([[1, 4, 8]])
     assert key([1, 2]) != key((1, 2)) != key([[1, 2]])
     a = np.array([[1, 4, 6]])

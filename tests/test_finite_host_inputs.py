@@ -89,7 +89,7 @@ def entry(request):
 
 
 def _checks(monkeypatch) -> list:
-    """Counts the separate finiteness passes (`jaxsync.check_finite`'s)."""
+    """Counts the separate finiteness passes (`jaxsync._host.check_finite`'s)."""
     passes, real = [], _host.all_finite
     monkeypatch.setattr(_host, "all_finite", lambda a: passes.append(a.shape) or real(a))
     return passes

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxsync
+from jaxsync._host import check_finite, host_array, host_int, host_ints
 
 
 @pytest.mark.parametrize(
@@ -12,43 +12,43 @@ import jaxsync
 )
 def test_host_ints_refuses_non_integers_even_inside_lists(bad):
     with pytest.raises(TypeError, match="integers"):
-        jaxsync.host_ints(bad, name="ids", ndim=None)
+        host_ints(bad, name="ids", ndim=None)
 
 
 def test_host_ints_accepts_integers_of_any_kind():
     for good in ([1, 2], (np.int32(1), 2), np.arange(3), [[1, 2], [3, 4]], []):
-        out = jaxsync.host_ints(good, name="ids", ndim=None)
+        out = host_ints(good, name="ids", ndim=None)
         assert out.dtype == np.int64
 
 
 def test_host_ints_refuses_ragged_negative_and_device_data():
     with pytest.raises(ValueError, match="ragged"):
-        jaxsync.host_ints([[1, 2], [3]], name="ids", ndim=None)
+        host_ints([[1, 2], [3]], name="ids", ndim=None)
     with pytest.raises(ValueError, match=">= 0"):
-        jaxsync.host_ints([1, -1], name="ids")
+        host_ints([1, -1], name="ids")
     with pytest.raises(TypeError, match="host data"):
-        jaxsync.host_ints(jnp.arange(3), name="ids")
+        host_ints(jnp.arange(3), name="ids")
 
 
 def test_host_int_refuses_bools_and_floats():
-    assert jaxsync.host_int(np.int16(7), name="n") == 7
+    assert host_int(np.int16(7), name="n") == 7
     for bad in (True, 7.0, "7", None):
         with pytest.raises(TypeError):
-            jaxsync.host_int(bad, name="n")
+            host_int(bad, name="n")
 
 
 def test_torch_cpu_tensors_convert_without_importing_torch_here():
     torch = pytest.importorskip("torch")
     x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    out = jaxsync.host_array(x, name="x")
+    out = host_array(x, name="x")
     assert out.dtype == np.float32 and out.shape == (2, 3)
     np.testing.assert_array_equal(out, np.arange(6, dtype=np.float32).reshape(2, 3))
-    assert jaxsync.host_ints(torch.tensor([[1, 2, 3]]), name="grid", ndim=2).tolist() == [[1, 2, 3]]
+    assert host_ints(torch.tensor([[1, 2, 3]]), name="grid", ndim=2).tolist() == [[1, 2, 3]]
     with pytest.raises(TypeError, match="integers"):
-        jaxsync.host_ints(torch.tensor([1.0, 2.0]), name="grid")
+        host_ints(torch.tensor([1.0, 2.0]), name="grid")
 
 
 def test_check_finite_names_the_first_bad_index():
-    jaxsync.check_finite(np.ones(3, np.float32), name="x")  # negative control: passes
+    check_finite(np.ones(3, np.float32), name="x")  # negative control: passes
     with pytest.raises(ValueError, match=r"index \[1, 0\]"):
-        jaxsync.check_finite(np.array([[0.0, 1.0], [np.nan, 2.0]]), name="x")
+        check_finite(np.array([[0.0, 1.0], [np.nan, 2.0]]), name="x")

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import jaxsync
+from jaxsync._host import host_int
 from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 
 
@@ -92,10 +92,10 @@ class ChameleonVQConfig:
     def __post_init__(self) -> None:
         ints = ("embed_dim", "num_embeddings", "latent_channels", "resolution", "in_channels")
         for name in (*ints, "base_channels", "num_res_blocks"):
-            jaxsync.host_int(getattr(self, name), name=f"ChameleonVQConfig.{name}", minimum=1)
+            host_int(getattr(self, name), name=f"ChameleonVQConfig.{name}", minimum=1)
         for name in ("channel_multiplier", "attn_resolutions"):
             for v in getattr(self, name):
-                jaxsync.host_int(v, name=f"ChameleonVQConfig.{name} entry", minimum=1)
+                host_int(v, name=f"ChameleonVQConfig.{name} entry", minimum=1)
         if not self.channel_multiplier:
             raise ValueError("channel_multiplier must be non-empty")
         if not isinstance(self.attn_type, str):
@@ -194,10 +194,10 @@ class ChameleonConfig:
     vq: ChameleonVQConfig = dataclasses.field(default_factory=ChameleonVQConfig)
 
     def __post_init__(self) -> None:
-        jaxsync.host_int(self.vocab_size, name="vocab_size", minimum=1)
-        jaxsync.host_int(self.hidden_size, name="hidden_size", minimum=1)
+        host_int(self.vocab_size, name="vocab_size", minimum=1)
+        host_int(self.hidden_size, name="hidden_size", minimum=1)
         for k, v in self.vocabulary_map.items():
-            jaxsync.host_int(v, name=f"vocabulary_map[{k!r}]")
+            host_int(v, name=f"vocabulary_map[{k!r}]")
         bad = {k: v for k, v in self.vocabulary_map.items() if not 0 <= v < self.vocab_size}
         if bad:
             raise ValueError(f"vocabulary_map ids outside [0, {self.vocab_size}): {_head(bad)}")

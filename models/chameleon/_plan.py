@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
+from jaxsync._host import host_array, host_int, host_ints
 from jaxsync.models.chameleon._config import ChameleonConfig
 from jaxsync.models.chameleon._vocab import ImageVocabularyMapping
 
@@ -28,7 +29,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 def host_pixels(pixel_values) -> np.ndarray:
     """Host pixels (numpy or a torch CPU tensor) as numpy; float64 narrowed to float32."""
-    x = jaxsync.host_array(pixel_values, name="pixel_values")
+    x = host_array(pixel_values, name="pixel_values")
     if x.dtype == np.float64:  # numpy's default float: narrowed exactly as the model would
         x = x.astype(np.float32)
     return x
@@ -109,8 +110,8 @@ def plan(
       TypeError: a non-integer count. ValueError: no image, more than the largest bucket, or a
         codebook code without an image-token name.
     """
-    n = jaxsync.host_int(num_images, name="num_images", minimum=1)
-    shards = jaxsync.host_int(batch_shards, name="batch_shards", minimum=1)
+    n = host_int(num_images, name="num_images", minimum=1)
+    shards = host_int(batch_shards, name="batch_shards", minimum=1)
     rows = jaxsync.bucket(n, IMAGE_BUCKETS if buckets is None else buckets)
     rows = -(-rows // shards) * shards
     table = vocabulary(cfg, missing_code_id).img2bpe
@@ -150,7 +151,7 @@ def bucket_batch_sizes(rows: int, buckets: tuple[int, ...] | None, batch_shards:
 
 def placeholder_positions(input_ids: np.ndarray, image_token_id: int) -> np.ndarray:
     """Flat (row-major) indices of the `<image>` placeholders in host `input_ids`."""
-    ids = jaxsync.host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
+    ids = host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
     return np.flatnonzero(ids.reshape(-1) == image_token_id).astype(np.int32)
 
 
@@ -205,14 +206,14 @@ def plan_merge(
     if input_ids is not None:
         if image_token_id is None:
             raise ValueError("input_ids needs image_token_id")
-        ids = jaxsync.host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
+        ids = host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
         if ids.shape != tuple(text_shape):
             raise ValueError(f"input_ids shape {ids.shape} != {tuple(text_shape)}")
         pos = placeholder_positions(ids, image_token_id).astype(np.int64)
     else:
-        pos = jaxsync.host_ints(positions, name="positions", ndim=None, minimum=None).reshape(-1)
+        pos = host_ints(positions, name="positions", ndim=None, minimum=None).reshape(-1)
     n = image_rows if num_image_tokens is None else num_image_tokens
-    n = jaxsync.host_int(n, name="num_image_tokens", minimum=0)
+    n = host_int(n, name="num_image_tokens", minimum=0)
     if n > image_rows:
         raise ValueError(f"num_image_tokens={n} but image_embeds holds {image_rows} rows")
     if pos.size != n:

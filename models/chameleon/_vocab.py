@@ -25,6 +25,7 @@ from jaxtyping import Array, Int
 
 import jaxsync
 from jaxsync import replicated_near
+from jaxsync._host import host_int
 
 
 Placement = jax.Device | jax.sharding.Sharding | None
@@ -116,12 +117,12 @@ class ImageVocabularyMapping:
         self._cache = jaxsync.default_cache if cache is None else cache
         image_token_id = vocab_map.get("<image>")
         if image_token_id is not None:
-            image_token_id = jaxsync.host_int(image_token_id, name="<image> id", minimum=0)
+            image_token_id = host_int(image_token_id, name="<image> id", minimum=0)
         self.image_token_id = image_token_id
         if missing_code_id is not None:
-            missing_code_id = jaxsync.host_int(missing_code_id, name="missing_code_id", minimum=0)
+            missing_code_id = host_int(missing_code_id, name="missing_code_id", minimum=0)
         named = sorted(
-            (jaxsync.host_int(v, name=f"vocabulary_map[{k!r}]", minimum=0), k)
+            (host_int(v, name=f"vocabulary_map[{k!r}]", minimum=0), k)
             for k, v in vocab_map.items()
             if k.startswith(IMAGE_PREFIX)
         )
@@ -140,7 +141,7 @@ class ImageVocabularyMapping:
         if num_embeddings is None:
             num_codes = max(owner) + 1
         else:
-            num_codes = jaxsync.host_int(num_embeddings, name="num_embeddings", minimum=1)
+            num_codes = host_int(num_embeddings, name="num_embeddings", minimum=1)
         self.image_token_ids = np.array([b for b, _ in named], dtype=np.int32)
         self.max_image_id = int(self.image_token_ids[-1])
         table = np.full((num_codes,), -1, dtype=np.int64)

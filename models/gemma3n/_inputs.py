@@ -11,6 +11,8 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync._fill import fill_rows
+from jaxsync._host import check_finite, host_array
 
 
 __all__ = [
@@ -41,7 +43,7 @@ def frame_mask(mask: Any, shape: tuple[int, int]) -> np.ndarray:
             f"{MASK} must be host data (numpy, list, torch CPU tensor): it is host "
             "metadata the plan reads; got a jax array"
         )
-    m = jaxsync.host_array(mask, name=MASK)
+    m = host_array(mask, name=MASK)
     if m.dtype != np.bool_:
         if not np.issubdtype(m.dtype, np.integer) and m.size:
             raise TypeError(f"{MASK} must hold bools or 0/1 integers, got dtype {m.dtype}")
@@ -53,7 +55,7 @@ def frame_mask(mask: Any, shape: tuple[int, int]) -> np.ndarray:
 
 
 def _clip(f: Any, i: int, n_mel: int) -> np.ndarray:
-    c = jaxsync.host_array(f, name=f"{FEATURES}[{i}]")
+    c = host_array(f, name=f"{FEATURES}[{i}]")
     if c.ndim != 2 or c.shape[1] != n_mel:
         raise ValueError(f"clip {i}: {FEATURES} must be [frames, {n_mel}], got {c.shape}")
     return c
@@ -74,9 +76,7 @@ def host_clips(features: Any, mask: Any, n_mel: int) -> tuple[list[np.ndarray], 
     for i, (c, m) in enumerate(zip(clips, masks, strict=True)):
         _float_dtype(c)
         valid[i, : len(c)] = (
-            True
-            if m is None
-            else frame_mask(jaxsync.host_array(m, name=MASK)[None], (1, len(c)))[0]
+            True if m is None else frame_mask(host_array(m, name=MASK)[None], (1, len(c)))[0]
         )
     return clips, valid
 
@@ -103,7 +103,7 @@ def host_features(
         for i, c in enumerate(clips):
             feats[i, : len(c)] = c
     else:
-        feats = jaxsync.host_array(features, name=FEATURES)
+        feats = host_array(features, name=FEATURES)
         if feats.ndim != 3:
             raise ValueError(f"{FEATURES} must be [B, frames, mel] (or a list), got {feats.shape}")
         if feats.shape[2] != n_mel:
@@ -112,7 +112,7 @@ def host_features(
         valid = frame_mask(mask, feats.shape[:2])
         feats = feats.astype(np.float32, copy=False)
     if check_finite:
-        jaxsync.check_finite(feats, name=FEATURES)
+        check_finite(feats, name=FEATURES)
     return feats, valid
 
 
@@ -124,10 +124,10 @@ def _float_dtype(x: np.ndarray) -> None:
 def check_host_finite(host: np.ndarray | list[np.ndarray]) -> None:
     """NaN / inf in host features (a `[B, S, F]` array, or each clip of a list) refused."""
     if isinstance(host, np.ndarray):
-        jaxsync.check_finite(host, name=FEATURES)
+        check_finite(host, name=FEATURES)
         return
     for i, clip in enumerate(host):
-        jaxsync.check_finite(clip, name=f"{FEATURES}[{i}]")
+        check_finite(clip, name=f"{FEATURES}[{i}]")
 
 
 def stage_features(
@@ -140,7 +140,7 @@ def stage_features(
         return ring.put(host, shape, dtype=np.float32, placement=placement, finite=FEATURES)
 
     def write(out: np.ndarray) -> None:
-        bad = jaxsync.fill_rows(out, host, [len(c) for c in host], check_finite=True)
+        bad = fill_rows(out, host, [len(c) for c in host], check_finite=True)
         if bad:
             raise ValueError(f"{FEATURES}[{bad[0]}] holds a non-finite value")
 

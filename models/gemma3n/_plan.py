@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import jaxsync
+from jaxsync._host import host_int
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
 from jaxsync.models.gemma3n._inputs import frame_mask
 
@@ -118,7 +119,7 @@ def _truncation(cfg: Gemma3nAudioConfig, valid: np.ndarray, t_a: int) -> str:
 
 def _frame_bucket(s: int, frames: int | Sequence[int]) -> int:
     if isinstance(frames, int | np.integer) and not isinstance(frames, bool | np.bool_):
-        g = jaxsync.host_int(frames, name="frame buckets", minimum=1)
+        g = host_int(frames, name="frame buckets", minimum=1)
         return -(-s // g) * g
     return jaxsync.bucket(s, frames)
 

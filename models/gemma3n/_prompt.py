@@ -6,6 +6,7 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync._host import host_int, host_ints
 from jaxsync.check import entry_point
 from jaxsync.models._merge import scatter_rows
 
@@ -37,8 +38,8 @@ def merge_audio_embeddings(
         TypeError: non-integer ids or placeholder id.
         ValueError: shape mismatch, or placeholder count != `audio.num_tokens` (as transformers).
     """
-    ids = jaxsync.host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
-    token = jaxsync.host_int(audio_token_id, name="audio_token_id")
+    ids = host_ints(input_ids, name="input_ids", ndim=None, minimum=None)
+    token = host_int(audio_token_id, name="audio_token_id")
     if ids.shape != tuple(text_embeds.shape[:-1]):
         raise ValueError(
             f"input_ids shape {ids.shape} != text_embeds shape[:-1] {tuple(text_embeds.shape[:-1])}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jaxsync
+from jaxsync._host import host_int
 from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 from jaxsync.models._activations import ACTIVATION_NAMES, ActivationName
 
@@ -107,7 +107,7 @@ class Glm4vVisionConfig:
 
     def __post_init__(self):
         for name in _INT_FIELDS:
-            jaxsync.host_int(getattr(self, name), name=name, minimum=1)
+            host_int(getattr(self, name), name=name, minimum=1)
         if not isinstance(self.attention_bias, bool):
             raise TypeError(f"attention_bias must be a bool, got {self.attention_bias!r}")
         if self.hidden_size % self.num_heads:

@@ -15,6 +15,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync import _compat
+from jaxsync._host import host_int, host_ints
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._segments import MAX_GROUPS, ragged_segments, segment_groups
 
@@ -34,6 +35,17 @@ DEFAULT_ITEM_BUCKETS: tuple[int, ...] = tuple(8**k for k in range(1, 8))
 DEFAULT_SEGMENT_BUCKETS: tuple[int, ...] = (4, 8, 16, *(4 * b for b in DEFAULT_GROUP_BUCKETS))
 LAYOUTS = ("dense", "segments", "ragged")
 AttentionLayout = Literal["dense", "segments", "ragged", "auto"]
+"""How each image / frame attends only to itself:
+"ragged" (cuDNN's attention over the segments of the packed rows: work grows with the sum of
+per-image squares; GPU towers with cuDNN attention; one program per patch bucket and
+segment-slot bucket, 8 / 64 / 512 ... segments),
+"dense" (a [P, P] segment mask: work grows with the square of the batch's patches; any backend;
+one program per patch bucket),
+"segments" (images of similar size batched, each attending alone: work grows with the sum of
+per-image squares; any backend; one program per patch bucket and size mix),
+or "auto" ("ragged" for a tower on one device whose attention runs on cuDNN, else "dense";
+`plan(grid_thw, model.cfg)` resolves it the same way for one device). "ragged" on a tower
+without cuDNN attention computes the dense mask."""
 
 
 class Glm4vBuckets(NamedTuple):
@@ -137,7 +149,7 @@ def check_grid(grid_thw: Sequence[Sequence[int]] | np.ndarray, merge: int) -> np
     """
     if _holds_bool(grid_thw):  # numpy would silently widen [[True, 6, 6]] to int64
         raise TypeError("grid_thw must hold integers, got a bool")
-    grid = jaxsync.host_ints(grid_thw, name="grid_thw", ndim=None, minimum=None)
+    grid = host_ints(grid_thw, name="grid_thw", ndim=None, minimum=None)
     if grid.size == 0:
         raise ValueError("empty batch: grid_thw has no items")
     if grid.ndim != 2 or grid.shape[1] != 3:
@@ -162,7 +174,7 @@ def check_buckets(buckets: Glm4vBuckets | None) -> Glm4vBuckets:
         raise TypeError(f"buckets must be a Glm4vBuckets, got {type(buckets).__name__}")
     return Glm4vBuckets(
         *(
-            tuple(jaxsync.host_int(b, name=f"buckets.{name}", minimum=1) for b in sizes)
+            tuple(host_int(b, name=f"buckets.{name}", minimum=1) for b in sizes)
             for name, sizes in zip(Glm4vBuckets._fields, buckets, strict=True)
         )
     )

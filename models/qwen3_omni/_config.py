@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxsync import host_int
+from jaxsync._host import host_int
 from jaxsync.hfconfig import as_dict, check_model_type, unhandled_fields
 from jaxsync.models._activations import ACTIVATION_NAMES, ActivationName
 

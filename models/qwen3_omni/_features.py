@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import jaxsync
+from jaxsync._host import host_array, host_ints
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK
 
 
@@ -54,7 +55,7 @@ def check_feature_lens(feature_lens: Any) -> np.ndarray:
         isinstance(n, bool | np.bool_) for n in feature_lens
     ):  # numpy reads a mixed list [True, 5] as the ints [1, 5]
         raise TypeError(f"feature_lens must hold integers, got {feature_lens!r}")
-    return jaxsync.host_ints(feature_lens, name="feature_lens")
+    return host_ints(feature_lens, name="feature_lens")
 
 
 def features_from_processor(
@@ -82,10 +83,10 @@ def features_from_processor(
       ValueError: wrong ranks, mismatched B or T, a mask value other than 0/1, non-finite
         features in a real frame.
     """
-    feats = jaxsync.host_array(input_features, name="input_features", ndim=3)
+    feats = host_array(input_features, name="input_features", ndim=3)
     if not np.issubdtype(feats.dtype, np.floating):
         raise TypeError(f"input_features must be floating point, got dtype {feats.dtype}")
-    mask = jaxsync.host_array(feature_attention_mask, name="feature_attention_mask", ndim=2)
+    mask = host_array(feature_attention_mask, name="feature_attention_mask", ndim=2)
     if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.integer):
         raise TypeError(f"feature_attention_mask must be integer or bool, got dtype {mask.dtype}")
     if mask.shape != (feats.shape[0], feats.shape[2]):
@@ -98,13 +99,13 @@ def features_from_processor(
     keep = mask.astype(bool)
     features = np.ascontiguousarray(feats.transpose(0, 2, 1)[keep].T, np.float32)  # [F, sum]
     if check_finite:
-        jaxsync.check_finite(features, name="input_features")
+        check_finite(features, name="input_features")
     return features, keep.sum(axis=1).astype(np.int64)
 
 
 def pad_features(features: Any, feature_lens: Any) -> np.ndarray:
     """Host helper: zero-pads [F, sum(lens)] features to [F, frame_bucket(sum(lens))] float32."""
-    feats = jaxsync.host_array(features, name="features", ndim=2)
+    feats = host_array(features, name="features", ndim=2)
     total = int(check_feature_lens(feature_lens).sum())
     if feats.shape[-1] != total:
         raise ValueError(f"features have {feats.shape[-1]} frames, feature_lens sum to {total}")

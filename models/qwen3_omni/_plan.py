@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 import jaxsync
+from jaxsync._host import host_int
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig, conv_out_len
 from jaxsync.models.qwen3_omni._features import (
     FRAME_BUCKETS,
@@ -146,7 +147,7 @@ def plan(
     lens = check_feature_lens(feature_lens)
     total = int(lens.sum())
     padded = jaxsync.bucket(total, buckets.frames)
-    num_frames = padded if num_frames is None else jaxsync.host_int(num_frames, name="num_frames")
+    num_frames = padded if num_frames is None else host_int(num_frames, name="num_frames")
     if num_frames not in (total, padded):
         raise ValueError(
             f"feature_lens sum to {total} frames but the features have {num_frames}; expected "

@@ -40,6 +40,7 @@ import numpy as np
 
 import jaxsync
 import jaxsync.check
+from jaxsync._calls import CallCache, prepared_call
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._filters import periodic_hann, slaney_mel_filters
 from jaxsync.models.voxtral._mel_plan import (
@@ -264,12 +265,12 @@ def log_mel_spectrogram(
 
     if not on_device or key is None:
         return run(x)
-    return _CALLS.keep(key, jaxsync.prepared_call(run, "waveforms"))(waveforms)
+    return _CALLS.keep(key, prepared_call(run, "waveforms"))(waveforms)
 
 
 # Kept calls on device waveforms, keyed by their signature, `lengths` and the settings' token:
 # a repeated call is a lookup and the dispatch.
-_CALLS = jaxsync.CallCache(maxsize=64)
+_CALLS = CallCache(maxsize=64)
 _TOKENS: dict[tuple, tuple[int]] = {}  # settings -> (n,): a process sees a handful of them
 _COUNT = itertools.count()  # unique tokens across threads
 _PLAIN = (type(None), bool, int, str, MelConfig, jax.Device, jax.sharding.Sharding)

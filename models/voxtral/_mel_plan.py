@@ -15,6 +15,8 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync._fill import fill_rows
+from jaxsync._host import host_array, host_int, host_ints
 from jaxsync.models.voxtral._config import MelConfig
 
 
@@ -57,7 +59,7 @@ def check_waveforms(
     if on_device:
         check_live(waveforms, name="waveforms")
     else:
-        waveforms = jaxsync.host_array(waveforms, name="waveforms")
+        waveforms = host_array(waveforms, name="waveforms")
     if not np.issubdtype(waveforms.dtype, np.floating):
         raise TypeError(f"waveforms must be floating point, got {waveforms.dtype}")
     if waveforms.ndim == 1:
@@ -70,7 +72,7 @@ def check_waveforms(
     if lengths is None:
         lens = np.full(b, w, np.int64)
     else:
-        lens = jaxsync.host_ints(lengths, name="lengths", minimum=None)
+        lens = host_ints(lengths, name="lengths", minimum=None)
         if lens.shape != (b,):
             raise ValueError(f"lengths must be {b} host ints (one per waveform), got {lens!r}")
     _check_lengths(lens)
@@ -88,7 +90,7 @@ def check_audio_list(
     their samples there), with no padded copy of the whole batch first.
     """
     _check_rate(sampling_rate, config)
-    rows = [jaxsync.host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
+    rows = [host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
     if not rows:
         raise ValueError("empty batch: no audio")
     for i, r in enumerate(rows):
@@ -101,7 +103,7 @@ def check_audio_list(
 
 def _check_rate(sampling_rate: Any, config: MelConfig) -> None:
     if sampling_rate is not None:
-        sr = jaxsync.host_int(sampling_rate, name="sampling_rate")
+        sr = host_int(sampling_rate, name="sampling_rate")
         if sr != config.sampling_rate:
             raise ValueError(
                 f"waveforms are sampled at {sr} Hz but the front end expects "
@@ -142,7 +144,7 @@ def host_batch(
         length is never read.
     """
     out = np.empty(shape, np.float32) if out is None else out
-    bad = jaxsync.fill_rows(out, waveforms, lens.tolist(), check_finite=True)
+    bad = fill_rows(out, waveforms, lens.tolist(), check_finite=True)
     if bad:
         raise ValueError(f"waveforms {bad} contain NaN or inf samples")
     return out
@@ -214,14 +216,14 @@ def plan_log_mel(
     b = len(lens)
     half = config.n_fft // 2
     if pad_to_multiple_of is not None:
-        pad_to_multiple_of = jaxsync.host_int(pad_to_multiple_of, name="pad_to_multiple_of")
+        pad_to_multiple_of = host_int(pad_to_multiple_of, name="pad_to_multiple_of")
         if pad_to_multiple_of <= 0:
             raise ValueError(f"pad_to_multiple_of must be positive, got {pad_to_multiple_of}")
     if floor == "per_example":
         if pad_to_multiple_of is not None:
             raise ValueError("pad_to_multiple_of does not apply to floor='per_example'")
         max_length = config.n_samples if max_length is None else max_length
-        max_length = jaxsync.host_int(max_length, name="max_length")
+        max_length = host_int(max_length, name="max_length")
         if max_length <= half:
             raise ValueError(f"max_length {max_length} must exceed n_fft // 2 = {half}")
         lens = np.minimum(lens, max_length)  # HF truncation=True

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import jaxsync
+from jaxsync._host import host_ints
 from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
 from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._mel_plan import plan_log_mel, resolve_floor
@@ -95,7 +96,7 @@ def plan(
       ValueError / TypeError: no items, a count that is not an int >= 1, more windows than the
         largest bucket.
     """
-    counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
+    counts = host_ints(num_chunks, name="num_chunks", minimum=1)
     if counts.size == 0:
         raise ValueError("num_chunks is empty")
     total = int(counts.sum())
@@ -204,7 +205,7 @@ def plan_waveforms(
       ValueError / TypeError: bad lengths, audio longer than the largest width bucket, more
         windows than the largest window bucket (all before any upload).
     """
-    lens = jaxsync.host_ints(lengths, name="lengths", minimum=1)
+    lens = host_ints(lengths, name="lengths", minimum=1)
     if lens.size == 0:
         raise ValueError("lengths is empty: no audio")
     buckets = WaveformBuckets() if buckets is None else buckets

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxsync
+from jaxsync._jit import jit_method
 from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import MelConfig, VoxtralAudioConfig, load_model
 from jaxsync.models.voxtral._config import IGNORED_FIELDS
@@ -95,8 +96,8 @@ def test_tester_config_matches_transformers_through_the_loader(tester):
     assert (cfg.num_mel_bins, cfg.text_hidden_size) == (80, 32)
     mel = _mel(2, cfg)
     want_enc, want_emb = ref.torch_audio_features(model, mel)
-    enc = jaxsync.jit_method(tower, "encode")(jnp.asarray(mel))
-    emb = jaxsync.jit_method(tower, "audio_features")(jnp.asarray(mel))
+    enc = jit_method(tower, "encode")(jnp.asarray(mel))
+    emb = jit_method(tower, "audio_features")(jnp.asarray(mel))
     assert rel_err(enc, want_enc) <= RTOL and rel_err(emb, want_emb) <= RTOL
 
 

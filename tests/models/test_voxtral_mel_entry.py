@@ -14,6 +14,7 @@ import pytest
 import jaxsync
 import jaxsync.check
 import jaxsync.models.voxtral
+from jaxsync._calls import CallCache
 from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
@@ -214,14 +215,14 @@ def test_log_mel_floor_is_vllms_clamp_inside_a_server_jit(g):
 
 def test_repeated_device_call_is_kept_and_still_checked(monkeypatch):
     seen = []
-    find = jaxsync.CallCache.find
+    find = CallCache.find
 
     def spy(self, x, *metadata):
         run, key = find(self, x, *metadata)
         seen.append(run is not None)
         return run, key
 
-    monkeypatch.setattr(jaxsync.CallCache, "find", spy)
+    monkeypatch.setattr(CallCache, "find", spy)
     cfg = MelConfig(num_mel_bins=80)
     x = jax.device_put(ref.padded_batch([ref.tone_audio(4000, 1), ref.tone_audio(3001, 2)]))
     lens = [4000, 3001]

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxsync
-import jaxsync.check
+from jaxsync._jit import jit_method
 from jaxsync.harness.paths.voxtral import reference as ref
 from jaxsync.models.voxtral import (
     MelConfig,
@@ -60,9 +59,9 @@ def test_encoder_and_audio_features_parity(tiny, chunks):
     mel = _mel(chunks, cfg, chunks)
     want_enc, want_emb = ref.torch_audio_features(model, mel)
     x = jnp.asarray(mel, jnp.float32)
-    enc = jaxsync.jit_method(jmodel, "encode")(x)
+    enc = jit_method(jmodel, "encode")(x)
     assert jmodel.cfg == cfg  # read from the checkpoint's config.json
-    emb = jaxsync.jit_method(jmodel, "audio_features")(x)
+    emb = jit_method(jmodel, "audio_features")(x)
     assert emb.shape == (chunks * cfg.tokens_per_chunk, cfg.text_hidden_size)
     assert rel_err(enc, want_enc) <= RTOL, rel_err(enc, want_enc)
     assert rel_err(emb, want_emb) <= RTOL, rel_err(emb, want_emb)
@@ -116,7 +115,7 @@ def test_bf16_checkpoint_loads_at_bf16(tiny, tmp_path):
     for jbf16 in (load_model(ckpt), load_model(path, dtype=jnp.bfloat16)):
         assert jbf16.conv1.kernel[...].dtype == jnp.bfloat16
         assert jbf16.embed_positions.embedding[...].dtype == jnp.float32  # as upstream
-        got = jaxsync.jit_method(jbf16, "audio_features")(jnp.asarray(mel, jnp.float32))
+        got = jit_method(jbf16, "audio_features")(jnp.asarray(mel, jnp.float32))
         assert got.dtype == jnp.bfloat16
         ours, theirs = rel_err(got, want), rel_err(torch_bf16, want)
         assert ours <= BF16_RTOL, (ours, theirs)

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
+from jaxsync._calls import CallCache
 from jaxsync.harness.bench._programs import main_program_args
 from jaxsync.harness.bench._timing import _noop
 
@@ -208,8 +209,8 @@ def _main_program(call: Callable[[], object]):
 
         return recorded
 
-    find = jaxsync.CallCache.find
-    jaxsync.CallCache.find = lambda self, x, *m: (None, find(self, x, *m)[1])  # the full path
+    find = CallCache.find
+    CallCache.find = lambda self, x, *m: (None, find(self, x, *m)[1])  # the full path
     jaxsync.TowerProgram.__call__ = spy
     jaxsync.TowerProgram.prepared = spy_prepared
     try:
@@ -217,7 +218,7 @@ def _main_program(call: Callable[[], object]):
     finally:
         jaxsync.TowerProgram.__call__ = original
         jaxsync.TowerProgram.prepared = original_prepared
-        jaxsync.CallCache.find = find
+        CallCache.find = find
     return seen[0] if seen else None
 
 
