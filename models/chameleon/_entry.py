@@ -21,8 +21,9 @@ from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
-from jaxsync._calls import reads
+from jaxsync._calls import prepared_call, reads
 from jaxsync._entry import Planned, TowerEntry
+from jaxsync._host import check_finite
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
 from jaxsync.models.chameleon._placing import (
@@ -230,7 +231,7 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         # plan, as they are copied into their staging buffer (one pass over them).
         check = None
         if not on_device:
-            check = lambda: jaxsync.check_finite(pixel_values, name=PIXELS)  # noqa: E731
+            check = lambda: check_finite(pixel_values, name=PIXELS)  # noqa: E731
         build = lambda: self.plan(n, batch_shards=shards)  # noqa: E731
         p = entry.planned((n, shards, near), build, near, on_miss=check)
         rows = p.plan.rows
@@ -254,7 +255,7 @@ class ChameleonImageEncoder(ChameleonTextPaths):
                 p.meta, finish=lambda out: finish(self, out, n, p), name=PIXELS
             )
         else:
-            run = jaxsync.prepared_call(lambda x: encode(x)[1], PIXELS)
+            run = prepared_call(lambda x: encode(x)[1], PIXELS)
         entry.calls.keep(key, run)
         return result
 

@@ -14,8 +14,10 @@ import numpy as np
 from flax import nnx
 
 import jaxsync
-from jaxsync._calls import reads
+from jaxsync._calls import prepared_call, reads
 from jaxsync._entry import Planned, TowerEntry, alive, devices_of, on_devices
+from jaxsync._host import host_int, host_ints
+from jaxsync._plans import metadata_key
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.gemma3n._forward import encode, forward
@@ -191,17 +193,17 @@ class Gemma3nAudioEncoder:
         feats, mask = input_features, input_features_mask
         shape = feats.shape[:2]
         # Keyed by the mask's content (checked on a miss); other host types checked first.
-        key = jaxsync.metadata_key(mask)
+        key = metadata_key(mask)
         if key is None:
             mask = frame_mask(mask, shape)
-            key = jaxsync.metadata_key(mask)
+            key = metadata_key(mask)
         placement = jaxsync.replicated_near(feats)
         exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
         build = self._plan(lambda: frame_mask(mask, shape), exact)
         p = entry.planned(((key, shape), placement, exact), build, placement)
         if not p.plan.truncation:  # the common case: the program and the output's assembly
             return entry.device(feats, call_key, p)
-        run = jaxsync.prepared_call(  # the caller is 6 frames up: call, lambda, _embed
+        run = prepared_call(  # the caller is 6 frames up: call, lambda, _embed
             lambda x: self._embed(x, p, stacklevel=6), FEATURES
         )
         return self._calls.keep(call_key, run)(feats)
@@ -233,11 +235,9 @@ def _buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
     if frames is None:
         frames = default.frames
     elif isinstance(frames, Sequence | np.ndarray):
-        frames = tuple(jaxsync.host_ints(frames, name="frame_buckets", minimum=1).tolist())
+        frames = tuple(host_ints(frames, name="frame_buckets", minimum=1).tolist())
     else:
-        frames = jaxsync.host_int(frames, name="frame_buckets", minimum=1)
+        frames = host_int(frames, name="frame_buckets", minimum=1)
     if clips is None:
         return Gemma3nBuckets(frames, default.clips)
-    return Gemma3nBuckets(
-        frames, tuple(jaxsync.host_ints(clips, name="batch_buckets", minimum=1).tolist())
-    )
+    return Gemma3nBuckets(frames, tuple(host_ints(clips, name="batch_buckets", minimum=1).tolist()))

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float
 import jaxsync
 from jaxsync._calls import reads
 from jaxsync._entry import Planned, TowerEntry, alive
+from jaxsync._host import host_array, host_ints
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig
@@ -86,7 +87,7 @@ class Qwen3OmniAudioEncoder:
         elif not isinstance(buckets, Qwen3OmniBuckets):
             raise TypeError(f"buckets must be a Qwen3OmniBuckets, got {type(buckets).__name__}")
         if window_buckets is not None:
-            sizes = jaxsync.host_ints(window_buckets, name="window_buckets", minimum=1)
+            sizes = host_ints(window_buckets, name="window_buckets", minimum=1)
             if not sizes.size or (np.diff(sizes) <= 0).any():
                 raise ValueError(f"window_buckets must be ascending and non-empty, got {sizes}")
             buckets = buckets._replace(windows=tuple(sizes.tolist()))
@@ -226,7 +227,7 @@ class Qwen3OmniAudioEncoder:
             raise TypeError("features and feature_lens are required")
         entry = self._entry
         if not isinstance(features, jax.Array):
-            features = jaxsync.host_array(features, name=FEATURES)
+            features = host_array(features, name=FEATURES)
             self._check_features(features)
             placement = self.placement if self.placement is not None else self._home
             key, build = self._planned(features, feature_lens, placement)

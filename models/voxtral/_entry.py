@@ -24,6 +24,8 @@ import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
 from jaxsync._entry import TowerEntry, alive, on_devices
+from jaxsync._host import host_array, host_ints
+from jaxsync._plans import metadata_key
 from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
@@ -107,7 +109,7 @@ class VoxtralAudioEncoder:
             )
         if chunk_buckets is not None:
             chunk_buckets = tuple(
-                int(b) for b in jaxsync.host_ints(chunk_buckets, name="chunk_buckets", minimum=1)
+                int(b) for b in host_ints(chunk_buckets, name="chunk_buckets", minimum=1)
             )
             if not chunk_buckets:
                 raise ValueError("chunk_buckets is empty")
@@ -279,7 +281,7 @@ class VoxtralAudioEncoder:
         if on_device:
             entry.check(features)
         else:
-            features = jaxsync.host_array(features, name=FEATURES)
+            features = host_array(features, name=FEATURES)
             self._check_features(features)
         given = features
         if features.ndim == 2:
@@ -288,10 +290,10 @@ class VoxtralAudioEncoder:
         where = self._meta_placement(features)
         # The plan, checks of num_chunks included, is cached per content of num_chunks: a
         # repeated call costs the key. Other host types are validated first, then keyed.
-        key = ("ones",) if num_chunks is None else jaxsync.metadata_key(num_chunks)
+        key = ("ones",) if num_chunks is None else metadata_key(num_chunks)
         if key is None:
             num_chunks = _counts(num_chunks)
-            key = jaxsync.metadata_key(num_chunks)
+            key = metadata_key(num_chunks)
 
         def build() -> VoxtralPlan:
             counts = np.ones(rows, np.int64) if num_chunks is None else _counts(num_chunks)
@@ -323,7 +325,7 @@ def _waveforms(waveforms: Any, lengths: Any, config: MelConfig, *, sampling_rate
 
 
 def _counts(num_chunks: Any) -> np.ndarray:
-    counts = jaxsync.host_ints(num_chunks, name="num_chunks", minimum=1)
+    counts = host_ints(num_chunks, name="num_chunks", minimum=1)
     if counts.size == 0:
         raise ValueError("num_chunks is empty")
     return counts
