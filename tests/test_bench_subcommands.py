@@ -128,3 +128,41 @@ def test_render_a_saved_run(tmp_path):
     out = tmp_path / "out"
     assert _cli.main(["bench", "render", str(tmp_path / "bench.json"), str(out)]) == 0
     assert "| copy 64 | jaxsync | 1.000 |" in (out / "bench.md").read_text()
+
+
+def test_first_call_forms_run_the_same_forward():
+    """Each form's child times a first call; the server form runs the entry's own forward on
+    the entry's own inputs, in a server's jit, and gives the entry's rows."""
+    import numpy as np
+
+    from jaxsync.harness.bench import _first_call
+    from jaxsync.models._bucket_inputs import bucket_inputs
+    from jaxsync.testing import server_step
+
+    tower, make = _first_call._encoder("glm4v", "tiny")
+    enc = make()
+    args, kwargs = bucket_inputs(enc).make(min(bucket_inputs(enc).default))
+    expected = np.asarray(enc(*args, **kwargs).embeddings)
+    from jaxsync._tower import TowerProgram
+
+    saved = TowerProgram.__call__, TowerProgram.prepared
+    try:
+        _first_call._capture_program_calls()
+        with pytest.raises(_first_call._Captured) as captured:
+            make()(*args, **kwargs)
+    finally:
+        TowerProgram.__call__, TowerProgram.prepared = saved
+    program, inputs = captured.value.program, captured.value.inputs
+    step, leaves = server_step(tower, program._forward)
+    rows = np.asarray(step(leaves, *inputs).rows)
+    np.testing.assert_array_equal(rows[: expected.shape[0]], expected)
+
+
+def test_first_call_runs_each_form_in_its_own_process(tmp_path, capsys):
+    out = tmp_path / "first.json"
+    argv = ["bench", "first-call", "--paths", "glm4v", "--size", "tiny", "--out", str(out)]
+    assert _cli.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["form"] for r in rows] == ["entry", "server"]
+    assert all(r["first_call_s"][0] > 0 for r in rows)
+    assert rows[1]["host_steps_s"] > 0 and rows[1]["jit_args"] > 4

@@ -88,6 +88,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "upload": ("host uploads: pageable transfers against the pinned staging ring", "_upload"),
     "roofline": ("a floor under the voxtral encoder: its matmuls and attention alone", "_roofline"),
     "profile": ("device time per op class, from a profiler trace of bench rows", "_profile"),
+    "first-call": ("first call of each form, each in a fresh process", "_first_call"),
     "render": ("re-render a bench.json as markdown and PNG chart", "_render"),
 }  # fmt: skip
 
