@@ -16,6 +16,7 @@ from jaxsync.weights import (
     Rule,
     Transform,
     _loader,
+    _stream,
     compose,
     conv,
     linear,
@@ -181,7 +182,7 @@ def test_the_block_path_loads_what_the_whole_tensor_path_loads(checkpoint, monke
     whole, whole_stats = _load(checkpoint)
     assert whole_stats.bytes_read == whole_stats.selected_bytes and not whole_stats.sliced
     # What a process holding part of each sharding runs; here every block is local.
-    monkeypatch.setattr(_loader, "splits_reading", lambda p: isinstance(p, jax.sharding.Sharding))
+    monkeypatch.setattr(_stream, "splits_reading", lambda p: isinstance(p, jax.sharding.Sharding))
     blocks, stats = _load(checkpoint)
     assert stats.whole == ["scaled.kernel"]
     assert "blocks.layer.fc.kernel" in stats.sliced and "conv.kernel" in stats.sliced

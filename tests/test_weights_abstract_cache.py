@@ -11,7 +11,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jaxsync import weights
-from jaxsync.weights import Rule, _loader
+from jaxsync.weights import Rule, _abstract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def _load(path, cfg, dtype=jnp.float32):
 @pytest.fixture
 def builds(monkeypatch):
     """Counts the abstract builds (`nnx.eval_shape` calls of the loader)."""
-    monkeypatch.setattr(_loader, "_ABSTRACT", {})
+    monkeypatch.setattr(_abstract, "_ABSTRACT", {})
     count = []
     real = nnx.eval_shape
 
@@ -50,7 +50,7 @@ def builds(monkeypatch):
         count.append(factory)
         return real(factory)
 
-    monkeypatch.setattr(_loader.nnx, "eval_shape", eval_shape)
+    monkeypatch.setattr(_abstract.nnx, "eval_shape", eval_shape)
     return count
 
 
@@ -137,7 +137,7 @@ def test_a_family_factory_is_keyed_by_value(family):
     )  # fmt: skip
 
     def key(cfg, dtype):
-        return _loader._factory_key(lambda: _Net(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        return _abstract._factory_key(lambda: _Net(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
 
     cfg = config()
     assert key(cfg, jnp.bfloat16) is not None

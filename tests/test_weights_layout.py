@@ -103,7 +103,7 @@ def test_wrong_layout_is_refused_before_reading(tmp_path, name, monkeypatch):
     transform, shape, stored, wrong, _ = CASES[name]
     path, _ = _save(tmp_path, wrong)
     reads = []
-    monkeypatch.setattr("jaxsync.weights._loader.read_tensor", lambda *a: reads.append(a) or 1 / 0)
+    monkeypatch.setattr("jaxsync.weights._stream.read_tensor", lambda *a: reads.append(a) or 1 / 0)
     message = f"'w'.*stored shape {wrong}.*expects stored shape {stored}"
     with pytest.raises(WeightError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _load(path, transform, shape)

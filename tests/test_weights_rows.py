@@ -11,7 +11,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import jaxsync
-from jaxsync.weights import Rule, WeightError, _loader, linear, load_weights
+from jaxsync.weights import Rule, WeightError, _loader, _stream, linear, load_weights
 
 
 class _Block(nnx.Module):
@@ -78,7 +78,7 @@ def test_the_block_path_fills_rows_as_the_whole_path(checkpoint, monkeypatch):
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
     rules = ((r"blocks\.layer\.vectors", ("data", "model")), (r"^out$", (None, "model")))
     whole = _load(path, mesh=mesh, partition_rules=rules)
-    monkeypatch.setattr(_loader, "splits_reading", lambda p: isinstance(p, jax.sharding.Sharding))
+    monkeypatch.setattr(_stream, "splits_reading", lambda p: isinstance(p, jax.sharding.Sharding))
     blocks = _load(path, mesh=mesh, partition_rules=rules)
     assert "blocks.layer.vectors" in _loader.last_load_stats().sliced
     for k, a in whole.items():

@@ -75,9 +75,8 @@ def _instrument() -> dict[str, Any]:
     headers, checks)."""
     import jax
     import safetensors
-    from flax import nnx
 
-    from jaxsync.weights import _loader
+    from jaxsync.weights import _loader, _stream
 
     seen: dict[str, Any] = {"files": set(), "bytes": 0, "keys": []}
     phases = dict(abstract=0.0, read=0.0, transform=0.0, place=0.0)
@@ -102,21 +101,17 @@ def _instrument() -> dict[str, Any]:
     for module in list(sys.modules.values()):
         if getattr(module, "safe_open", None) is real_open:
             module.safe_open = safe_open
-    real_read = _loader.read_tensor
+    real_read = _stream.read_tensor
 
     def read_tensor(handle, info, **kwargs):
         seen["bytes"] += info.nbytes
         seen["keys"].append([str(info.file), info.key])
         return real_read(handle, info, **kwargs)
 
-    _loader.read_tensor = timed("read", read_tensor)
-    _loader.read_slice = timed("read", _loader.read_slice)
-    if hasattr(_loader, "_host_value"):
-        _loader._host_value = timed("transform", _loader._host_value)
-    if hasattr(_loader, "abstract_module"):
-        _loader.abstract_module = timed("abstract", _loader.abstract_module)
-    else:
-        nnx.eval_shape = timed("abstract", nnx.eval_shape)
+    _stream.read_tensor = timed("read", read_tensor)
+    _stream.read_slice = timed("read", _stream.read_slice)
+    _stream._host_value = timed("transform", _stream._host_value)
+    _loader.abstract_module = timed("abstract", _loader.abstract_module)
     jax.device_put = timed("place", jax.device_put)
     return seen
 

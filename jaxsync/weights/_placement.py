@@ -71,3 +71,45 @@ def placement(
                 f"parameter {path!r} of shape {shape} cannot take {place}: {e}"
             ) from None
     return place
+
+
+def param_placement(
+    target: str,
+    shape: tuple[int, ...],
+    layered: bool,
+    sharding: ShardingFn | None,
+    mesh: Mesh | None,
+    partition_rules: PartitionRules | None,
+    default: jax.Device,
+) -> Placement:
+    """Where parameter `target` goes; a stacked one is placed by its rule for one layer, with
+    the layer axis unsharded in front."""
+    if not layered:
+        return placement(
+            target,
+            shape,
+            sharding=sharding,
+            mesh=mesh,
+            partition_rules=partition_rules,
+            default=default,
+        )
+    if sharding is not None and (chosen := sharding(target, shape)) is not None:
+        return placement(
+            target,
+            shape,
+            sharding=lambda *_: chosen,
+            mesh=None,
+            partition_rules=None,
+            default=default,
+        )
+    layer = placement(
+        target,
+        shape[1:],
+        sharding=None,
+        mesh=mesh,
+        partition_rules=partition_rules,
+        default=default,
+    )
+    if isinstance(layer, NamedSharding):
+        return NamedSharding(layer.mesh, PartitionSpec(None, *layer.spec))
+    return layer

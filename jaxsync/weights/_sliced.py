@@ -215,7 +215,7 @@ class BlockReader:
     per layer for a stacked one, per row for one grouping tensors along its first axis.
 
     Args:
-      items: the parameter's `_Load`s (one with `.index` `()`, or one per layer or row with
+      items: the parameter's `TensorLoad`s (one with `.index` `()`, or one per layer or row with
         `.index` `(layer,)`, `(row,)` or `(layer, row)`).
       shape: the parameter's shape (`[L, ...]` when stacked).
       read_block: `(item, stored_index or None) -> host array` reading one block (None: the whole
