@@ -2,9 +2,11 @@
 
 sglang-jax builds a model as an `nnx.Module(config, dtype, mesh)`, keeps it as
 `nnx.split(model)` with the state flattened to leaves, and embeds each multimodal request once,
-before prefill, in a `jax.jit` of the model's `embed_mm` whose grids and audio lengths are static
-arguments. `embed_mm` returns `(fused [S, D], deepstack, visual_pos_mask)`: the text embeddings
-with every placeholder row replaced, in order, by one concatenated `[N, D]` array per modality.
+before prefill, in `jitted_embed_mm(model_def, model_state_def, model_state_leaves, input_ids,
+<image pixels, grid, video pixels, grid, audio features, audio lengths>, ...)`, a `jax.jit` of
+the model's `embed_mm` whose grids and audio lengths are static arguments. `embed_mm` returns
+`(fused [S, D], deepstack, visual_pos_mask)`: the text embeddings with every placeholder row
+replaced, in order, by one concatenated `[N, D]` array per modality (`mm_core.merge`'s rule).
 Its mesh axes are ("data", "tensor"). This example does exactly that with a tiny random
 Qwen3-Omni audio tower whose weights are sharded by jaxsync's partition rules, renamed from
 "model" to "tensor", and checks:
@@ -76,44 +78,83 @@ class Qwen3OmniAudioPrompt(nnx.Module):
         mm_video_grid_thw=None,
         mm_audio_features=None,
         mm_audio_feature_lengths=None,
+        mm_audio_codes=None,
+        mm_real_llm_dims=None,
+        mm_real_video_llm_dims=None,
         mm_audio_meta=None,
     ):
-        """[S] ids -> (fused [S, D], deepstack None, visual_pos_mask None): sglang-jax's tuple."""
+        """[S] ids -> (fused [S, D], deepstack None, visual_pos_mask None): sglang-jax's tuple.
+
+        The arguments are sglang-jax's; `mm_audio_meta` is the planned form's one addition.
+        """
         del mm_pixel_values, mm_grid_thw, mm_pixel_values_videos, mm_video_grid_thw  # audio only
+        del mm_audio_codes, mm_real_llm_dims, mm_real_video_llm_dims  # other models' inputs
         text = self.embed_tokens(input_ids)  # [S, D]
-        if mm_audio_features is None:
-            return text, None, None
-        rows = self.encode_audio(mm_audio_features, mm_audio_feature_lengths, mm_audio_meta)
-        # The k-th placeholder takes row k; slots past the placeholder count (the padding rows)
-        # point one past the end and are dropped.
-        seq = input_ids.shape[0]
-        positions = jnp.nonzero(
-            input_ids == self.audio_token_id, size=rows.shape[0], fill_value=seq
-        )
-        fused = text.at[positions[0]].set(rows.astype(text.dtype), mode="drop")
-        return fused, None, None
+        mod_embeds, placeholder_ids = [], []
+        if mm_audio_features is not None:
+            rows = self.encode_audio(mm_audio_features, mm_audio_feature_lengths, mm_audio_meta)
+            mod_embeds.append(rows)
+            placeholder_ids.append(self.audio_token_id)
+        return merge(text, mod_embeds, placeholder_ids, input_ids, mesh=self.mesh), None, None
+
+
+def merge(text_embed, mod_embeds, pad_values, input_ids, *, mesh=None):
+    """sglang-jax's `mm_core.merge(...).embed`: the k-th placeholder row takes row k of the
+    modalities' rows in order; slots past the placeholder count (here the tower's padding rows)
+    point one past the end and are dropped. Operands are replicated first on a mesh."""
+    if not mod_embeds:
+        return text_embed
+    rows = jnp.concatenate(mod_embeds, axis=0)
+    if mesh is not None:
+        text_embed = jax.lax.with_sharding_constraint(text_embed, _replicated(mesh))
+        rows = jax.lax.with_sharding_constraint(rows, _replicated(mesh))
+    placeholder = jnp.isin(input_ids, jnp.asarray(pad_values, input_ids.dtype))
+    positions = jnp.nonzero(placeholder, size=rows.shape[0], fill_value=text_embed.shape[0])[0]
+    return text_embed.at[positions, :].set(rows, mode="drop")  # at the text embedding's dtype
 
 
 def _replicated(mesh: Mesh | None):
     return None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 
-@functools.partial(jax.jit, static_argnames=["model_state_def", "mm_audio_feature_lengths"])
+@functools.partial(
+    jax.jit,
+    static_argnames=[
+        "model_state_def",
+        "mm_grid_thw",
+        "mm_video_grid_thw",
+        "mm_audio_feature_lengths",
+    ],
+)
 def jitted_embed_mm(
     model_def,
     model_state_def,
     model_state_leaves,
     input_ids,
+    mm_pixel_values,
+    mm_grid_thw,
+    mm_pixel_values_videos,
+    mm_video_grid_thw,
     mm_audio_features,
     mm_audio_feature_lengths,
+    mm_real_llm_dims=None,
+    mm_real_video_llm_dims=None,
+    mm_audio_codes=None,
     mm_audio_meta=None,
 ):
     # sglang-jax's encode jit: the leaves are arguments, so new weights need no recompile.
     model = nnx.merge(model_def, jax.tree_util.tree_unflatten(model_state_def, model_state_leaves))
     return model.embed_mm(
         input_ids,
-        mm_audio_features=mm_audio_features,
-        mm_audio_feature_lengths=mm_audio_feature_lengths,
+        mm_pixel_values,
+        mm_grid_thw,
+        mm_pixel_values_videos,
+        mm_video_grid_thw,
+        mm_audio_features,
+        mm_audio_feature_lengths,
+        mm_real_llm_dims=mm_real_llm_dims,
+        mm_real_video_llm_dims=mm_real_video_llm_dims,
+        mm_audio_codes=mm_audio_codes,
         mm_audio_meta=mm_audio_meta,
     )
 
@@ -193,7 +234,11 @@ def main() -> None:
     features = jaxsync.async_h2d(random_features(TINY, lens), placement=repl)  # [F, sum(lens)]
 
     def embed(leaves, features, lens, meta=None):
-        return jitted_embed_mm(model_def, state_def, leaves, input_ids, features, lens, meta)
+        # the runner's call, images and videos absent (None)
+        return jitted_embed_mm(
+            model_def, state_def, leaves, input_ids, None, None, None, None, features, lens,
+            mm_audio_meta=meta,
+        )  # fmt: skip
 
     first, _, _ = embed(leaves, features, lens)  # warm-up
     halved = [w * 0.5 for w in leaves]  # new weights, as an update of the runner's leaves

@@ -63,10 +63,10 @@ def test_example_would_catch_a_recompile(monkeypatch):
     example = _load()
     jitted = example.jitted_embed_mm
 
-    def keyed_by_mix(model_def, state_def, leaves, ids, feats, lens, meta=None):
-        if meta is not None:
-            lens = id(meta)  # one static key per mix; encode_audio ignores it when given meta
-        return jitted(model_def, state_def, leaves, ids, feats, lens, meta)
+    def keyed_by_mix(*args, mm_audio_meta=None, **kwargs):
+        if mm_audio_meta is not None:  # args[9]: mm_audio_feature_lengths, a static argument
+            args = (*args[:9], id(mm_audio_meta), *args[10:])  # one static key per mix
+        return jitted(*args, mm_audio_meta=mm_audio_meta, **kwargs)
 
     monkeypatch.setattr(example, "jitted_embed_mm", keyed_by_mix)
     with pytest.raises(RecompileError):
