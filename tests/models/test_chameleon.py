@@ -322,7 +322,7 @@ def test_released_checkpoint_keys_map_onto_the_module():
 def test_block_group_norm_is_nnx_group_norm_bit_for_bit(dtype):
     """The blocks' norms read their weights from rows (`group_norm`): the very operations of
     the `nnx.GroupNorm` the encoder's `norm_out` is, so the grouping changes no number."""
-    from jaxsync.models.chameleon._modules import _norm, group_norm
+    from jaxsync.models.chameleon._vq_encoder import _norm, group_norm
 
     rng = np.random.default_rng(0)
     norm = _norm(64, dtype, dtype, nnx.Rngs(0))
