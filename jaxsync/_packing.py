@@ -28,7 +28,7 @@ class PackedLeaves:
         them all): packing concatenates them, which would reshard anything split.
       rows: the leaves are stacked layers sharing a leading axis [L, ...]: pack them layer by
         layer into one [L, S] buffer per dtype, row l holding layer l's leaves. `unpack` of
-        one row (inside a `jax.lax.scan` over the buffers, see `jaxsync.scan_layers`) gives
+        one row (inside a `jax.lax.scan` over the buffers, see `jaxsync._tower.PackedStack`) gives
         that layer's leaves, so the loop slices each weight out of the buffer once per layer,
         as it slices stacked leaves, with no copy of the whole buffer first. Without it, one
         flat buffer per dtype: big matmul weights sliced out of it may be copied by XLA before

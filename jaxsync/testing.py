@@ -22,6 +22,34 @@ from jaxsync._distributed import (
 )
 
 
+__all__ = [
+    "DispatchCount",
+    "DistributedContext",
+    "DistributedError",
+    "abstract_gpu",
+    "assert_close",
+    "assert_layers_run",
+    "assert_refused",
+    "assert_same_math",
+    "block_id_pairs",
+    "count_dispatch",
+    "device_mesh",
+    "distributed_fixture",
+    "donation_copy",
+    "fresh_copy",
+    "kv_call",
+    "main_arg_count",
+    "rel_err",
+    "requires_torch",  # noqa: F822 (built on first use by __getattr__)
+    "run_distributed",
+    "save_torch_state",
+    "server_step",
+    "torch_available",
+    "two_devices",
+    "watch_uploads",
+]
+
+
 def _host(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):  # torch tensor
         x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
