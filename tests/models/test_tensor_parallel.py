@@ -14,6 +14,7 @@ rules split (MLP, merger) made divisible by the "model" axis' 4.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +48,7 @@ def _mesh() -> jax.sharding.Mesh:
 class Case:
     """One tower: how to load it and make one batch of server inputs."""
 
-    load: Callable[..., nnx.Module]  # load(mesh=..., partition_rules=...) -> tower
+    load: Callable[..., nnx.Module]  # load(mesh=..., partition_rules=...) -> tower (picklable)
     inputs: Callable[[nnx.Module], tuple[np.ndarray, Any]]  # tower -> (host input, plan)
     forward: Callable[..., jaxsync.Encoded]
     encoder: Callable[..., Any]  # the family's entry class
@@ -72,7 +73,7 @@ def _glm4v(tmp) -> Case:
         return host, plan
 
     return Case(
-        load=lambda **kw: glm4v.load_model(ckpt, cfg, **kw),
+        load=functools.partial(glm4v.load_model, ckpt, cfg),
         inputs=inputs,
         forward=glm4v.forward,
         encoder=glm4v.Glm4vVisionEncoder,
@@ -96,7 +97,7 @@ def _qwen3_omni(tmp) -> Case:
         return x, q3.Qwen3OmniAudioEncoder(tower).plan(x.shape, lens)
 
     return Case(
-        load=lambda **kw: q3.load_model(ckpt, cfg, **kw),
+        load=functools.partial(q3.load_model, ckpt, cfg),
         inputs=inputs,
         forward=q3.forward,
         encoder=q3.Qwen3OmniAudioEncoder,
@@ -121,7 +122,7 @@ def _voxtral(tmp) -> Case:
         return host, plan
 
     return Case(
-        load=lambda **kw: voxtral.load_model(ckpt, cfg, **kw),
+        load=functools.partial(voxtral.load_model, ckpt, cfg),
         inputs=inputs,
         forward=voxtral.forward,
         encoder=voxtral.VoxtralAudioEncoder,
@@ -147,7 +148,7 @@ def _gemma3n(tmp) -> Case:
         return host, p
 
     return Case(
-        load=lambda **kw: gemma3n.load_model(built.checkpoint, built.cfg, **kw),
+        load=functools.partial(gemma3n.load_model, built.checkpoint, built.cfg),
         inputs=inputs,
         forward=gemma3n.forward,
         encoder=gemma3n.Gemma3nAudioEncoder,
@@ -173,7 +174,7 @@ def _chameleon(tmp) -> Case:
         return host, p
 
     return Case(
-        load=lambda **kw: chameleon.load_model(ckpt, cfg, **kw),
+        load=functools.partial(chameleon.load_model, ckpt, cfg),
         inputs=inputs,
         forward=chameleon.forward,
         encoder=lambda tower, **kw: chameleon.ChameleonImageEncoder(tower, buckets=(4,), **kw),
