@@ -36,24 +36,6 @@ LENS, LENS2 = [150, 37], [120, 60]  # one frame bucket: the second call reuses t
 # ---------------------------------------------------------------- workers (run in each process)
 
 
-def _step(tower):
-    """The server form: forward over the state's flat leaves in one jit."""
-    import jax
-    from flax import nnx
-
-    from jaxsync.models import qwen3_omni as q3
-
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    def run(leaves, x, meta):
-        return q3.forward(
-            nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), x, meta
-        )
-
-    return jax.jit(run), leaves
-
-
 def _inputs(features, lens, placement=None):
     import jaxsync
     from jaxsync.models import qwen3_omni as q3
@@ -76,7 +58,7 @@ def _encode_worker(ctx, ckpt, calls):
     for path, var in nnx.to_flat_state(nnx.state(tower, nnx.Param)):
         leaf = var.get_value()
         params[".".join(map(str, path))] = (leaf.nbytes, leaf.sharding.is_fully_replicated)
-    step, leaves = _step(tower)
+    step, leaves = jaxsync.testing.server_step(tower, q3.forward)
     everywhere = NamedSharding(ctx.mesh, P())
     first = step(leaves, *_inputs(*calls[0], everywhere))  # compiles
     # Uploaded before the guard: jax checks host data placed over several processes for
@@ -119,7 +101,8 @@ def test_the_forward_over_both_processes_equals_one_process(checkpoint, encoded)
     from jaxsync.models import qwen3_omni as q3
 
     ckpt, calls = checkpoint
-    step, leaves = _step(q3.load_model(ckpt, CFG))  # this process alone, no mesh
+    # this process alone, no mesh
+    step, leaves = jaxsync.testing.server_step(q3.load_model(ckpt, CFG), q3.forward)
     for c, (features, lens) in enumerate(calls):
         want = step(leaves, *_inputs(features, lens))
         for p, got in enumerate(encoded):

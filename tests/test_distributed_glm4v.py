@@ -9,7 +9,7 @@ import pytest
 
 import jaxsync.testing
 from jaxsync.models import glm4v
-from jaxsync.testing import assert_close
+from jaxsync.testing import assert_close, server_step
 
 
 distributed = jaxsync.testing.distributed_fixture(scope="module", timeout=240)
@@ -28,22 +28,6 @@ TINY = dict(
 )
 CFG = glm4v.Glm4vVisionConfig(**TINY)
 GRID = [[1, 6, 6], [2, 4, 4]]  # an image and a two-frame video
-
-
-def _step(tower):
-    """The server form: forward over the state's flat leaves in one jit."""
-    import jax
-    from flax import nnx
-
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    def run(leaves, pixels, meta):
-        return glm4v.forward(
-            nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), pixels, meta
-        )
-
-    return jax.jit(run), leaves
 
 
 def _inputs(pixels, placement=None):
@@ -70,7 +54,7 @@ def _worker(ctx, ckpt, pixels):
     for path, var in nnx.to_flat_state(nnx.state(tower, nnx.Param)):
         leaf = var.get_value()
         params[".".join(map(str, path))] = (leaf.nbytes, leaf.sharding.is_fully_replicated)
-    step, leaves = _step(tower)
+    step, leaves = server_step(tower, glm4v.forward)
     everywhere = NamedSharding(ctx.mesh, P())
     first = step(leaves, *_inputs(pixels, everywhere))
     inputs = _inputs(pixels[::-1].copy(), everywhere)  # uploaded before the guard, as in
@@ -99,7 +83,7 @@ def run(tmp_path_factory, distributed):
 
 def test_the_forward_over_both_processes_equals_one_process(run):
     ckpt, pixels, results = run
-    step, leaves = _step(glm4v.load_model(ckpt, CFG))
+    step, leaves = server_step(glm4v.load_model(ckpt, CFG), glm4v.forward)
     for c, px in enumerate((pixels, pixels[::-1].copy())):
         want = np.asarray(step(leaves, *_inputs(px)).rows)
         assert np.abs(want).max() > 0

@@ -9,7 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from jaxsync.testing import assert_close, assert_same_math, rel_err, requires_torch
+from jaxsync.testing import (
+    assert_close,
+    assert_same_math,
+    rel_err,
+    requires_torch,
+    server_step,
+)
 
 
 pytestmark = requires_torch
@@ -40,20 +46,6 @@ def tiny(tmp_path_factory):
     return dict(model=model, ckpt=ckpt, tower=tower, enc=q3.Qwen3OmniAudioEncoder(tower))
 
 
-def _server_step(tower):
-    """The server form in a plain jit, as a server runs it: the state's flat leaves, merged
-    inside."""
-    graphdef, state = nnx.split(tower)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    def run(leaves, x, meta):
-        return q3.forward(
-            nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)), x, meta
-        )
-
-    return jax.jit(run), leaves
-
-
 def _run(enc, lens, seed, *, pad=True):
     x = ref.random_features(CFG, lens, seed=seed)
     dev = jaxsync.async_h2d(q3.pad_features(x, lens) if pad else x)
@@ -79,7 +71,7 @@ def test_fp32_parity(tiny, lens):
 def test_entry_program_equals_the_server_form_in_a_server_jit(tiny):
     # The entry compiles the server form's own function over the same leaves: bitwise on
     # XLA:CPU (assert_same_math; 1e-5 relative on a GPU compiler).
-    step, leaves = _server_step(tiny["tower"])
+    step, leaves = server_step(tiny["tower"], q3.forward)
     assert len(leaves) == 29 and tiny["enc"].program.num_state_args == 2  # packed: own + stack
     for x, lens in ver.padded_inputs(CFG, ver.PARITY_MIXES + ver.ONE_BUCKET_MIXES):
         out = tiny["enc"](x, lens)
