@@ -71,3 +71,57 @@ def test_example_would_catch_a_recompile(monkeypatch):
     monkeypatch.setattr(example, "jitted_embed_mm", keyed_by_mix)
     with pytest.raises(RecompileError):
         example.main()
+
+
+def _explicit_run(example, rules):
+    """The drop-in on sglang-jax's own mesh: ("data", "tensor") with explicit axis types, the
+    call inside `jax.set_mesh` as its runner makes it. Returns (fused, ids, text table, entry
+    rows)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    import jaxsync
+    from jaxsync.harness.paths.qwen3_omni.reference import TINY, random_features
+    from jaxsync.models import qwen3_omni
+
+    devices = np.array(jax.devices()[:2]).reshape(1, 2)
+    mesh = Mesh(devices, ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    lens = (150, 37)
+    tokens = qwen3_omni.feat_extract_output_lengths(lens, TINY.n_window).tolist()
+    ids = example._prompt(tokens, np.random.default_rng(0))
+    with jax.set_mesh(mesh):
+        model = example.Qwen3OmniAudioPrompt(TINY, mesh=mesh)
+        example.shard(model, mesh, rules)
+        model_def, state = nnx.split(model)
+        leaves, state_def = jax.tree_util.tree_flatten(state)
+        repl = NamedSharding(mesh, PartitionSpec())
+        features = jaxsync.async_h2d(random_features(TINY, lens), placement=repl)
+        fused, _, _ = example.jitted_embed_mm(
+            model_def, state_def, leaves, jaxsync.async_h2d(ids, placement=repl),
+            None, None, None, None, features, lens,
+        )  # fmt: skip
+    entry = qwen3_omni.Qwen3OmniAudioEncoder(model.audio_tower)  # uploads beside the weights
+    rows = entry(random_features(TINY, lens), lens)
+    return fused, ids, model.embed_tokens.embedding[...], rows
+
+
+def test_explicit_axis_mesh_runs_the_tower_replicated():
+    # sglang-jax's mesh (explicit axis types) with its towers replicated, as it loads them
+    example = _load()
+    example._check(*_explicit_run(example, ()))
+
+
+def test_explicit_axis_mesh_refuses_a_sharded_tower():
+    # The limit docs/serving.md states: on explicit axes a tower split over "tensor" stops at
+    # its first head reshape (JAX asks for the reshape's output sharding), so shard it on a
+    # mesh of auto axes (the example's) or run it replicated there.
+    from jax._src.core import ShardingTypeError
+
+    example = _load()
+    from jaxsync.models import qwen3_omni
+
+    rules = example.rename_axis(qwen3_omni.PARTITION_RULES, "model", "tensor")
+    with pytest.raises(ShardingTypeError, match="reshape"):
+        _explicit_run(example, rules)
