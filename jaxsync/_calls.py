@@ -23,6 +23,10 @@ declare what they read (`@reads("shape", "dtype")`), and `CallCache(checks=...)`
 those fields, so a check and its key cannot drift apart: a field no key can cover (the array's
 values) is refused when the cache is built, and "live" is what `prepared_call` re-checks on
 every call.
+
+A call on several device arrays (a paged KV copy's source and destination caches) is keyed as
+one tree (`find_tree`): every leaf's fields, and where declared the tree's structure, which
+leaves are one array ("aliasing") and the call's scalar options by type and value.
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ KEYED = {
 }
 PER_CALL = frozenset({"live", "metadata"})
 _ALL = ("shape", "dtype", "sharding", "committed")
+# What a check of a tree of device arrays may read besides its leaves (`find_tree`): the tree's
+# structure (its treedef), which leaves are one array, and the call's scalar options.
+TREE = ("structure", "aliasing", "options")
+# Options a tree key holds by type and value (1, 1.0 and True hash alike: their types differ).
+_SCALARS = frozenset({str, int, bool, float, type(None)})
 
 
 def reads(*fields: str) -> Callable[[Callable], Callable]:
@@ -67,11 +76,12 @@ def reads(*fields: str) -> Callable[[Callable], Callable]:
 
     A `CallCache` built with `checks=` keys exactly the union of its checks' declarations.
     """
-    unknown = set(fields) - set(KEYED) - PER_CALL
+    unknown = set(fields) - set(KEYED) - PER_CALL - set(TREE)
     if unknown:
         raise ValueError(
             f"a kept call cannot skip a check reading {sorted(unknown)}: no key covers it "
-            f"(keyable: {sorted(KEYED)}, re-checked per call: {sorted(PER_CALL)})"
+            f"(keyable: {sorted(KEYED)}, of a tree: {sorted(TREE)}, re-checked per call: "
+            f"{sorted(PER_CALL)})"
         )
 
     def mark(check: Callable) -> Callable:
@@ -81,18 +91,28 @@ def reads(*fields: str) -> Callable[[Callable], Callable]:
     return mark
 
 
-def key_fields(checks: Iterable[Callable]) -> tuple[str, ...]:
-    """The input fields a key must cover: the union of `checks`' `reads`, in a fixed order.
+def declared(checks: Iterable[Callable]) -> frozenset[str]:
+    """The union of `checks`' `reads`.
 
     Raises:
       TypeError: a check without a `reads` declaration.
     """
     fields: set[str] = set()
     for check in checks:
-        declared = getattr(check, "reads", None)
-        if declared is None:
+        reads_ = getattr(check, "reads", None)
+        if reads_ is None:
             raise TypeError(f"check {check!r} declares nothing it reads: decorate it with reads()")
-        fields |= declared
+        fields |= reads_
+    return frozenset(fields)
+
+
+def key_fields(checks: Iterable[Callable]) -> tuple[str, ...]:
+    """The input fields a key must cover: the union of `checks`' `reads`, in a fixed order.
+
+    Raises:
+      TypeError: a check without a `reads` declaration.
+    """
+    fields = declared(checks)
     return tuple(f for f in KEYED if f in fields)
 
 
@@ -133,6 +153,12 @@ def _key(fields: Callable[[Any], Any], x: Any, metadata: tuple) -> Hashable | No
     return tuple(parts)
 
 
+def aliasing(leaves: list) -> tuple[int, ...]:
+    """Which leaves are one array: leaf i's entry is the index of its first occurrence."""
+    first: dict[int, int] = {}
+    return tuple(map(first.setdefault, map(id, leaves), range(len(leaves))))
+
+
 def deleted_message(name: str) -> str:
     return f"{name} was deleted (donated to another program?): pass a live array"
 
@@ -161,18 +187,64 @@ class CallCache:
     Args:
       maxsize: signatures kept, least recently used evicted first.
       checks: the entry's checks of its device input, each declared with `reads`: the key
-        covers exactly their fields (default: shape, dtype, sharding and commitment).
+        covers exactly their fields (default: shape, dtype, sharding and commitment; for
+        `find_tree` also the structure, aliasing and options).
     """
 
     def __init__(self, maxsize: int = 64, *, checks: Iterable[Callable] | None = None):
         self._calls: PlanCache[Callable[[jax.Array], Any]] = PlanCache(maxsize)
+        if checks is not None:
+            checks = tuple(checks)
         self.fields = _ALL if checks is None else key_fields(checks)
         self._fields = _FULL if checks is None else _getter(self.fields)
+        tree = TREE if checks is None else declared(checks)
+        self.tree_fields = tuple(f for f in TREE if f in tree)
+        self._structure, self._aliasing, self._options = (f in self.tree_fields for f in TREE)
 
     def find(self, x: Any, *metadata: Any) -> tuple[Callable[[jax.Array], Any] | None, Any]:
         """(the prepared call of this signature or None, the signature for `keep`)."""
         key = _key(self._fields, x, metadata)
         return (None if key is None else self._calls.peek(key)), key
+
+    def find_tree(
+        self, tree: Any, options: tuple = (), *metadata: Any
+    ) -> tuple[Callable[..., Any] | None, Any]:
+        """`find` for a call on a tree of device arrays (a dict of caches, a (src, dst) pair).
+
+        The key is `(tree_key(tree, options), *metadata's content keys)`, or None when either
+        part has none: its first part alone keys what depends on the arrays and options only.
+        """
+        part = self.tree_key(tree, options)
+        if part is None:
+            return None, None
+        keys = [part]
+        for m in metadata:  # inline: every repeated call runs it
+            k = None if m is None else metadata_key(m)
+            if k is None and m is not None:
+                return None, None
+            keys.append(k)
+        key = tuple(keys)
+        return self._calls.peek(key), key
+
+    def tree_key(self, tree: Any, options: tuple = ()) -> Hashable | None:
+        """Each leaf's declared fields and, as declared, the tree's structure, the pattern of
+        leaves that are one array (`aliasing`) and `options` (scalars, by type and value).
+
+        None when a leaf is not a live device array or an option is not a scalar."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if not set(map(type, leaves)) <= _LIVE_TYPES and not all(map(_live, leaves)):
+            return None
+        parts: list[Any] = [tuple(map(self._fields, leaves))]
+        if self._structure:
+            parts.append(treedef)
+        if self._aliasing:
+            parts.append(aliasing(leaves))
+        if self._options:
+            types = tuple(map(type, options))
+            if not _SCALARS.issuperset(types):
+                return None
+            parts += (options, types)
+        return tuple(parts)
 
     def keep(self, key: Hashable | None, run: Callable[[jax.Array], Any]) -> Callable:
         """Stores `run` under `find`'s signature (unless None) and returns it."""

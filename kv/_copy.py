@@ -35,15 +35,17 @@ import jax
 import jax.numpy as jnp
 
 import jaxsync
+from jaxsync._calls import CallCache, reads
+from jaxsync._plans import PlanCache
 from jaxsync.check import entry_point
 from jaxsync.kv import _pallas, _pool
 
 # Read as this module's globals at call time: tests patch `_copy._program` to count the checks.
-from jaxsync.kv._copy_plan import Direction, _fields, _Program, _program, _within
+from jaxsync.kv._copy_plan import Direction, _fields, _Program, _program
 from jaxsync.kv._geometry import planned_ids
 from jaxsync.kv._ids import checked_ids
 from jaxsync.kv._layout import Cache
-from jaxsync.kv._placement import committed, upload_ids
+from jaxsync.kv._placement import _traced, committed, upload_ids
 from jaxsync.kv._slot_plan import check_id_array
 
 
@@ -126,9 +128,33 @@ def _copy_cross_memory(src: Cache, dst: Cache, ids: jaxsync.Packed, to_host: boo
     return jax.lax.fori_loop(0, src_ids.shape[0], body, dst, unroll=_pool.UNROLL)
 
 
-# Checked, uploaded block ids per id content and destination: a server repeating a copy (the
-# same blocks every step, a retried request) skips the checks and the upload.
-_ID_UPLOADS: jaxsync.PlanCache[jaxsync.Packed] = jaxsync.PlanCache(maxsize=256)
+@reads("shape", "sharding", "metadata")
+def _checked_ids(
+    program: _Program, src_ids: Any, dst_ids: Any, buckets: Any, num: tuple[int, int], near: Any
+) -> jaxsync.Packed | None:
+    """The ids checked against the block counts `num` (source, destination), padded to their
+    bucket and uploaded next to the cache leaf `near`; None for no ids (nothing to copy)."""
+    s_ids, d_ids = checked_ids(src_ids, dst_ids, *num)
+    if s_ids.size == 0:
+        return None
+    size = jaxsync.bucket(int(s_ids.size), buckets)
+    return upload_ids(_fields(program, s_ids, d_ids, size, num[1]), near)
+
+
+@reads("committed")
+def _commit(src: Cache, dst: Cache) -> tuple[Cache, Cache]:
+    """Both caches committed where they are (jit keys on commitment: see `committed`)."""
+    return committed(src), committed(dst)
+
+
+# A repeated copy (the same caches' key, id content, buckets and options) skips the checks, the
+# program choice and the id upload: the key covers every check it skips, by their declarations.
+_KEPT_CHECKS = (_program, _checked_ids, _commit)
+_KEPT = CallCache(256, checks=_KEPT_CHECKS)
+
+# The program of each caches' key (the first part of `_KEPT`'s key: the arrays and options,
+# everything `_program` reads), so new ids on known caches check and upload only the ids.
+_PROGRAMS: PlanCache[_Program] = PlanCache(256)
 
 
 def _dispatch(
@@ -187,83 +213,41 @@ def copy_blocks(
         caches on different devices or meshes, deleted (donated) arrays, or a destination that
         shares some but not all arrays with the source.
     """
-    s_key, d_key = jaxsync.metadata_key(src_ids), jaxsync.metadata_key(dst_ids)
-    signature = _signature(src, dst, direction, buckets, impl)
-    kept = None
-    if signature is not None and s_key is not None and d_key is not None:
-        kept = (signature, s_key, d_key)
-        hit = _KEPT.peek(kept)
-        if hit is not None:
-            return _run_kept(*hit, src, dst)
-    # New ids on known caches (a server's every step): the cache checks are a function of the
-    # signature, so only the ids are checked and uploaded.
+    options = (direction, impl, _pallas.INTERPRET, _pallas.ALLOW_COMPILED)
+    run, key = _KEPT.find_tree((src, dst), options, src_ids, dst_ids, buckets)
+    if run is not None:
+        return run(src, dst)
     s_leaves, d_leaves = jax.tree.leaves(src), jax.tree.leaves(dst)
-    if signature is None or any(x.is_deleted() for x in s_leaves + d_leaves):
+    # New ids on known caches (a server's every step): the cache checks are a function of the
+    # caches' key, so only the ids are checked and uploaded.
+    caches = key[0] if key is not None else _KEPT.tree_key((src, dst), options)
+    program = None if caches is None else _PROGRAMS.peek(caches)
+    if program is None or any(x.is_deleted() for x in s_leaves + d_leaves):
         program = _program(src, dst, direction, impl)  # refuses a donated cache by name
-    else:
-        program = _PROGRAMS.get(signature, lambda: _program(src, dst, direction, impl))
-    num_src, num_dst = s_leaves[0].shape[0], d_leaves[0].shape[0]
-    device_leaf = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
-
-    def checked_upload() -> jaxsync.Packed | None:  # None: no ids, nothing to copy
-        s_ids, d_ids = checked_ids(src_ids, dst_ids, num_src, num_dst)
-        if s_ids.size == 0:
-            return None
-        size = jaxsync.bucket(int(s_ids.size), buckets)
-        return upload_ids(_fields(program, s_ids, d_ids, size, num_dst), device_leaf)
-
-    # Ids of the same content (`jaxsync.metadata_key`) reuse their checked upload; ids of
-    # other host types, custom buckets and traced caches are checked and uploaded every call.
-    if None in (s_key, d_key) or buckets is not None or isinstance(device_leaf, jax.core.Tracer):
-        ids = checked_upload()
-    else:
-        where = (program.direction, program.kernel is not None, device_leaf.sharding)
-        ids = _ID_UPLOADS.get((s_key, d_key, num_src, num_dst, where), checked_upload)
+        if caches is not None:
+            _PROGRAMS.put(caches, program)
+    near = d_leaves[0] if program.direction == "h2d" else s_leaves[0]
+    num = (s_leaves[0].shape[0], d_leaves[0].shape[0])
+    ids = _checked_ids(program, src_ids, dst_ids, buckets, num, near)
     if ids is None:
         return dst
-    if kept is not None:  # every check passed for this signature: later calls skip them
-        _KEPT.put(kept, (program, ids))
-    src, dst = committed(src), committed(dst)
+    # Every check passed for this key: later calls skip them.
+    commit = not all(_traced(x) or x.committed for x in s_leaves + d_leaves)
+    _KEPT.keep(key, ft.partial(_run_kept, program, ids, commit=commit))
+    src, dst = _commit(src, dst)
     return _dispatch(program, src, dst, ids)
 
 
-# A repeated copy (same cache signature, id content and options) skips the checks, the program
-# choice and the id upload: what the first call decided is kept per signature.
-_KEPT: jaxsync.PlanCache[tuple[_Program, jaxsync.Packed]] = jaxsync.PlanCache(maxsize=256)
-
-
-# The program each cache signature runs, chosen once by `_program`'s checks.
-_PROGRAMS: jaxsync.PlanCache[_Program] = jaxsync.PlanCache(maxsize=256)
-
-
-def _signature(src, dst, direction, buckets, impl) -> tuple | None:
-    """Everything `_program` checks, as a key: or None (checked every call).
-
-    Each leaf's type, shape, dtype, sharding and commitment (`jaxsync.call_key`), both tree
-    structures, the identity pattern of src and dst (one cache or two; checked here every
-    call), the options and the kernel switches. None for traced or uncommitted caches, custom
-    buckets and options of other types.
-    """
-    if buckets is not None:
-        return None
-    if type(impl) is not str or not (direction is None or type(direction) is str):
-        return None
-    s_leaves, s_def = jax.tree_util.tree_flatten(src)
-    d_leaves, d_def = jax.tree_util.tree_flatten(dst)
-    s_sig = tuple(map(jaxsync.call_key, s_leaves))
-    d_sig = tuple(map(jaxsync.call_key, d_leaves))
-    if None in s_sig or None in d_sig or not all(k[3] for k in s_sig + d_sig):
-        return None
-    within = _within(s_leaves, d_leaves) if s_leaves and d_leaves else False
-    switches = (_pallas.INTERPRET, _pallas.ALLOW_COMPILED)  # what "auto" chooses by
-    return (s_def, d_def, s_sig, d_sig, within, direction, impl, switches)
-
-
-def _run_kept(program: _Program, ids: jaxsync.Packed, src: Cache, dst: Cache) -> Cache:
+def _run_kept(
+    program: _Program, ids: jaxsync.Packed, src: Cache, dst: Cache, *, commit: bool = False
+) -> Cache:
+    """A repeated copy's kept call: what the first call decided, run on the caches given."""
     # Checked before the launch: a deleted buffer handed to XLA fails there with
     # INVALID_ARGUMENT and an error line in the log, after part of the dispatch has run.
     if any(x.is_deleted() for x in jax.tree.leaves((src, dst))):
         raise ValueError(_DELETED)
+    if commit:  # caches made uncommitted (`jnp.zeros`): committed as the first call did
+        src, dst = _commit(src, dst)
     try:
         return _dispatch(program, src, dst, ids, compiled=True)
     except RuntimeError:  # deleted by another thread since the check

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync._calls import reads
 from jaxsync.kv import _pallas
 from jaxsync.kv._geometry import SUFFIX, geometry_field
 from jaxsync.kv._ids import PAD, checked_ids, padded_ids
@@ -68,6 +69,11 @@ def _within(s_leaves: list, d_leaves: list) -> bool:
     return False
 
 
+# What a kept copy's key covers of these checks: every leaf's type, shape, dtype and placement
+# (memory kind, devices, sharding), both trees' structure, which leaves are one array, and the
+# options (direction, impl and the kernel switches `_pallas.auto_plan` reads); "live" is
+# re-checked on every call.
+@reads("type", "shape", "dtype", "sharding", "live", "structure", "aliasing", "options")
 def _program(src: Cache, dst: Cache, direction: str | None, impl: str) -> _Program:
     """Host checks of the caches and the choice of program, before any upload or compile."""
     if impl not in ("auto", "xla"):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxsync._calls import CallCache
 from jaxsync.kv import KVLayout, _copy, copy_blocks
 from jaxsync.testing import assert_refused
 
@@ -30,11 +31,13 @@ def kept_runs(monkeypatch):
     runs = []
     run_kept = _copy._run_kept
 
-    def watched(program, ids, src, dst):
+    def watched(program, ids, src, dst, **options):
         runs.append((program, ids))
-        return run_kept(program, ids, src, dst)
+        return run_kept(program, ids, src, dst, **options)
 
     monkeypatch.setattr(_copy, "_run_kept", watched)
+    # kept calls bind `_run_kept` when kept: none kept before the watch
+    monkeypatch.setattr(_copy, "_KEPT", CallCache(256, checks=_copy._KEPT_CHECKS))
     return runs
 
 

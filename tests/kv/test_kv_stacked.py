@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
 import jaxsync.testing
+from jaxsync._calls import CallCache
 from jaxsync.check import no_recompile
 from jaxsync.kv import (
     KVLayout,
@@ -201,8 +202,14 @@ def _blocks(cache, ids):
 def test_repeated_copy_is_kept_and_copies_the_same(monkeypatch):
     src, dst = _kept_pair()
     hits = []
-    peek = _copy._KEPT.peek
-    monkeypatch.setattr(_copy._KEPT, "peek", lambda key: hits.append(peek(key)) or hits[-1])
+    find = _copy._KEPT.find_tree
+
+    def watched(*args):
+        found = find(*args)
+        hits.append(found[0])
+        return found
+
+    monkeypatch.setattr(_copy._KEPT, "find_tree", watched)
     want_src = np.asarray(src.kv)
     for _ in range(3):  # the first call checks and keeps, the others hit
         dst = copy_blocks(src, dst, [1, 5, 7], [2, 3, 11])
@@ -235,8 +242,9 @@ def test_new_ids_on_known_caches_check_only_the_ids(monkeypatch):
     """A server's every step: new ids on the same caches. The cache checks run once per cache
     signature; the ids are checked every call, and a donated cache is still refused."""
     src, dst = _kept_pair()
-    for cache in ("_PROGRAMS", "_KEPT", "_ID_UPLOADS"):  # as in a fresh process
-        monkeypatch.setattr(_copy, cache, jaxsync.PlanCache(maxsize=256))
+    # as in a fresh process
+    monkeypatch.setattr(_copy, "_PROGRAMS", jaxsync.PlanCache(maxsize=256))
+    monkeypatch.setattr(_copy, "_KEPT", CallCache(256, checks=_copy._KEPT_CHECKS))
     checks = []
     program = _copy._program
     monkeypatch.setattr(_copy, "_program", lambda *a: checks.append(1) or program(*a))

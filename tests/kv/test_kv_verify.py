@@ -70,13 +70,14 @@ def test_tiny_bench_layout_cases_run(monkeypatch):
     from jaxsync.kv import _copy
 
     for name in fresh_ids:  # ids no call has seen: every call misses the content caches
-        peek, seen = _copy._KEPT.peek, []
+        find, seen = _copy._KEPT.find_tree, []
 
-        def counted(key, peek=peek, seen=seen):
-            seen.append(peek(key))
-            return seen[-1]
+        def counted(*args, find=find, seen=seen):
+            found = find(*args)
+            seen.append(found[0])
+            return found
 
-        monkeypatch.setattr(_copy._KEPT, "peek", counted)
+        monkeypatch.setattr(_copy._KEPT, "find_tree", counted)
         calls = _FRESH + 3  # past one whole rotation: a repeated set would hit by now
         for _ in range(calls):
             out = by_name[name].jax_fn()
