@@ -1,22 +1,14 @@
 """examples/serving_step.py runs sync-free and recompile-free at a tiny size."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 
-def _load():
-    path = Path(__file__).resolve().parents[1] / "examples" / "serving_step.py"
-    spec = importlib.util.spec_from_file_location("serving_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+EXAMPLE = "serving_step"
 
 
-def test_serving_loop_is_sync_free_and_deterministic(monkeypatch):
+def test_serving_loop_is_sync_free_and_deterministic(monkeypatch, load_example):
     monkeypatch.setenv("JAXSYNC_SYNC_CHECK", "error")
-    example = _load()
+    example = load_example(EXAMPLE)
     first = example.run(steps=20, quiet=True)
     second = example.run(steps=20, quiet=True)
     assert first["unintended_host_syncs"] == 0
@@ -24,12 +16,12 @@ def test_serving_loop_is_sync_free_and_deterministic(monkeypatch):
     assert first["tokens"] == second["tokens"]
 
 
-def test_serving_loop_guard_would_catch_a_sync(monkeypatch):
+def test_serving_loop_guard_would_catch_a_sync(monkeypatch, load_example):
     # Negative control: a server that reads the token back inside the step is caught.
     from jaxsync.check import SyncError
 
     monkeypatch.setenv("JAXSYNC_SYNC_CHECK", "error")
-    example = _load()
+    example = load_example(EXAMPLE)
     original = example.Server.decode_step
 
     def reads_back(self, token, blocks, pos):
@@ -42,13 +34,13 @@ def test_serving_loop_guard_would_catch_a_sync(monkeypatch):
         example.run(steps=4, quiet=True)
 
 
-def test_prefill_step_equals_the_standalone_entry_points():
+def test_prefill_step_equals_the_standalone_entry_points(load_example):
     # The server's one jitted prefill step (pure forwards) against the encoder's entry points.
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    example = _load()
+    example = load_example(EXAMPLE)
     server = example.Server(0)
     enc = server.encoder
     pixels = np.random.default_rng(3).standard_normal((1, *enc.image_shape)).astype(np.float32)
@@ -99,14 +91,14 @@ def test_prefill_step_equals_the_standalone_entry_points():
     assert len(jax.tree.leaves(lowered.args_info)) == len(leaves) + 4
 
 
-def test_each_step_is_one_program_with_the_kv_write_inside():
+def test_each_step_is_one_program_with_the_kv_write_inside(load_example):
     # No kv entry point and no extra dispatch: a prefill (uploads, then one program) and a
     # decode step each execute one XLA program, and the cache is donated to it.
     import numpy as np
 
     from jaxsync.harness.bench._programs import jax_executions_per_call
 
-    example = _load()
+    example = load_example(EXAMPLE)
     server = example.Server(0)
     pixels = np.random.default_rng(3).standard_normal((1, *server.encoder.image_shape))
     pixels = pixels.astype(np.float32)
