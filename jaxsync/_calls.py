@@ -12,7 +12,7 @@ the full path built: a repeated call runs the program and the output wrapper, no
     if run is not None:
         return run(x)
     ...validate, plan, build `prepared(x)`...
-    return self._calls.keep(key, jaxsync.prepared_call(prepared, "pixel_values"))(x)
+    return self._calls.keep(key, prepared_call(prepared, "pixel_values"))(x)
 
 What a key cannot see, the prepared call catches: a deleted (donated) array makes the program
 refuse it before any launch, and `prepared_call` turns that into the entry's documented
