@@ -6,11 +6,13 @@ KV cache sharded over kv heads across the processes.
 The workers are module-level functions: each process imports this module and calls them with a
 `jaxsync.testing.DistributedContext`. They start no jax backend at import time."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import jaxsync.testing
-from jaxsync.models.qwen3_omni import Qwen3OmniAudioConfig
+from jaxsync.harness.paths.qwen3_omni import reference as ref
 from jaxsync.testing import assert_close
 
 
@@ -18,18 +20,7 @@ distributed = jaxsync.testing.distributed_fixture(scope="module", timeout=240)
 
 # TINY's shapes with every sharded dimension divisible by the 4-way "model" axis, so q/k/v, fc1,
 # out_proj and fc2 are split between the processes instead of replicated.
-CFG = Qwen3OmniAudioConfig(
-    num_mel_bins=22,
-    encoder_layers=2,
-    encoder_attention_heads=4,
-    encoder_ffn_dim=64,
-    d_model=48,
-    max_source_positions=31,
-    n_window=50,
-    n_window_infer=200,
-    output_dim=29,
-    downsample_hidden_size=7,
-)
+CFG = dataclasses.replace(ref.TINY, encoder_attention_heads=4, encoder_ffn_dim=64, d_model=48)
 LENS, LENS2 = [150, 37], [120, 60]  # one frame bucket: the second call reuses the program
 
 
@@ -82,8 +73,6 @@ def _encode_worker(ctx, ckpt, calls):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     pytest.importorskip("torch")
-    from jaxsync.harness.paths.qwen3_omni import reference as ref
-
     model = ref.build_hf_encoder(CFG)
     path = tmp_path_factory.mktemp("dist") / "model.safetensors"
     ckpt = ref.save_hf_encoder(model, path, "thinker.audio_tower.")

@@ -8,24 +8,15 @@ import numpy as np
 import pytest
 
 import jaxsync.testing
+from jaxsync.harness.paths.glm4v import reference as ref
 from jaxsync.models import glm4v
 from jaxsync.testing import assert_close, server_step
 
 
 distributed = jaxsync.testing.distributed_fixture(scope="module", timeout=240)
 
-TINY = dict(
-    depth=2,
-    hidden_size=48,
-    num_heads=4,  # 4 heads: a whole head of q, k and v per "model" shard
-    image_size=42,
-    patch_size=7,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    out_hidden_size=29,
-    intermediate_size=40,  # divisible by 4: the blocks' MLP is split too
-    attention_bias=True,
-)
+# 4 heads: a whole head of q, k and v per "model" shard; MLP 40, divisible by 4: split too.
+TINY = {**ref.TINY, "num_heads": 4, "intermediate_size": 40}
 CFG = glm4v.Glm4vVisionConfig(**TINY)
 GRID = [[1, 6, 6], [2, 4, 4]]  # an image and a two-frame video
 
@@ -73,8 +64,6 @@ def _worker(ctx, ckpt, pixels):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, distributed):
     pytest.importorskip("torch")
-    from jaxsync.harness.paths.glm4v import reference as ref
-
     model = ref.build_reference(ref.hf_config(**TINY))
     ckpt = ref.save_checkpoint(model, tmp_path_factory.mktemp("glm4v") / "model.safetensors")
     pixels = ref.pixels(GRID, CFG, seed=1)
