@@ -7,16 +7,17 @@ planner (`plan(host metadata, cfg, *, buckets=None) -> <Family>Plan`) and its `f
     run, key = entry.calls.find(x, metadata)      # a repeated call on device input: one hit
     if run is not None:
         return run(x)
-    entry.check(x)                                # the family's declared checks
-    planned = entry.planned(plan_key, build_plan, placement)  # PlanCache: plan + one upload
-    return entry.device(x, key, planned)          # TowerProgram, kept under `key`
-    # host input: entry.host(x, plan_key, build_plan, placement, shape=...)  (finite, staged)
+    return entry.run(x, key, planner, placement=..., near=...)  # the full path:
+    # device input: the family's declared checks, `planned` (PlanCache: plan + one upload),
+    #   the TowerProgram's prepared call, kept under `key`;
+    # host input: host_array, the checks that apply to host data, then `host` (finite, staged)
 
 The call cache's key is derived from the checks (`jaxsync._calls.reads`): every check a kept
 call skips declares what it reads, so the key covers it. The program is the `TowerProgram` of
 the family's forward, shared by every entry of the same structure (it holds no weights), and the
-output is `Embeddings.of(encoded, plan)` with the plan's row layout computed once. Uploads,
-finiteness checks and staging go through the `jaxsync` namespace (what tests and tools watch).
+output is `Embeddings.of(encoded, plan)` with the plan's row layout computed once. Uploads and
+staging go through the `jaxsync` namespace and finiteness checks through `jaxsync._host`, each
+looked up per call (what tests and tools watch).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import Any, NamedTuple
 import jax
 
 import jaxsync
+from jaxsync import _host
 from jaxsync._calls import CallCache, deleted_message, prepared_call, reads
+from jaxsync._host import host_array
 from jaxsync._outputs import Embeddings, Encoded
 from jaxsync._plans import PlanCache
 from jaxsync._tower import TowerProgram
@@ -137,11 +140,51 @@ class TowerEntry:
         planner = reads(*plan_reads)(lambda x: None)  # the planner's reads (it checks itself)
         declared = (*self.checks, planner) if fits is None else (*self.checks, fits, planner)
         self.calls = CallCache(plan_cache_size, checks=declared)
+        # host data has no liveness nor placement: the checks reading neither apply to it too
+        placed = {"live", "sharding", "committed"}
+        self.host_checks = tuple(c for c in self.checks if not c.reads & placed)
 
     def check(self, x: jax.Array) -> None:
         """Runs the declared checks of a device input (what a kept call of it skips)."""
         for check in self.checks:
             check(x)
+
+    def run(
+        self,
+        x: Any,
+        key: Hashable | None,
+        planner: Callable[[Any, Any], tuple[Hashable, Callable[[], Any]]],
+        *,
+        placement: Any,
+        near: Callable[[jax.Array], Any],
+        rank: int | None = None,
+        shape: Callable[[Any], tuple[int, ...]] | None = None,
+        dtype: Any = None,
+        stage_at: Any = None,
+        name: str | None = None,
+    ) -> Embeddings:
+        """The full path of a call `calls.find` missed, on device or host input `x`.
+
+        `planner(x, where) -> (plan key, plan build)` for input `x` whose metadata goes to
+        `where`: `near(x)` for a device input (checked by `check`, kept under `key`),
+        `placement` for host data (checked by the host checks, then as `host`). `rank`: the
+        program's input rank; an input one axis short is one item (a leading axis added).
+        """
+        if isinstance(x, jax.Array):
+            self.check(x)
+            where = near(x)
+            plan_key, build = planner(x, where)
+            p = self.planned(plan_key, build, where)
+            return self.device(x, key, p, unbatched=rank is not None and x.ndim == rank - 1)
+        x = host_array(x, name=self.name)
+        for check in self.host_checks:
+            check(x)
+        if rank is not None and x.ndim == rank - 1:
+            x = x[None]
+        plan_key, build = planner(x, placement)
+        return self.host(
+            x, plan_key, build, placement, shape=shape, dtype=dtype, stage_at=stage_at, name=name
+        )
 
     def planned(
         self,
@@ -170,7 +213,7 @@ class TowerEntry:
         on a known plan, as `x` is copied into its staging buffer (one pass), zero padded to
         `shape(plan)`, uploaded to `stage_at` (default `placement`), then the program."""
         name = self.name if name is None else name
-        p = self.planned(key, plan, placement, on_miss=lambda: jaxsync.check_finite(x, name=name))
+        p = self.planned(key, plan, placement, on_miss=lambda: _host.check_finite(x, name=name))
         staged = jaxsync.default_staging.put(
             x,
             None if shape is None else shape(p.plan),

@@ -2,48 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxsync
 from jaxsync._calls import reads
-from jaxsync._entry import TowerEntry, alive, on_devices
+from jaxsync._encoder import TowerEncoder, content_key, expect
+from jaxsync._entry import alive
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
-from jaxsync.models.glm4v import _plan
-from jaxsync.models.glm4v._modules import (
-    Glm4vVisionTower,
-    forward,
-    forward_encoder_only,
-    pos_embeds,
-)
+from jaxsync.models.glm4v import _modules, _plan
+from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, forward_encoder_only
 from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan, check_grid
 
 
-_pos_program = jax.jit(pos_embeds)
-
-
-def _home(table: jax.Array) -> jax.Device | jax.sharding.Sharding:
-    """Where per-call uploads go by default: beside the weights (replicated over their mesh)."""
-    sharding = table.sharding
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec())
-    return next(iter(sharding.device_set))
-
-
+_pos_program = jax.jit(_modules.pos_embeds)
 PIXELS = "pixel_values"
 
 
-class Glm4vVisionEncoder:
+class Glm4vVisionEncoder(TowerEncoder):
     """Host entry around a `Glm4vVisionTower`: host plan, one packed upload, one dispatch.
 
-    It runs `jaxsync.TowerProgram(model, forward)`: the function a server jits over the tower's
-    state leaves, compiled once per tower structure and shared by every encoder of it, so a
-    server may rebuild the encoder from its `(graphdef, state)` per call. The encoder snapshots
-    the weights: after `nnx.update` of the module, call `load_state(model)` (no recompile).
+    It runs `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`), so a server may rebuild
+    the encoder from its `(graphdef, state)` per call.
 
     Args:
       model: the tower (e.g. from `load_model`).
@@ -51,17 +33,8 @@ class Glm4vVisionEncoder:
       placement: device or sharding for host uploads (None: replicated beside the weights;
         one on other devices than the weights is refused).
       plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
-      layout: how each image / frame attends only to itself:
-        "ragged" (cuDNN's attention over the segments of the packed rows: work grows with the
-        sum of per-image squares; GPU towers with cuDNN attention; one program per patch
-        bucket and segment-slot bucket, 8 / 64 / 512 ... segments),
-        "dense" (a [P, P] segment mask: work grows with the square of the batch's patches; any
-        backend; one program per patch bucket),
-        "segments" (images of similar size batched, each attending alone: work grows with the
-        sum of per-image squares; any backend; one program per patch bucket and size mix),
-        or "auto" (default: "ragged" for a tower on one device whose attention runs on cuDNN,
-        else "dense"; `plan(grid_thw, model.cfg)` resolves it the same way for one device).
-        "ragged" on a tower without cuDNN attention computes the dense mask.
+      layout: how each image / frame attends only to itself (`AttentionLayout`: "ragged",
+        "dense", "segments" or "auto", the default).
       encoder_only: return the tokens before the patch merger as the rows (no merger runs).
       out_sharding: where the rows go (`forward`'s option): None replicates them over the
         weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
@@ -83,82 +56,49 @@ class Glm4vVisionEncoder:
         encoder_only: bool = False,
         out_sharding: OutSharding = None,
     ):
-        if not isinstance(model, Glm4vVisionTower):
-            raise TypeError(f"model must be a Glm4vVisionTower, got {type(model).__name__}")
-        self.cfg = model.cfg
+        expect(model, Glm4vVisionTower)
         self.devices = len(model.post_layernorm.weight[...].sharding.device_set)
-        self.layout = _plan.resolve_layout(layout, self.cfg.attention, self.devices)
-        self.dtype = model.dtype
-        self.buckets = _plan.check_buckets(buckets)
+        self.layout = _plan.resolve_layout(layout, model.cfg.attention, self.devices)
+        self.dtype, self.buckets = model.dtype, _plan.check_buckets(buckets)
         self.encoder_only = bool(encoder_only)
-        self._table = model.embeddings.position_embedding[...]
+        self._took(model)
         check_placement(placement, self._table)
-        self.placement = _home(self._table) if placement is None else placement
-        program = jaxsync.TowerProgram(
+        self.placement = _beside(self._table.sharding) if placement is None else placement
+        super().__init__(
             model,
             with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
-        )
-        weights = self._table.sharding.device_set
-        self._entry = TowerEntry(
-            program,
             name=PIXELS,
-            checks=(self._check_pixels, alive(PIXELS), on_devices(weights, PIXELS)),
+            checks=(self._check_pixels, alive(PIXELS)),
+            inside=PIXELS,
             fits=_padded,
             plan_cache_size=plan_cache_size,
         )
-        self._calls = self._entry.calls  # repeated calls on device pixels
 
-    def load_state(self, model: Glm4vVisionTower) -> None:
-        """Takes the weights of `model` (e.g. after `nnx.update`) without recompiling.
-
-        Raises:
-          ValueError: a different structure, shape, dtype or placement (build a new encoder).
-        """
-        self.program.load_state(model)
-        self._table = model.embeddings.position_embedding[...]
-
-    @property
-    def program(self) -> jaxsync.TowerProgram:
-        """The compiled forward over the tower's state leaves (`.leaves`, `.num_state_args`)."""
-        return self._entry.program
+    def _took(self, model: Glm4vVisionTower) -> None:
+        self._table = model.embeddings.position_embedding[...]  # what `pos_embeds` reads
 
     def plan(self, grid_thw, num_patches: int | None = None) -> Glm4vPlan:
         """The host plan of a batch with this encoder's buckets and layout (validates
         `grid_thw`)."""
-        return _plan.plan(
-            grid_thw,
-            self.cfg,
-            buckets=self.buckets,
-            layout=self.layout,
-            devices=self.devices,
-            num_patches=num_patches,
-        )
+        return _plan.plan(grid_thw, self.cfg, buckets=self.buckets, layout=self.layout,
+                          devices=self.devices, num_patches=num_patches)  # fmt: skip
 
-    def _planned(self, grid_thw, num_patches: int | None, placement):
-        """(plan key, plan build): plans are cached per grid content, patches and placement.
+    def _planner(self, grid_thw):
+        """`planner(pixels, where)`: plans cached per grid content, patches and placement."""
 
-        A grid of Python ints or a numpy array is keyed as given (a repeated call costs the
-        key, not the checks); other host types are validated first and keyed as int64.
-        """
-        key = jaxsync.metadata_key(grid_thw)
-        if key is None:
-            grid_thw = check_grid(grid_thw, self.cfg.spatial_merge_size)
-            key = jaxsync.metadata_key(grid_thw)
+        def planner(pixels, where):
+            key, grid = content_key(grid_thw, lambda g: check_grid(g, self.cfg.spatial_merge_size))
+            n = pixels.shape[0] if isinstance(pixels, np.ndarray) else None  # host pixels
+            return (key, n, where), lambda: self.plan(grid, n)  # validates the grid
 
-        def build():
-            return self.plan(grid_thw, num_patches)  # validates the grid
+        return planner
 
-        return (key, num_patches, placement), build
-
-    def _device_placement(self, pixels: jax.Array):
+    def _near(self, pixels: jax.Array):
         """Uploads beside checked device pixels (replicated over their mesh)."""
         if isinstance(pixels, jax.core.Tracer):  # traced by a checker: placement is the jit's
             return self.placement
-        sharding = pixels.sharding
-        if isinstance(sharding, NamedSharding):
-            return NamedSharding(sharding.mesh, PartitionSpec())
-        have = sharding.device_set
-        return next(iter(have)) if len(have) == 1 else self.placement
+        near = _beside(pixels.sharding)
+        return self.placement if near is None else near
 
     @reads("type", "shape", "dtype")
     def _check_pixels(self, pixel_values) -> None:
@@ -194,30 +134,26 @@ class Glm4vVisionEncoder:
         run, key = self._calls.find(pixel_values, image_grid_thw)
         if run is not None:
             return run(pixel_values)
-        entry = self._entry
-        if not isinstance(pixel_values, jax.Array):
-            pixels = jaxsync.host_array(pixel_values, name=PIXELS)
-            self._check_pixels(pixels)
-            plan_key, build = self._planned(image_grid_thw, pixels.shape[0], self.placement)
-            shape = lambda plan: (plan.padded_patches, self.cfg.patch_dim)  # noqa: E731
-            return entry.host(
-                pixels, plan_key, build, self.placement, shape=shape, dtype=self.dtype
-            )
-        entry.check(pixel_values)
-        placement = self._device_placement(pixel_values)
-        plan_key, build = self._planned(image_grid_thw, None, placement)
-        return entry.device(pixel_values, key, entry.planned(plan_key, build, placement))
-
-    def lower(self, pixels: jax.Array, meta: jaxsync.Packed) -> Any:
-        """`jax.jit(...).lower` of the tower program (argument counts, HLO, cost analysis)."""
-        return self.program.lower(pixels, meta)
+        return self._entry.run(
+            pixel_values, key, self._planner(image_grid_thw), placement=self.placement,
+            near=self._near, shape=lambda p: (p.padded_patches, self.cfg.patch_dim),
+            dtype=self.dtype,
+        )  # fmt: skip
 
     @entry_point
     def pos_embeds(self, image_grid_thw) -> jax.Array:
         """Interpolated position embeddings of a batch alone: [P_bucket, D] in the model dtype
         (upstream's `pos_embeds_interpolate`); rows >= sum(t*h*w) are padding."""
-        key, build = self._planned(image_grid_thw, None, self.placement)
+        key, build = self._planner(image_grid_thw)(None, self.placement)
         return _pos_program(self._table, self._entry.planned(key, build, self.placement).meta)
+
+
+def _beside(sharding) -> jax.Device | NamedSharding | None:
+    """Where per-call uploads go beside `sharding`: replicated over its mesh, or its device."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    have = sharding.device_set
+    return next(iter(have)) if len(have) == 1 else None
 
 
 @reads("shape", "metadata")

@@ -1,0 +1,125 @@
+"""TowerEncoder: what every family's entry class shares around its `TowerEntry`.
+
+A family's entry (`<Family><Modality>Encoder`) subclasses it and supplies its checks, its
+planner, its forward and its options:
+
+    class FooEncoder(TowerEncoder):
+        def __init__(self, model, *, placement=None, plan_cache_size=64):
+            expect(model, FooTower)
+            super().__init__(model, forward, name="x", checks=(alive("x"), self._check),
+                             inside="x", plan_cache_size=plan_cache_size)
+
+        @entry_point
+        def __call__(self, x, lengths):
+            run, key = self._calls.find(x, lengths)   # the repeated call: one lookup
+            if run is not None:
+                return run(x)
+            return self._entry.run(x, key, self._planner(lengths), ...)
+
+The base holds the program (`TowerProgram(model, forward)`, shared by every encoder of the same
+structure), the entry (its plan and call caches), the weights' devices, and the methods every
+entry offers: `load_state`, `lower`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxsync._entry import TowerEntry, on_devices
+from jaxsync._plans import metadata_key
+from jaxsync._tower import TowerProgram
+
+
+def expect(model: Any, tower: type, hint: str = "") -> None:
+    """Refuses a model of another type than `tower` as `TypeError`, before anything is built."""
+    if not isinstance(model, tower):
+        raise TypeError(f"model must be a {tower.__name__}{hint}, got {type(model).__name__}")
+
+
+def content_key(metadata: Any, check: Callable[[Any], Any]) -> tuple[Hashable, Any]:
+    """(plan key, metadata) of host metadata, keyed by its exact content.
+
+    Lists of Python ints and numpy arrays are keyed as given, so a repeated call costs the key,
+    not the checks (the planner validates on a miss); other host types (a torch tensor) go
+    through `check` first and are keyed as it returns them.
+    """
+    key = metadata_key(metadata)
+    if key is None:
+        metadata = check(metadata)
+        key = metadata_key(metadata)
+    return key, metadata
+
+
+def weight_devices(model: nnx.Module) -> frozenset:
+    """Every device the model's weights live on."""
+    return frozenset(d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set)
+
+
+class TowerEncoder:
+    """The base of a family's entry over `TowerProgram(model, forward)`.
+
+    The program is the function a server jits over the model's state leaves, compiled once per
+    structure and shared by every encoder of it. The encoder snapshots the weights: after
+    `nnx.update` of the model, call `load_state(model)` (no recompile).
+
+    Args:
+      model: the family's tower; its `cfg` becomes the encoder's.
+      forward: the family's forward (its options bound).
+      name: the device input's name in errors.
+      checks: the family's checks of a device input, each declared with `reads`.
+      inside: a device input must live on the weights' devices (named so in the error);
+        None: the family checks placement itself.
+      fits, plan_cache_size: as `TowerEntry`'s.
+
+    Attributes:
+      cfg: the tower's config.
+      program: the `jaxsync.TowerProgram` (`.lower(...)`, `.leaves`, `.num_state_args`).
+      plans: the `PlanCache` of plans and their uploads (`len()`, `clear()`).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        forward: Callable[..., Any],
+        *,
+        name: str,
+        checks: Iterable[Callable[[jax.Array], Any]] = (),
+        inside: str | None = None,
+        fits: Callable[[jax.Array, Any], Any] | None = None,
+        plan_cache_size: int = 64,
+    ):
+        self.cfg = model.cfg
+        self._weights = weight_devices(model)
+        if inside is not None:  # `_inside`: the same check, for the family's other inputs
+            self._inside = on_devices(self._weights, inside)
+            checks = (*checks, self._inside)
+        self.program = TowerProgram(model, forward)
+        self._programs = [self.program]  # what `load_state` updates (a family may add its own)
+        self._entry = TowerEntry(
+            self.program, name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size
+        )
+        self.plans = self._entry.plans
+        self._calls = self._entry.calls  # repeated calls on device inputs
+
+    def load_state(self, model: nnx.Module) -> None:
+        """Takes the weights of `model` (e.g. after `nnx.update`) without recompiling.
+
+        Raises:
+          ValueError: another structure, shape, dtype or placement than the encoder was built
+            with (build a new encoder for another model).
+        """
+        for program in self._programs:
+            program.load_state(model)
+        self._took(model)
+
+    def _took(self, model: nnx.Module) -> None:
+        """What the family keeps of the weights besides its programs (a table), on new weights."""
+
+    def lower(self, *inputs: Any) -> Any:
+        """`jax.jit(...).lower` of the program on device inputs and the packed meta (argument
+        counts, HLO, cost analysis)."""
+        return self.program.lower(*inputs)
