@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import jaxsync
+from jaxsync import _host
 from jaxsync._host import host_array, host_ints
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK
 
@@ -98,9 +99,29 @@ def features_from_processor(
         raise ValueError("feature_attention_mask must hold only 0 and 1")
     keep = mask.astype(bool)
     features = np.ascontiguousarray(feats.transpose(0, 2, 1)[keep].T, np.float32)  # [F, sum]
-    if check_finite:
-        check_finite(features, name="input_features")
+    if check_finite:  # the argument shadows the function
+        _host.check_finite(features, name="input_features")
     return features, keep.sum(axis=1).astype(np.int64)
+
+
+def call_inputs(features: Any, feature_lens: Any, input_features: Any, mask: Any) -> tuple:
+    """(features, feature_lens, the features' name) of an entry call given either form: the
+    two arguments, or the processor's `input_features` and `feature_attention_mask`.
+
+    Raises:
+      TypeError: both forms, or a form half given.
+    """
+    if input_features is None and mask is None:
+        if features is None or feature_lens is None:
+            raise TypeError("features and feature_lens are required")
+        return features, feature_lens, "features"
+    if features is not None or feature_lens is not None:
+        raise TypeError(
+            "pass features + feature_lens or input_features + feature_attention_mask, not both"
+        )
+    if input_features is None or mask is None:
+        raise TypeError("input_features and feature_attention_mask go together")
+    return (*features_from_processor(input_features, mask, check_finite=False), "input_features")
 
 
 def pad_features(features: Any, feature_lens: Any) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 import jaxsync
-from jaxsync._host import host_int
+from jaxsync._host import host_int, host_ints
 from jaxsync.models.qwen3_omni._config import Qwen3OmniAudioConfig, conv_out_len
 from jaxsync.models.qwen3_omni._features import (
     FRAME_BUCKETS,
@@ -113,6 +113,25 @@ class Qwen3OmniPlan(NamedTuple):
     def num_tokens(self) -> int:
         """Real output rows (sum over audios)."""
         return sum(self.lengths)
+
+
+def entry_buckets(
+    buckets: Qwen3OmniBuckets | None, window_buckets: Sequence[int] | None
+) -> Qwen3OmniBuckets:
+    """An entry's bucket options, checked when it is built rather than at its first call:
+    `buckets` (default `Qwen3OmniBuckets()`) with `window_buckets` in place of its windows."""
+    if buckets is None:
+        buckets = Qwen3OmniBuckets()
+    elif not isinstance(buckets, Qwen3OmniBuckets):
+        raise TypeError(f"buckets must be a Qwen3OmniBuckets, got {type(buckets).__name__}")
+    if window_buckets is not None:
+        sizes = host_ints(window_buckets, name="window_buckets", minimum=1)
+        if not sizes.size or (np.diff(sizes) <= 0).any():
+            raise ValueError(f"window_buckets must be ascending and non-empty, got {sizes}")
+        buckets = buckets._replace(windows=tuple(sizes.tolist()))
+    for sizes in buckets:
+        jaxsync.bucket(0, sizes)
+    return buckets
 
 
 def plan(
@@ -222,3 +241,24 @@ def plan(
         token_windows=token_windows,
         slot_tokens=slot_tokens,
     )
+
+
+def plan_features(
+    features_shape: Sequence[int],
+    feature_lens: Sequence[int] | np.ndarray,
+    cfg: Qwen3OmniAudioConfig,
+    buckets: Qwen3OmniBuckets,
+) -> Qwen3OmniPlan:
+    """`plan` of features of `features_shape` [num_mel_bins, T], the shape checked first.
+
+    Raises:
+      ValueError / TypeError: wrong rank or mel-bin count, and as `plan`.
+    """
+    if len(features_shape) != 2:
+        raise ValueError(f"features must be [num_mel_bins, frames], got shape {features_shape}")
+    if features_shape[0] != cfg.num_mel_bins:
+        raise ValueError(
+            f"features have {features_shape[0]} mel bins, the encoder expects "
+            f"{cfg.num_mel_bins} (shape must be [num_mel_bins, frames])"
+        )
+    return plan(feature_lens, cfg, buckets=buckets, num_frames=features_shape[1])
