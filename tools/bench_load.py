@@ -111,6 +111,7 @@ def _instrument() -> dict[str, Any]:
     _stream.read_tensor = timed("read", read_tensor)
     _stream.read_slice = timed("read", _stream.read_slice)
     _stream._host_value = timed("transform", _stream._host_value)
+    _stream.write = timed("transform", _stream.write)
     _loader.abstract_module = timed("abstract", _loader.abstract_module)
     jax.device_put = timed("place", jax.device_put)
     return seen
