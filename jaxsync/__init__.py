@@ -1,29 +1,28 @@
 """jaxsync: sync-free multimodal and KV paths for JAX serving stacks, with proofs.
 
-Core API:
-  DeviceCache, default_cache  - per-placement device copies of host constant tables.
-  async_h2d, upload_packed    - explicit, alias-safe host->device uploads (one transfer).
-  StagingRing, default_staging - reused pinned host buffers: large padded batches written in
-                                place and moved by DMA, alias-safe, never waiting.
-  Packed                      - a packed upload; index it by field name inside jit.
-  bucket                      - pad sizes to buckets so many inputs share one program.
-  replicated_near             - device placement for small data used next to an array.
-  jit_method                  - jit an NNX module method with its graph split once.
-  flat_state                  - a module's state as a flat array list for jit, and its merge.
-  precompile, Target          - compile a server's encoders for every bucket ahead of serving.
-  LayerStack                  - a tower's repeated layers stored stacked [L, ...], run as one scan.
-  TowerProgram                - a family's pure forward compiled over the model's state leaves:
-                                the same program a server's own jit compiles.
-  Embeddings                  - the output of every model path: padded rows + host lengths.
-  PlanCache, metadata_key     - host plans and their packed uploads cached per shape mix,
-                                keyed by the exact content of the caller's host metadata.
-  CallCache, prepared_call    - repeated calls on device inputs: one lookup, then the program.
-  host_array, host_ints,      - host inputs (numpy, lists, torch CPU tensors) validated
-  host_int, check_finite        before any upload: no silent truncation, no NaN leaks.
-  all_finite, fill_rows         large host checks and padded copies on a small thread pool.
-Sub-packages: jaxsync.check (proofs), jaxsync.weights (HF loader), jaxsync.testing,
-jaxsync.models, jaxsync.kv; jaxsync.harness (verify, bench, the registry and the `jaxsync`
-command), which the runtime never imports.
+The public API is `__all__`; every other name lives in a private module (`jaxsync._<name>`).
+
+Uploads:
+  async_h2d, upload_packed, Packed - explicit, alias-safe host->device uploads; many small
+                                     arrays in one transfer, indexed by name inside jit.
+  bucket                           - pad sizes to buckets so many inputs share one program.
+  replicated_near                  - where small per-call data used next to an array goes.
+  DeviceCache, default_cache       - per-placement device copies of host constant tables.
+  StagingRing, default_staging     - reused pinned host buffers for large padded host batches.
+A model path (docs/ARCHITECTURE.md):
+  LayerStack                       - a tower's repeated layers stored stacked [L, ...], one scan.
+  Encoded                          - what every forward returns (rows, finite, extras).
+  Embeddings                       - what every entry returns: the rows with host offsets.
+  PlanCache                        - host plans and their packed uploads, cached per shape mix.
+  TowerProgram                     - a family's forward compiled over the model's state.
+  TowerEncoder                     - the base of every family's entry class: the program and
+                                     the host pipeline (checks, plans, kept calls, staging).
+  flat_state                       - a module's state as flat leaves for a server's own jit.
+Serving:
+  precompile, Target               - compile a server's encoders for every bucket ahead of use.
+Sub-packages: check (the proofs), testing, models, kv, weights (the HF loader), hfconfig
+(strict HF configs), harness (`jaxsync verify`, `jaxsync bench`, the registry; the runtime never
+imports it).
 """
 
 import importlib
@@ -33,28 +32,14 @@ from typing import TYPE_CHECKING
 # Names are imported on first use (PEP 562): `import jaxsync` and the `jaxsync` command's
 # `--help` import no jax, and a server pays for what it touches.
 _EXPORTS = {
-    "CallCache": "jaxsync._calls",
-    "call_key": "jaxsync._calls",
-    "prepared_call": "jaxsync._calls",
-    "CacheEntry": "jaxsync._device_cache",
     "DeviceCache": "jaxsync._device_cache",
     "default_cache": "jaxsync._device_cache",
-    "all_finite": "jaxsync._fill",
-    "fill_rows": "jaxsync._fill",
-    "check_finite": "jaxsync._host",
-    "host_array": "jaxsync._host",
-    "host_int": "jaxsync._host",
-    "host_ints": "jaxsync._host",
-    "is_torch_tensor": "jaxsync._host",
-    "JitMethod": "jaxsync._jit",
+    "TowerEncoder": "jaxsync._encoder",
     "flat_state": "jaxsync._jit",
-    "jit_method": "jaxsync._jit",
     "Embeddings": "jaxsync._outputs",
     "Encoded": "jaxsync._outputs",
     "replicated_near": "jaxsync._placement",
     "PlanCache": "jaxsync._plans",
-    "metadata_key": "jaxsync._plans",
-    "Compiled": "jaxsync._precompile",
     "Target": "jaxsync._precompile",
     "precompile": "jaxsync._precompile",
     "LayerStack": "jaxsync._stack",
@@ -67,44 +52,26 @@ _EXPORTS = {
     "upload_packed": "jaxsync._transfer",
 }
 _SUBPACKAGES = ("check", "harness", "hfconfig", "kv", "models", "testing", "weights")
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
 
-if TYPE_CHECKING:
-    from jaxsync._calls import (
-        CallCache as CallCache,
-        call_key as call_key,
-        prepared_call as prepared_call,
+if TYPE_CHECKING:  # (harness aside: the runtime never imports it, not even here)
+    from jaxsync import (
+        check as check,
+        hfconfig as hfconfig,
+        kv as kv,
+        models as models,
+        testing as testing,
+        weights as weights,
     )
-    from jaxsync._device_cache import (
-        CacheEntry as CacheEntry,
-        DeviceCache as DeviceCache,
-        default_cache as default_cache,
-    )
-    from jaxsync._fill import all_finite as all_finite, fill_rows as fill_rows
-    from jaxsync._host import (
-        check_finite as check_finite,
-        host_array as host_array,
-        host_int as host_int,
-        host_ints as host_ints,
-        is_torch_tensor as is_torch_tensor,
-    )
-    from jaxsync._jit import (
-        JitMethod as JitMethod,
-        flat_state as flat_state,
-        jit_method as jit_method,
-    )
+    from jaxsync._device_cache import DeviceCache as DeviceCache, default_cache as default_cache
+    from jaxsync._encoder import TowerEncoder as TowerEncoder
+    from jaxsync._jit import flat_state as flat_state
     from jaxsync._outputs import Embeddings as Embeddings, Encoded as Encoded
     from jaxsync._placement import replicated_near as replicated_near
-    from jaxsync._plans import PlanCache as PlanCache, metadata_key as metadata_key
-    from jaxsync._precompile import (
-        Compiled as Compiled,
-        Target as Target,
-        precompile as precompile,
-    )
+    from jaxsync._plans import PlanCache as PlanCache
+    from jaxsync._precompile import Target as Target, precompile as precompile
     from jaxsync._stack import LayerStack as LayerStack
-    from jaxsync._staging import (
-        StagingRing as StagingRing,
-        default_staging as default_staging,
-    )
+    from jaxsync._staging import StagingRing as StagingRing, default_staging as default_staging
     from jaxsync._tower import TowerProgram as TowerProgram
     from jaxsync._transfer import (
         Packed as Packed,
@@ -126,7 +93,9 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})
+    """The public names and the module's own dunders; not the private modules nor the
+    public-named modules an import happened to bind here (`jaxsync.pytest_plugin`)."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})
 
 
 __version__ = "0.1.0"
