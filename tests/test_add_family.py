@@ -1,0 +1,257 @@
+"""A toy family added by docs/ARCHITECTURE.md's five steps ("Adding a family"), and proved.
+
+Each step below is the doc's step of the same number, written as a newcomer would from the doc
+alone: (1) a config and a tower whose repeated layers are one `jaxsync.LayerStack`; (2) a host
+planner returning a typed plan; (3) a pure forward returning `jaxsync.Encoded`; (4) the entry
+class on `jaxsync.TowerEncoder`; (5) the encoder's one input per bucket, for `jaxsync.precompile`
+(a `jaxsync.Target`: the toy lives outside `jaxsync.models`).
+Then: the entry equals a numpy reference at 1e-5 and the server form (`jaxsync.testing.
+server_step`), a repeated bucket compiles nothing, bad input is refused on the host (nothing
+uploaded or compiled) with the documented error, and `jaxsync.precompile` compiles it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsync
+from jaxsync import check, testing
+from jaxsync._calls import reads
+from jaxsync._encoder import content_key, expect
+from jaxsync._entry import alive
+from jaxsync._host import host_ints
+
+
+# Step 1: a frozen config and the tower, its repeated layers in a LayerStack.
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    in_dim: int = 6
+    dim: int = 8
+    num_layers: int = 3
+
+
+class ToyLayer(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (dim, dim)) * 0.3)
+        self.b = nnx.Param(jax.random.normal(rngs.params(), (dim,)) * 0.1)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(x @ self.w[...] + self.b[...][None, :])
+
+
+class ToyTower(nnx.Module):
+    def __init__(self, cfg: ToyConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.proj = nnx.Param(jax.random.normal(rngs.params(), (cfg.in_dim, cfg.dim)) * 0.4)
+        self.layers = jaxsync.LayerStack(
+            lambda r: ToyLayer(cfg.dim, rngs=r), cfg.num_layers, rngs=rngs
+        )
+
+
+# Step 2: the planner, numpy only: every static pad from buckets.
+class ToyMeta(NamedTuple):
+    item: np.ndarray  # int32 [T_bucket]: the item of each row; the items' count past the rows
+    real: np.ndarray  # bool [I_bucket]: True for an item of the batch
+
+
+class ToyPlan(NamedTuple):
+    meta: ToyMeta
+    lengths: tuple[int, ...]  # rows per item
+    padded_rows: int  # the rows the input is padded to
+
+
+def plan(lengths, cfg: ToyConfig, *, buckets=None) -> ToyPlan:
+    lens = host_ints(lengths, name="lengths", minimum=1)  # TypeError / ValueError on the host
+    if lens.size == 0:
+        raise ValueError("lengths must name at least one item")
+    rows, items = jaxsync.bucket(int(lens.sum()), buckets), jaxsync.bucket(lens.size, minimum=4)
+    item = np.full(rows, items, np.int32)  # padding rows belong to no item
+    item[: lens.sum()] = np.repeat(np.arange(lens.size, dtype=np.int32), lens)
+    real = np.arange(items) < lens.size
+    return ToyPlan(ToyMeta(item, real), tuple(int(n) for n in lens), rows)
+
+
+# Step 3: the pure forward, callable inside any jit.
+def forward(model: ToyTower, x: jax.Array, meta) -> jaxsync.Encoded:
+    if x.shape[0] != meta.item.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows, the plan pads to {meta.item.shape[0]}")
+    rows = model.layers(x @ model.proj[...])
+    ok = (jnp.isfinite(rows).all(-1) & jnp.isfinite(x).all(-1)).astype(jnp.int32)
+    per_item = jax.ops.segment_min(ok, meta.item, num_segments=meta.real.shape[0])
+    return jaxsync.Encoded(rows, (per_item > 0) & meta.real)
+
+
+# Step 4: the entry class on TowerEncoder: its checks, its planner, its call.
+X = "x"
+
+
+class ToyEncoder(jaxsync.TowerEncoder):
+    def __init__(self, model: ToyTower, *, buckets=(8, 16, 32), plan_cache_size: int = 64):
+        expect(model, ToyTower)
+        self.buckets = tuple(buckets)
+        self.placement = jaxsync.replicated_near(model.proj[...])
+        super().__init__(
+            model,
+            forward,
+            name=X,
+            checks=(alive(X), self._check_x),
+            inside=X,
+            fits=_padded,
+            plan_cache_size=plan_cache_size,
+        )
+
+    @reads("shape", "dtype")
+    def _check_x(self, x) -> None:
+        if x.ndim != 2 or x.shape[1] != self.cfg.in_dim:
+            raise ValueError(f"x must be [T, {self.cfg.in_dim}], got {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"x must be floating point, got {x.dtype}")
+
+    def _planner(self, lengths):
+        def planner(x, where):
+            key, lens = content_key(lengths, lambda v: host_ints(v, name="lengths", minimum=1))
+            return (key, where), lambda: plan(lens, self.cfg, buckets=self.buckets)
+
+        return planner
+
+    @check.entry_point
+    def __call__(self, x, lengths) -> jaxsync.Embeddings:
+        run, key = self._calls.find(x, lengths)
+        if run is not None:
+            return run(x)
+        return self._entry.run(
+            x,
+            key,
+            self._planner(lengths),
+            placement=self.placement,
+            near=lambda x: self.placement,
+            shape=lambda p: (p.padded_rows, self.cfg.in_dim),
+            dtype=np.float32,
+        )
+
+
+@reads("shape", "metadata")
+def _padded(x: jax.Array, p: ToyPlan) -> None:
+    if x.shape[0] != p.padded_rows:
+        raise ValueError(f"device x must be padded to {p.padded_rows} rows, got {x.shape[0]}")
+
+
+# Step 5: the encoder's one input per bucket (host zeros of exactly that bucket).
+def toy_target(enc: ToyEncoder) -> jaxsync.Target:
+    return jaxsync.Target(
+        "ToyEncoder",
+        enc,
+        make_inputs=lambda b: (np.zeros((b, enc.cfg.in_dim), np.float32), [b]),
+        buckets=enc.buckets,
+    )
+
+
+# The proofs.
+CFG = ToyConfig()
+
+
+@pytest.fixture(scope="module")
+def model() -> ToyTower:
+    return ToyTower(CFG, rngs=nnx.Rngs(0))
+
+
+def _reference(model: ToyTower, x: np.ndarray) -> np.ndarray:
+    h = x.astype(np.float64) @ np.asarray(model.proj[...], np.float64)
+    w, b = np.asarray(model.layers.layer.w[...]), np.asarray(model.layers.layer.b[...])
+    for i in range(CFG.num_layers):
+        h = h + np.tanh(h @ w[i].astype(np.float64) + b[i][None, :])
+    return h
+
+
+def _batch(lengths, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((sum(lengths), CFG.in_dim), np.float32)
+
+
+def test_entry_equals_the_numpy_reference(model):
+    lengths = [3, 1, 2]
+    x = _batch(lengths)
+    out = ToyEncoder(model)(x, lengths)
+    assert out.lengths == (3, 1, 2) and out.offsets == (0, 3, 4)
+    np.testing.assert_allclose(np.asarray(out.embeddings[:6]), _reference(model, x), rtol=1e-5)
+    parts = out.split()
+    np.testing.assert_allclose(np.asarray(parts[1]), _reference(model, x)[3:4], rtol=1e-5)
+    assert np.asarray(out.extras["finite"])[:3].all()
+
+
+def test_server_form_equals_the_entry(model):
+    lengths = [4, 3]
+    x = _batch(lengths, seed=1)
+    enc = ToyEncoder(model)
+    got = enc(x, lengths)
+    p = plan(lengths, CFG, buckets=enc.buckets)
+    padded = np.zeros((p.padded_rows, CFG.in_dim), np.float32)
+    padded[: len(x)] = x
+    step, leaves = testing.server_step(model, forward)
+    served = jaxsync.Embeddings.of(step(leaves, padded, jaxsync.upload_packed(p)), p)
+    np.testing.assert_array_equal(np.asarray(served.embeddings), np.asarray(got.embeddings))
+    assert served.lengths == got.lengths
+    testing.assert_layers_run(model, forward, padded, jaxsync.upload_packed(p))
+
+
+def test_a_repeated_bucket_compiles_nothing(model):
+    enc = ToyEncoder(model)
+    enc(_batch([3, 2]), [3, 2])  # host rows: 5, bucket 8
+    enc(jax.device_put(_batch([8], seed=3)), [8])  # device rows padded to bucket 8
+    with check.no_recompile():
+        enc(_batch([4, 3], seed=2), [4, 3])  # 7 rows, another plan: the same program
+        device_x = jax.device_put(_batch([2, 6], seed=4))
+        enc(device_x, [2, 6])
+        enc(device_x, [2, 6])  # a kept call
+
+
+def test_the_recompile_check_catches_a_new_bucket(model):  # negative control
+    enc = ToyEncoder(model)
+    enc(_batch([3, 2]), [3, 2])
+    with pytest.raises(check.RecompileError), check.no_recompile():
+        enc(_batch([9, 3]), [9, 3])  # 12 rows: bucket 16
+
+
+@pytest.mark.parametrize(
+    ("error", "match", "lengths", "x"),
+    [
+        (ValueError, "lengths", [3, -1], None),
+        (TypeError, "lengths", [1.5, 2], None),
+        (ValueError, "x must be", [3], np.zeros((3, CFG.in_dim + 1), np.float32)),
+        (TypeError, "floating point", [3], np.zeros((3, CFG.in_dim), np.int32)),
+        (ValueError, "x", [3], np.full((3, CFG.in_dim), np.nan, np.float32)),
+    ],
+)
+def test_bad_input_is_refused_on_the_host(model, error, match, lengths, x):
+    enc = ToyEncoder(model)
+    x = _batch([3]) if x is None else x
+    testing.assert_refused(error, match, enc, x, lengths)
+
+
+def test_a_deleted_device_input_is_refused(model):
+    enc = ToyEncoder(model)
+    x = jax.device_put(_batch([8]))
+    enc(x, [8])
+    x.delete()
+    with pytest.raises(ValueError, match="deleted"):
+        enc(x, [8])
+
+
+def test_precompile_compiles_every_bucket(model):
+    enc = ToyEncoder(model)
+    done = jaxsync.precompile([toy_target(enc)], progress=False)
+    assert [(c.path, c.bucket) for c in done] == [("ToyEncoder", b) for b in enc.buckets]
+    with check.no_recompile():
+        enc(_batch([10, 6], seed=4), [10, 6])  # bucket 16
+        enc(_batch([32], seed=5), [32])  # bucket 32
+
+
+def test_the_refusal_check_fails_on_good_input(model):  # negative control
+    with pytest.raises(pytest.fail.Exception):
+        testing.assert_refused(ValueError, "x", ToyEncoder(model), _batch([3]), [3])
