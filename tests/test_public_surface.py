@@ -72,6 +72,7 @@ INTERNAL = {
     "TowerEntry": "jaxsync._entry",
 }
 
+FAMILIES = sorted(p.parent.name for p in (ROOT / "models").glob("*/__init__.py"))
 PACKAGES = (
     "jaxsync",
     "jaxsync.models",
@@ -139,6 +140,17 @@ def test_internal_names_live_in_their_private_module_only(name):
 def test_no_two_packages_export_one_name_for_different_things():
     surface = {p: exported(importlib.import_module(p)) for p in PACKAGES}
     assert surface["jaxsync.kv"] and surface["jaxsync.check"] and surface["jaxsync.testing"]
+    assert clashes(surface) == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_family_exports_a_core_name_for_another_thing(family):
+    """A family may re-export a core name (`Embeddings`), never bind it to its own object.
+    (Families share the contract's names among themselves by design.)"""
+    surface = {p: exported(importlib.import_module(p)) for p in PACKAGES}
+    module = importlib.import_module(f"jaxsync.models.{family}")
+    surface[module.__name__] = exported(module)
+    assert surface[module.__name__]
     assert clashes(surface) == []
 
 
