@@ -15,9 +15,11 @@ that took effect, from a timed read of one shard before and after); `--cache war
 every shard once first and leaves it cached, so the times are the loader's own work:
   load s     `load_model(dir, dtype=bfloat16)` until every parameter is ready, split into
              abstract (building the module's abstract state), read (tensor bytes from the files),
-             transform (host transforms and casts), place (`jax.device_put`) and other (config,
-             headers, checks);
-  hand s     the same tensors read by hand in another fresh process: `safetensors.safe_open`
+             transform (layout transforms and casts, written into the parameters' host
+             buffers), place (`jax.device_put`) and other (config, headers, checks, and the
+             host buffers' pages populated);
+  hand s     the same tensors read by hand in another fresh process, alternating with the loads
+             (each load and hand read meet the machine in the same state): `safetensors.safe_open`
              (`framework="flax"`, which keeps bf16) and `get_tensor` per key, then one
              `jax.device_put` of each shard's list;
   peak MiB   VmHWM during the load over the VmRSS of the process that imported jax and jaxsync
@@ -262,19 +264,44 @@ def measure(
     warm: leave the shards in the page cache (read once first) instead of evicting them.
     """
     mode = mode or ("all" if baseline else "load")
-    runs = []
     if warm:
-        for shard in checkpoint.glob("*.safetensors"):
-            _timed_read(shard, shard.stat().st_size)
+        _warm(checkpoint)
+    runs = [_run(family, checkpoint, mode, keys, warm) for _ in range(repeats)]
+    return _median(runs)
+
+
+def measure_side_by_side(
+    family: str, checkpoint: Path, repeats: int, keys: Path, warm: bool = False
+) -> tuple[dict, dict]:
+    """The load and the hand read of the same keys, alternately in fresh processes (so each
+    pair meets the machine in the same state, which matters on a shared one): their medians."""
+    if warm:
+        _warm(checkpoint)
+    loads, hands = [], []
     for _ in range(repeats):
-        if not warm:
-            evict(checkpoint)
-        cmd = [sys.executable, __file__, "--child", family, str(checkpoint), "--mode", mode]
-        cmd += ["--keys", str(keys)] if keys else []
-        out = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
-        if out.returncode:
-            raise RuntimeError(f"{family} measurement failed:\n{out.stderr[-4000:]}")
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        loads.append(_run(family, checkpoint, "load", keys, warm))
+        hands.append(_run(family, checkpoint, "hand", keys, warm))
+    return _median(loads), _median(hands)
+
+
+def _warm(checkpoint: Path) -> None:
+    for shard in checkpoint.glob("*.safetensors"):
+        _timed_read(shard, shard.stat().st_size)
+
+
+def _run(family: str, checkpoint: Path, mode: str, keys: Path | None, warm: bool) -> dict:
+    """One measurement in a fresh process (the shards evicted first unless `warm`)."""
+    if not warm:
+        evict(checkpoint)
+    cmd = [sys.executable, __file__, "--child", family, str(checkpoint), "--mode", mode]
+    cmd += ["--keys", str(keys)] if keys else []
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_child_env())
+    if out.returncode:
+        raise RuntimeError(f"{family} measurement failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
@@ -328,8 +355,7 @@ def _family_rows(family: str, root: Path, args: argparse.Namespace) -> list[dict
     print(f"# {family}: page cache eviction check {json.dumps(cache_check(directory))}")
     keys = directory / "keys-read.json"
     warm = args.cache == "warm"
-    measured = measure(family, directory, args.repeats, mode="load", keys=keys, warm=warm)
-    hand = measure(family, directory, args.repeats, mode="hand", keys=keys, warm=warm)
+    measured, hand = measure_side_by_side(family, directory, args.repeats, keys, warm=warm)
     rows.append(dict(label=family, checkpoint=facts, measured=measured, hand=hand))
     if family in args.baseline:
         measured = measure(family, directory, args.repeats, baseline=True)
