@@ -10,39 +10,41 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-from jaxsync._calls import prepared_call, reads
-from jaxsync._entry import Planned, TowerEntry, alive, devices_of, on_devices
-from jaxsync._host import host_int, host_ints
-from jaxsync._plans import metadata_key
+from jaxsync._calls import prepared_call
+from jaxsync._encoder import TowerEncoder, content_key
+from jaxsync._entry import Planned, alive, devices_of
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, with_out_sharding
-from jaxsync.models.gemma3n._forward import encode, forward
+from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward
 from jaxsync.models.gemma3n._inputs import (
     FEATURES,
     check_host_finite,
+    device_check,
     frame_mask,
-    host_clips,
-    host_features,
+    host_inputs,
     stage_features,
 )
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
-from jaxsync.models.gemma3n._plan import AudioTruncationWarning, Gemma3nBuckets, plan
+from jaxsync.models.gemma3n._plan import (
+    AudioTruncationWarning,
+    Gemma3nBuckets,
+    entry_buckets,
+    plan,
+)
 
 
 __all__ = ["Gemma3nAudioEncoder"]
 
 
-class Gemma3nAudioEncoder:
+class Gemma3nAudioEncoder(TowerEncoder):
     """Audio features -> `soft_tokens` embedding rows per clip, on the device.
 
     A call is host validation, a cached plan (`gemma3n.plan`, uploaded once per distinct mask),
-    one upload of host features, and one dispatch of `jaxsync.TowerProgram(model, forward)`: the
-    function a server jits, over the state's leaves. The entry snapshots the model's weights:
-    after `nnx.update`, call `load_state(model)` (no recompile).
+    one upload of host features, and one dispatch of `jaxsync.TowerProgram(model, forward)`
+    (see `TowerEncoder`: after `nnx.update`, call `load_state(model)`).
 
     Overflow (more than `soft_tokens` tower positions, i.e. more than ~30 s at the released
     config) follows `cfg.overflow`: "error" raises `ValueError` like transformers; "truncate"
@@ -66,7 +68,6 @@ class Gemma3nAudioEncoder:
 
     Attributes:
         cfg: the config the entry plans with.
-        program: the `jaxsync.TowerProgram`.
     """
 
     def __init__(
@@ -81,64 +82,38 @@ class Gemma3nAudioEncoder:
         plan_cache_size: int = 64,
         out_sharding: OutSharding = None,
     ):
-        cfg = model.cfg
-        self.cfg = cfg if overflow is None else dataclasses.replace(cfg, overflow=overflow)
         self.embed = bool(embed)
-        self.buckets = _buckets(frame_buckets, batch_buckets)
-        program = jaxsync.TowerProgram(
-            model, with_out_sharding(forward if self.embed else encode, out_sharding)
-        )
-        # The padding embedding needs the embedder only: its state as plain jit arguments.
-        graphdef = nnx.split(model.embed_audio)[0]
-        pad_id, dtype = model.pad_id, model.dtype
-
-        def pad_fn(state):
-            ids = jax.numpy.full((1,), pad_id, jax.numpy.int32)
-            return nnx.merge(graphdef, state).embed_ids(ids)[0].astype(dtype)
-
-        self._pad_fn = jax.jit(pad_fn)
-        self._take_weights(model)
-        self.placement = self._home if placement is None else placement
-        if devices_of(self.placement) != self._devices:
-            raise ValueError(
-                f"placement uses devices {sorted(map(str, devices_of(self.placement)))} but the "
-                f"weights live on {sorted(map(str, self._devices))}"
-            )
-        self._entry = TowerEntry(
-            program,
+        self.buckets = entry_buckets(frame_buckets, batch_buckets)
+        super().__init__(
+            model,
+            with_out_sharding(forward if self.embed else encode, out_sharding),
             name=FEATURES,
-            checks=(alive(FEATURES), self._check_device, on_devices(self._devices, FEATURES)),
+            checks=(alive(FEATURES), device_check(model.cfg.input_feat_size)),
+            inside=FEATURES,
             plan_cache_size=plan_cache_size,
         )
-        self.program, self.plans = program, self._entry.plans
-        self._calls = self._entry.calls  # repeated calls on device features
+        if overflow is not None:
+            self.cfg = dataclasses.replace(self.cfg, overflow=overflow)
+        self._pad = PadEmbedding(model)
+        self.placement = self._pad.home if placement is None else placement
+        p = self.placement  # where host inputs' metadata goes: replicated over their mesh
+        self._meta_at = (
+            NamedSharding(p.mesh, P(), memory_kind="device") if isinstance(p, NamedSharding) else p
+        )
+        if devices_of(self.placement) != self._weights:
+            raise ValueError(
+                f"placement uses devices {sorted(map(str, devices_of(self.placement)))} but the "
+                f"weights live on {sorted(map(str, self._weights))}"
+            )
 
-    def _take_weights(self, model: Gemma3nAudioModel) -> None:
-        leaf = jax.tree.leaves(nnx.state(model))[0]
-        self._home = jaxsync.replicated_near(leaf)
-        self._devices = devices_of(leaf.sharding)
-        self._pad_state = nnx.split(model.embed_audio)[1]
-        self._pads: dict[Any, jax.Array] = {}
-
-    def load_state(self, model: Gemma3nAudioModel) -> None:
-        """Takes new weights (same structure and placement) without recompiling."""
-        self.program.load_state(model)
-        self._take_weights(model)
+    def _took(self, model: Gemma3nAudioModel) -> None:
+        self._pad.take(model)
         self._calls.clear()
 
     def pad_embedding(self, placement: Any = None) -> jax.Array:
         """The padding token's embedding `[D]` (the rows `forward` puts at padded positions),
         computed once per weights and placement, then cached."""
-        key = self._home if placement is None else placement
-        hit = self._pads.get(key)
-        if hit is not None:
-            return hit
-        pad = self._pad_fn(self._pad_state)  # async dispatch; nothing is read back
-        if key != self._home and not isinstance(pad, jax.core.Tracer):
-            pad = jax.device_put(pad, key)
-        if not isinstance(pad, jax.core.Tracer):  # traced by a static scan: keep no tracer
-            self._pads[key] = pad
-        return pad
+        return self._pad(placement)
 
     def _plan(self, valid: Any, buckets: Gemma3nBuckets):
         return lambda: plan(valid(), self.cfg, buckets=buckets, embed=self.embed)
@@ -175,13 +150,8 @@ class Gemma3nAudioEncoder:
         entry = self._entry
         if not isinstance(input_features, jax.Array):
             n_mel = self.cfg.input_feat_size
-            if isinstance(input_features, list | tuple):  # clips go straight into the bucket
-                host, valid = host_clips(input_features, input_features_mask, n_mel)
-            else:
-                host, valid = host_features(
-                    input_features, input_features_mask, n_mel, check_finite=False
-                )
-            placement = self._meta_placement()
+            host, valid = host_inputs(input_features, input_features_mask, n_mel)
+            placement = self._meta_at
             key = ((valid.shape, valid.tobytes()), placement, self.buckets)
             # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
             # the features are copied into their staging buffer (one pass over them).
@@ -193,10 +163,7 @@ class Gemma3nAudioEncoder:
         feats, mask = input_features, input_features_mask
         shape = feats.shape[:2]
         # Keyed by the mask's content (checked on a miss); other host types checked first.
-        key = metadata_key(mask)
-        if key is None:
-            mask = frame_mask(mask, shape)
-            key = metadata_key(mask)
+        key, mask = content_key(mask, lambda m: frame_mask(m, shape))
         placement = jaxsync.replicated_near(feats)
         exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
         build = self._plan(lambda: frame_mask(mask, shape), exact)
@@ -212,32 +179,3 @@ class Gemma3nAudioEncoder:
         if p.plan.truncation:  # stacklevel: the warning points at the caller's line
             warnings.warn(p.plan.truncation, AudioTruncationWarning, stacklevel=stacklevel)
         return p.finish(self.program(feats, p.meta))
-
-    def _meta_placement(self) -> Any:
-        p = self.placement
-        if isinstance(p, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(p.mesh, jax.P(), memory_kind="device")
-        return p
-
-    @reads("shape", "dtype")
-    def _check_device(self, feats: jax.Array) -> None:
-        if feats.ndim != 3 or feats.shape[2] != self.cfg.input_feat_size:
-            raise ValueError(
-                f"{FEATURES} must be [B, frames, {self.cfg.input_feat_size}], got {feats.shape}"
-            )
-        if not jax.numpy.issubdtype(feats.dtype, jax.numpy.floating):
-            raise TypeError(f"{FEATURES} must be floating point, got {feats.dtype}")
-
-
-def _buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
-    """The entry's bucket options, checked (ints >= 1); None takes the planner's default."""
-    default = Gemma3nBuckets()
-    if frames is None:
-        frames = default.frames
-    elif isinstance(frames, Sequence | np.ndarray):
-        frames = tuple(host_ints(frames, name="frame_buckets", minimum=1).tolist())
-    else:
-        frames = host_int(frames, name="frame_buckets", minimum=1)
-    if clips is None:
-        return Gemma3nBuckets(frames, default.clips)
-    return Gemma3nBuckets(frames, tuple(host_ints(clips, name="batch_buckets", minimum=1).tolist()))

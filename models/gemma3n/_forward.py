@@ -15,13 +15,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import jaxsync
 from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 
 
-__all__ = ["encode", "forward"]
+__all__ = ["PadEmbedding", "encode", "forward"]
 
 
 def _check_fits(features: jax.Array, meta: Any, n_mel: int) -> jax.Array:
@@ -110,3 +111,38 @@ def encode(
     index = jnp.where(clip < b, clip * t_a + pos, b * t_a)  # past the clips: out of bounds
     rows = jnp.take(enc.reshape(b * t_a, d), index, axis=0, mode="fill", fill_value=0)
     return jaxsync.Encoded(place_rows(model, rows.astype(model.dtype), out_sharding), finite)
+
+
+class PadEmbedding:
+    """The padding token's embedding `[D]` (the rows `forward` puts at padded positions),
+    computed once per weights and placement, then cached. It needs the embedder only: its state
+    goes in as plain jit arguments, one program for the model's lifetime (`take` new weights)."""
+
+    def __init__(self, model: Gemma3nAudioModel):
+        graphdef = nnx.split(model.embed_audio)[0]
+        pad_id, dtype = model.pad_id, model.dtype
+
+        def pad_fn(state):
+            ids = jnp.full((1,), pad_id, jnp.int32)
+            return nnx.merge(graphdef, state).embed_ids(ids)[0].astype(dtype)
+
+        self._fn = jax.jit(pad_fn)
+        self.take(model)
+
+    def take(self, model: Gemma3nAudioModel) -> None:
+        """New weights: the cached embeddings are dropped."""
+        self.home = jaxsync.replicated_near(jax.tree.leaves(nnx.state(model))[0])
+        self._state = nnx.split(model.embed_audio)[1]
+        self._pads: dict[Any, jax.Array] = {}
+
+    def __call__(self, placement: Any = None) -> jax.Array:
+        key = self.home if placement is None else placement
+        hit = self._pads.get(key)
+        if hit is not None:
+            return hit
+        pad = self._fn(self._state)  # async dispatch; nothing is read back
+        if key != self.home and not isinstance(pad, jax.core.Tracer):
+            pad = jax.device_put(pad, key)
+        if not isinstance(pad, jax.core.Tracer):  # traced by a static scan: keep no tracer
+            self._pads[key] = pad
+        return pad

@@ -11,6 +11,8 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync import _host
+from jaxsync._calls import reads
 from jaxsync._fill import fill_rows
 from jaxsync._host import check_finite, host_array
 
@@ -111,9 +113,30 @@ def host_features(
         _float_dtype(feats)
         valid = frame_mask(mask, feats.shape[:2])
         feats = feats.astype(np.float32, copy=False)
-    if check_finite:
-        check_finite(feats, name=FEATURES)
+    if check_finite:  # the argument shadows the function
+        _host.check_finite(feats, name=FEATURES)
     return feats, valid
+
+
+def host_inputs(features: Any, mask: Any, n_mel: int) -> tuple[Any, np.ndarray]:
+    """(features, frame mask) of host input: a list of clips (`host_clips`, copied straight
+    into the bucket later) or a padded batch (`host_features`; finiteness checked later)."""
+    if isinstance(features, list | tuple):
+        return host_clips(features, mask, n_mel)
+    return host_features(features, mask, n_mel, check_finite=False)
+
+
+def device_check(n_mel: int):
+    """The check of device features: `[B, frames, n_mel]`, floating point."""
+
+    @reads("shape", "dtype")
+    def check(feats: jax.Array) -> None:
+        if feats.ndim != 3 or feats.shape[2] != n_mel:
+            raise ValueError(f"{FEATURES} must be [B, frames, {n_mel}], got {feats.shape}")
+        if not jax.numpy.issubdtype(feats.dtype, jax.numpy.floating):
+            raise TypeError(f"{FEATURES} must be floating point, got {feats.dtype}")
+
+    return check
 
 
 def _float_dtype(x: np.ndarray) -> None:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import jaxsync
-from jaxsync._host import host_int
+from jaxsync._host import host_int, host_ints
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
 from jaxsync.models.gemma3n._inputs import frame_mask
 
@@ -166,3 +166,17 @@ def plan(
     meta = Gemma3nMeta(v_up, np.array([s], np.int32), np.array([t_a], np.int32))
     rows = cfg.soft_tokens if embed else t_a
     return Gemma3nPlan(meta, (rows,) * b, b, s, b_pad, s_pad, truncation)
+
+
+def entry_buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
+    """An entry's bucket options, checked (ints >= 1); None takes the planner's default."""
+    default = Gemma3nBuckets()
+    if frames is None:
+        frames = default.frames
+    elif isinstance(frames, Sequence | np.ndarray):
+        frames = tuple(host_ints(frames, name="frame_buckets", minimum=1).tolist())
+    else:
+        frames = host_int(frames, name="frame_buckets", minimum=1)
+    if clips is None:
+        return Gemma3nBuckets(frames, default.clips)
+    return Gemma3nBuckets(frames, tuple(host_ints(clips, name="batch_buckets", minimum=1).tolist()))
