@@ -21,12 +21,7 @@ from jax.sharding import Mesh
 from jaxsync.weights import _progress
 from jaxsync.weights._abstract import abstract_module
 from jaxsync.weights._placement import PartitionRules, ShardingFn
-from jaxsync.weights._plan import (  # where tests of the families' key maps import them
-    _row_slot as _row_slot,
-    _stacked_slot as _stacked_slot,
-    path_str,
-    plan_load,
-)
+from jaxsync.weights._plan import path_str, plan_load
 from jaxsync.weights._rules import Rule
 from jaxsync.weights._sliced import LoadStats
 from jaxsync.weights._stream import read_and_place

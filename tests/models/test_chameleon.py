@@ -273,7 +273,7 @@ def test_released_checkpoint_keys_map_onto_the_module():
     transformers = pytest.importorskip("transformers")
     from jaxsync._stack import stacks
     from jaxsync.models.chameleon._weights import PREFIX, SELECT
-    from jaxsync.weights._loader import _row_slot, _stacked_slot
+    from jaxsync.weights._plan import _row_slot, _stacked_slot
 
     cfg = ChameleonConfig.from_hf_config(ref.released_hf_config())
     with torch.device("meta"):
