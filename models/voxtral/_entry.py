@@ -23,26 +23,26 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
-from jaxsync._entry import TowerEntry, alive, on_devices
-from jaxsync._host import host_array, host_ints
-from jaxsync._plans import metadata_key
+from jaxsync._encoder import TowerEncoder, content_key, expect
+from jaxsync._entry import TowerEntry, alive
 from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._mel_plan import (
     check_audio_list,
     check_waveforms,
+    front_end,
     resolve_floor,
     stage_batch,
 )
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, server_form
 from jaxsync.models.voxtral._plan import (
-    VoxtralPlan,
     VoxtralWaveformPlan,
-    WaveformBuckets,
-    plan,
+    batch_layout,
+    check_num_chunks,
+    features_check,
+    plan_features,
     plan_waveforms,
-    waveform_shape,
 )
 
 
@@ -53,11 +53,9 @@ def _replicated(placement: Any) -> Any:
     return placement
 
 
-class VoxtralAudioEncoder:
-    """Audio in, audio embeddings out, in one compiled program per shape mix.
-
-    The encoder snapshots the model's weights when built: after `nnx.update(model, ...)` call
-    `load_state(model)` (no recompile) or the old weights keep serving.
+class VoxtralAudioEncoder(TowerEncoder):
+    """Audio in, audio embeddings out, in one compiled program per shape mix (see
+    `TowerEncoder`: after `nnx.update(model, ...)` call `load_state(model)`).
 
     Args:
       model: the loaded `VoxtralAudioTower`; its `cfg` is the encoder's.
@@ -87,95 +85,46 @@ class VoxtralAudioEncoder:
         project: bool = True,
         out_sharding: OutSharding = None,
     ):
-        if not isinstance(model, VoxtralAudioTower):
-            raise TypeError(f"model must be a VoxtralAudioTower, got {type(model).__name__}")
+        expect(model, VoxtralAudioTower)
         if not isinstance(project, bool):
             raise TypeError(f"project must be a bool, got {type(project).__name__}")
         cfg = model.cfg
-        mel_config = MelConfig(num_mel_bins=cfg.num_mel_bins) if mel_config is None else mel_config
-        if not isinstance(mel_config, MelConfig):
-            raise TypeError(
-                f"mel_config must be a MelConfig or None, got {type(mel_config).__name__}"
-            )
-        if mel_config.num_mel_bins != cfg.num_mel_bins:
-            raise ValueError(
-                f"mel_config has {mel_config.num_mel_bins} mel bins, the encoder expects "
-                f"{cfg.num_mel_bins}"
-            )
-        if mel_config.n_fft % 2:
-            raise ValueError(
-                f"n_fft={mel_config.n_fft} is odd: torch.stft then yields one frame less per "
-                "signal, so 30 s windows would not fill (use log_mel_spectrogram for odd n_fft)"
-            )
-        if chunk_buckets is not None:
-            chunk_buckets = tuple(
-                int(b) for b in host_ints(chunk_buckets, name="chunk_buckets", minimum=1)
-            )
-            if not chunk_buckets:
-                raise ValueError("chunk_buckets is empty")
-        self.cfg, self.mel_config, self.project = cfg, mel_config, project
-        self.chunk_samples = cfg.chunk_frames * mel_config.hop_length
-        self.chunk_buckets = chunk_buckets
-        floor = resolve_floor(mel_config, None)
-        self.mel = MelSpec(
-            mel_config, cfg.chunk_frames, mel_config.floor_value if floor == "global" else None
-        )
-        self._features = jaxsync.TowerProgram(model, server_form(project, None, out_sharding))
-        self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
-        devices = frozenset(
-            d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set
-        )
-        leaf = jax.tree.leaves(nnx.state(model))[0]
-        check_placement(placement, leaf)
-        if placement is None:
-            placement = _replicated(leaf.sharding)
-        self.placement = placement
+        self.mel_config, self.chunk_buckets = front_end(cfg.num_mel_bins, mel_config, chunk_buckets)
+        floor = resolve_floor(self.mel_config, None)
+        floor = self.mel_config.floor_value if floor == "global" else None
+        self.mel = MelSpec(self.mel_config, cfg.chunk_frames, floor)
+        self.project = project
+        self.chunk_samples = cfg.chunk_frames * self.mel_config.hop_length
         # Device inputs, by kind (a [B, W] audio batch and [F, 2P] features share a shape):
         # one entry each over one plan cache.
-        inside = self._inside = on_devices(devices, "inputs")
-        self._audio = TowerEntry(self._waveforms, name="waveforms", checks=(_waveforms, inside))
-        self._input_features = TowerEntry(
-            self._features,
+        super().__init__(
+            model,
+            server_form(project, None, out_sharding),
             name=FEATURES,
-            checks=(alive(FEATURES), self._check_features, inside),
-            plans=self._audio.plans,
+            checks=(alive(FEATURES), features_check(cfg)),
+            inside="inputs",
         )
-        self._audio_calls, self._feature_calls = self._audio.calls, self._input_features.calls
+        self._features, self._input_features = self.program, self._entry
+        self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
+        self._programs.append(self._waveforms)
+        self._audio = TowerEntry(
+            self._waveforms, name="waveforms", checks=(_waveforms, self._inside), plans=self.plans
+        )
+        self._audio_calls, self._feature_calls = self._audio.calls, self._calls
+        leaf = jax.tree.leaves(nnx.state(model))[0]
+        check_placement(placement, leaf)
+        self.placement = _replicated(leaf.sharding) if placement is None else placement
+        self._meta_at = _replicated(self.placement)  # host inputs' metadata
 
     @property
     def num_state_args(self) -> int:
         """Jit arguments the weights take per call: the state's leaf count (depth-free)."""
         return self._features.num_state_args
 
-    def load_state(self, model: VoxtralAudioTower) -> None:
-        """Takes new weights (same structure, shapes, dtypes, placement) without recompiling."""
-        self._features.load_state(model)
-        self._waveforms.load_state(model)
-
     def lower(self, x: jax.Array, meta: jaxsync.Packed) -> Any:
         """`jax.jit(...).lower` of the program on device inputs: `[B, W]` waveforms or `[C, F,
         2P]` features (argument counts, HLO)."""
         return (self._waveforms if x.ndim == 2 else self._features).lower(x, meta)
-
-    def _meta_placement(self, x: Any) -> Any:
-        """Where a call's metadata goes: beside device inputs, else beside host uploads."""
-        if isinstance(x, jax.Array):
-            return jaxsync.replicated_near(x)
-        return _replicated(self.placement)
-
-    @reads("shape", "dtype")
-    def _check_features(self, features: Any) -> None:
-        """`[C, F, 2P]` (or `[F, 2P]`) float features with at least one window."""
-        cfg = self.cfg
-        shape = tuple(features.shape)
-        shape = (1, *shape) if len(shape) == 2 else shape
-        want = (cfg.num_mel_bins, cfg.chunk_frames)
-        if len(shape) != 3 or shape[1:] != want:
-            raise ValueError(f"input_features must be [C, {want[0]}, {want[1]}], got {shape}")
-        if not np.issubdtype(features.dtype, np.floating) and features.dtype != jax.numpy.bfloat16:
-            raise TypeError(f"input_features must be floating point, got {features.dtype}")
-        if shape[0] == 0:
-            raise ValueError("input_features has no windows")
 
     @jaxsync.check.entry_point
     def __call__(
@@ -249,12 +198,8 @@ class VoxtralAudioEncoder:
         on_device = isinstance(x, jax.Array)
         if on_device:  # the caller's buffer is the bucket
             self._inside(x)
-            buckets = WaveformBuckets(self.chunk_buckets, (x.shape[0],), (x.shape[1],))
-            shape = tuple(x.shape)
-        else:
-            buckets = WaveformBuckets(self.chunk_buckets)
-            shape = waveform_shape(lens, self.mel_config, buckets)
-        where = self._meta_placement(x)
+        buckets, shape = batch_layout(x, lens, self.mel_config, self.chunk_buckets)
+        where = jaxsync.replicated_near(x) if on_device else self._meta_at
 
         def build() -> VoxtralWaveformPlan:
             mel = self.mel_config
@@ -276,43 +221,32 @@ class VoxtralAudioEncoder:
         return planned.finish(self._waveforms(ring.upload(staged), planned.meta))
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
-        entry = self._input_features
-        on_device = isinstance(features, jax.Array)
-        if on_device:
-            entry.check(features)
-        else:
-            features = host_array(features, name=FEATURES)
-            self._check_features(features)
-        given = features
-        if features.ndim == 2:
-            features = features[None]
-        rows = features.shape[0]
-        where = self._meta_placement(features)
-        # The plan, checks of num_chunks included, is cached per content of num_chunks: a
-        # repeated call costs the key. Other host types are validated first, then keyed.
-        key = ("ones",) if num_chunks is None else metadata_key(num_chunks)
-        if key is None:
-            num_chunks = _counts(num_chunks)
-            key = metadata_key(num_chunks)
-
-        def build() -> VoxtralPlan:
-            counts = np.ones(rows, np.int64) if num_chunks is None else _counts(num_chunks)
-            total = int(counts.sum())
-            # A device array's rows are the caller's bucket; host windows are bucketed here.
-            if total > rows or (total != rows and not on_device):
-                raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
-            buckets = (rows,) if on_device else self.chunk_buckets
-            return plan(counts, self.cfg, buckets=buckets, project=self.project)
-
-        key = ("features", key, rows, on_device, where)
-        if on_device:
-            planned = entry.planned(key, build, where)
-            return entry.device(given, call_key, planned, unbatched=given.ndim == 2)
         want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
-        return entry.host(
-            features, key, build, where, shape=lambda p: (p.chunks, *want), dtype=np.float32,
-            stage_at=self.placement,
+        return self._entry.run(
+            features, call_key, self._features_planner(num_chunks), placement=self._meta_at,
+            near=jaxsync.replicated_near, rank=3, shape=lambda p: (p.chunks, *want),
+            dtype=np.float32, stage_at=self.placement,
         )  # fmt: skip
+
+    def _features_planner(self, num_chunks: Any):
+        """`planner(features, where)`: the plan, checks of num_chunks included, cached per
+        content of num_chunks (a repeated call costs the key)."""
+
+        def planner(features: Any, where: Any):
+            on_device, rows = isinstance(features, jax.Array), features.shape[0]
+            if features.ndim == 2:  # one window of device features
+                rows = 1
+            key, chunks = (("ones",), None)
+            if num_chunks is not None:
+                key, chunks = content_key(num_chunks, check_num_chunks)
+
+            def build():
+                return plan_features(chunks, rows, self.cfg, buckets=self.chunk_buckets,
+                                     on_device=on_device, project=self.project)  # fmt: skip
+
+            return ("features", key, rows, on_device, where), build
+
+        return planner
 
 
 FEATURES = "input_features"
@@ -322,10 +256,3 @@ FEATURES = "input_features"
 def _waveforms(waveforms: Any, lengths: Any, config: MelConfig, *, sampling_rate: Any):
     """`check_waveforms`: what it reads of a device batch is declared for the call key."""
     return check_waveforms(waveforms, lengths, config, sampling_rate=sampling_rate)
-
-
-def _counts(num_chunks: Any) -> np.ndarray:
-    counts = host_ints(num_chunks, name="num_chunks", minimum=1)
-    if counts.size == 0:
-        raise ValueError("num_chunks is empty")
-    return counts

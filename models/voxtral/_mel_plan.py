@@ -257,3 +257,32 @@ def plan_log_mel(
     meta = MelMeta(*(v.astype(np.int32) for v in meta))
     floor_value = config.floor_value if floor == "global" else None
     return MelPlan(meta, lens, signal, num_frames, int(frames), floor_value)
+
+
+def front_end(
+    num_mel_bins: int, mel_config: MelConfig | None, chunk_buckets: Sequence[int] | None
+) -> tuple[MelConfig, tuple[int, ...] | None]:
+    """An entry's front-end options, checked: (mel config, chunk buckets).
+
+    Raises:
+      TypeError / ValueError: not a `MelConfig`, other mel bins than the model's, an odd n_fft,
+        chunk buckets that are not ints >= 1 or empty.
+    """
+    mel_config = MelConfig(num_mel_bins=num_mel_bins) if mel_config is None else mel_config
+    if not isinstance(mel_config, MelConfig):
+        raise TypeError(f"mel_config must be a MelConfig or None, got {type(mel_config).__name__}")
+    if mel_config.num_mel_bins != num_mel_bins:
+        raise ValueError(
+            f"mel_config has {mel_config.num_mel_bins} mel bins, the encoder expects {num_mel_bins}"
+        )
+    if mel_config.n_fft % 2:
+        raise ValueError(
+            f"n_fft={mel_config.n_fft} is odd: torch.stft then yields one frame less per "
+            "signal, so 30 s windows would not fill (use log_mel_spectrogram for odd n_fft)"
+        )
+    if chunk_buckets is not None:
+        sizes = host_ints(chunk_buckets, name="chunk_buckets", minimum=1)
+        chunk_buckets = tuple(int(b) for b in sizes)
+        if not chunk_buckets:
+            raise ValueError("chunk_buckets is empty")
+    return mel_config, chunk_buckets

@@ -18,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
+from jaxsync._calls import reads
 from jaxsync._host import host_ints
 from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
 from jaxsync.models.voxtral._mel import MelSpec
@@ -76,6 +79,64 @@ def window_bucket(total: int, buckets: Sequence[int] | None, what: str) -> int:
     return jaxsync.bucket(total, buckets, minimum=1)
 
 
+def check_num_chunks(num_chunks: Any) -> np.ndarray:
+    """Windows per item as host ints >= 1, at least one item."""
+    counts = host_ints(num_chunks, name="num_chunks", minimum=1)
+    if counts.size == 0:
+        raise ValueError("num_chunks is empty")
+    return counts
+
+
+def plan_features(
+    num_chunks: Any,
+    rows: int,
+    cfg: VoxtralAudioConfig,
+    *,
+    buckets: Sequence[int] | None,
+    on_device: bool,
+    project: bool,
+) -> VoxtralPlan:
+    """`plan` of `rows` feature windows (`num_chunks` None: one item per window). A device
+    array's rows are the caller's bucket; host windows are bucketed here.
+
+    Raises:
+      ValueError: `num_chunks` summing to more windows than `rows` (or to others, on the host).
+    """
+    counts = np.ones(rows, np.int64) if num_chunks is None else check_num_chunks(num_chunks)
+    total = int(counts.sum())
+    if total > rows or (total != rows and not on_device):
+        raise ValueError(f"num_chunks sums to {total} but input_features has {rows}")
+    return plan(counts, cfg, buckets=(rows,) if on_device else buckets, project=project)
+
+
+def features_check(cfg: VoxtralAudioConfig):
+    """The check of `input_features`: `[C, F, 2P]` (or `[F, 2P]`) float, at least one window."""
+
+    @reads("shape", "dtype")
+    def check(features: Any) -> None:
+        shape = tuple(features.shape)
+        shape = (1, *shape) if len(shape) == 2 else shape
+        want = (cfg.num_mel_bins, cfg.chunk_frames)
+        if len(shape) != 3 or shape[1:] != want:
+            raise ValueError(f"input_features must be [C, {want[0]}, {want[1]}], got {shape}")
+        if not np.issubdtype(features.dtype, np.floating) and features.dtype != jnp.bfloat16:
+            raise TypeError(f"input_features must be floating point, got {features.dtype}")
+        if shape[0] == 0:
+            raise ValueError("input_features has no windows")
+
+    return check
+
+
+def batch_layout(
+    x: Any, lens: np.ndarray, config: MelConfig, chunk_buckets: Sequence[int] | None
+) -> tuple[WaveformBuckets, tuple[int, ...]]:
+    """(buckets, padded shape) of a checked waveform batch: a device batch is its own bucket."""
+    if isinstance(x, jax.Array):
+        return WaveformBuckets(chunk_buckets, (x.shape[0],), (x.shape[1],)), tuple(x.shape)
+    buckets = WaveformBuckets(chunk_buckets)
+    return buckets, waveform_shape(lens, config, buckets)
+
+
 def plan(
     num_chunks: Any,
     cfg: VoxtralAudioConfig,
@@ -96,9 +157,7 @@ def plan(
       ValueError / TypeError: no items, a count that is not an int >= 1, more windows than the
         largest bucket.
     """
-    counts = host_ints(num_chunks, name="num_chunks", minimum=1)
-    if counts.size == 0:
-        raise ValueError("num_chunks is empty")
+    counts = check_num_chunks(num_chunks)
     total = int(counts.sum())
     pad = window_bucket(total, buckets, "windows")
     row_audio = np.full(pad, pad, np.int32)
