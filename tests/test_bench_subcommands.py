@@ -166,3 +166,43 @@ def test_first_call_runs_each_form_in_its_own_process(tmp_path, capsys):
     assert [r["form"] for r in rows] == ["entry", "server"]
     assert all(r["first_call_s"][0] > 0 for r in rows)
     assert rows[1]["host_steps_s"] > 0 and rows[1]["jit_args"] > 4
+
+
+def test_mesh_rows_at_each_model_size(tmp_path, capsys):
+    """The voxtral tower (tiny: 4 heads, widths divisible by 4) split over 1, 2 and 4 "model"
+    devices: no gather at any size, the pattern's all-reduces only once the weights are split."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (the tests force 8 CPU devices)")
+    out = tmp_path / "mesh.json"
+    argv = ["bench", "mesh", "--smoke", "--paths", "voxtral", "--model", "1", "2", "4",
+            "--repeat", "3", "--calls", "2", "--out", str(out)]  # fmt: skip
+    assert _cli.main(argv) == 0
+    rows = {r["model"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    for m, r in rows.items():
+        assert r["collectives"]["all-gather"] == 0, (m, r["collectives"])
+        assert (r["collectives"]["all-reduce"] > 0) == (m > 1), (m, r["collectives"])
+        assert (r["split_leaves"] > 0) == (m > 1), m
+        assert r["blocked_ms"] > 0 and r["stream_ms"] > 0 and r["trace_ms"] > 0, r
+        # a tiny forward on a shared CPU is within the busy work's noise: it may read 0 here
+        assert r["device_ms"] >= 0, r
+    printed = capsys.readouterr().out
+    assert "voxtral" in printed and "not a device time" in printed
+
+
+def test_mesh_refuses_without_two_accelerators(monkeypatch, capsys):
+    from jaxsync.harness.bench import _mesh
+
+    monkeypatch.setattr(_mesh, "accelerator_count", lambda: 1)
+    assert _cli.main(["bench", "mesh", "--paths", "voxtral"]) == 2
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "need 2 or more" in line and "--smoke" in line
+
+
+def test_profile_classes_collectives_first():
+    from jaxsync.harness.bench._profile import classify
+
+    assert classify("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "collective"
+    assert classify("all-reduce-start.3") == "collective"  # not a "reduce" fusion
+    assert classify("reduce-scatter.1") == "collective"
+    assert classify("input_reduce_fusion") == "fusion"

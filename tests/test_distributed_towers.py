@@ -13,7 +13,6 @@ tests/test_distributed.py). One family's run: `pytest -k gemma3n`."""
 
 import importlib
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 import jaxsync.testing
+from jaxsync.harness.bench._mesh import collectives
 from jaxsync.testing import assert_close
 
 
@@ -32,12 +32,6 @@ SPLIT_ROWS = {
     "voxtral": (r"multi_modal_projector\.linear_2\.kernel", (None, "model")),
     "chameleon": (r"^embed_tokens\.embedding$", (None, "model")),
 }
-_COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "reduce-scatter", "all-to-all")
-
-
-def collectives(hlo: str) -> dict[str, int]:
-    """How many ops of each collective kind the compiled HLO text holds (async starts count)."""
-    return {op: len(re.findall(rf"= [^=\n]*? {op}(?:-start)?\(", hlo)) for op in _COLLECTIVES}
 
 
 def _tensor_parallel():

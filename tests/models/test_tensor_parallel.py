@@ -26,18 +26,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
+from jaxsync.harness.bench._mesh import collectives
 from jaxsync.testing import assert_close
 
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-_COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "reduce-scatter", "all-to-all")
-
-
-def collectives(hlo: str) -> dict[str, int]:
-    """How many ops of each collective kind the compiled HLO text holds (async starts count)."""
-    return {op: len(re.findall(rf"= [^=\n]*? {op}(?:-start)?\(", hlo)) for op in _COLLECTIVES}
 
 
 def _mesh() -> jax.sharding.Mesh:

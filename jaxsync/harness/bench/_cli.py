@@ -89,6 +89,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "roofline": ("a floor under the voxtral encoder: its matmuls and attention alone", "_roofline"),
     "profile": ("device time per op class, from a profiler trace of bench rows", "_profile"),
     "first-call": ("first call of each form, each in a fresh process", "_first_call"),
+    "mesh": ("tensor-parallel rows: big towers on 1, 2, 4 model devices (2+ GPUs)", "_mesh"),
     "render": ("re-render a bench.json as markdown and PNG chart", "_render"),
 }  # fmt: skip
 

@@ -136,6 +136,27 @@ def _programs_leaves(enc: Any) -> list:
     return found
 
 
+def _bucket_input(enc: Any, family: str, size: str) -> tuple[int, tuple, dict]:
+    """`(bucket, args, kwargs)`: the bucket `family` is timed at and one host input of it."""
+    from jaxsync.models._bucket_inputs import bucket_inputs
+
+    spec = bucket_inputs(enc)
+    bucket = min((b for b in spec.default if b >= _TARGET[family]), default=max(spec.default))
+    if size == "tiny":
+        bucket = min(spec.default)
+    return (bucket, *spec.make(bucket))
+
+
+def _program_call(enc: Any, family: str, args: tuple, kwargs: dict) -> _Captured:
+    """The `TowerProgram` call `enc(*args, **kwargs)` reaches, once program calls are captured
+    (`_capture_program_calls`): the entry's host steps run, nothing compiles."""
+    try:
+        enc(*args, **kwargs)
+    except _Captured as c:
+        return c
+    raise RuntimeError(f"{family}'s entry ran no TowerProgram: nothing to time")
+
+
 def _rows(out: Any) -> Any:
     rows = getattr(out, "rows", None)
     return rows if rows is not None else getattr(out, "embeddings", out)
@@ -146,7 +167,6 @@ def child(family: str, form: str, size: str) -> dict[str, Any]:
     import jax
     from flax import nnx
 
-    from jaxsync.models._bucket_inputs import bucket_inputs
     from jaxsync.testing import server_step
 
     jax.config.update("jax_default_matmul_precision", "default")  # serving precision
@@ -157,11 +177,7 @@ def child(family: str, form: str, size: str) -> dict[str, Any]:
     enc = make_encoder()  # the entry's own copy of the weights (packed) is made here
     jax.block_until_ready(_programs_leaves(enc))
     built, enc_built = t1 - t0, time.perf_counter() - t1
-    spec = bucket_inputs(enc)
-    bucket = min((b for b in spec.default if b >= _TARGET[family]), default=max(spec.default))
-    if size == "tiny":
-        bucket = min(spec.default)
-    args, kwargs = spec.make(bucket)
+    bucket, args, kwargs = _bucket_input(enc, family, size)
     result = {
         "family": family,
         "form": form,
@@ -177,12 +193,7 @@ def child(family: str, form: str, size: str) -> dict[str, Any]:
         return result
     _capture_program_calls()
     t0 = time.perf_counter()
-    try:
-        enc(*args, **kwargs)
-    except _Captured as c:
-        captured = c
-    else:
-        raise RuntimeError(f"{family}'s entry ran no TowerProgram: nothing to time")
+    captured = _program_call(enc, family, args, kwargs)
     host_steps = time.perf_counter() - t0
     program = captured.program
     if nnx.graphdef(tower) != program.graphdef:

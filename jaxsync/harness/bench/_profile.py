@@ -1,8 +1,8 @@
 """Where a path's device time goes, per op class, from a profiler trace of its bench calls.
 
 Runs each selected bench row's jaxsync forward a few times under `jax.profiler.trace`, reads the
-device events of the trace and sums their time per call by class (attention, matmul, conv,
-copy/transpose, fusion, other), next to a large bf16 matmul's rate measured in the same run
+device events of the trace and sums their time per call by class (collective, attention, matmul,
+conv, copy/transpose, fusion, other), next to a large bf16 matmul's rate measured in the same run
 (the ceiling the model's matmuls are compared with).
 
     jaxsync bench profile [--paths voxtral glm4v] [--size released] [--calls 5] [--top 30]
@@ -23,7 +23,10 @@ import jax
 from jaxsync.harness.bench._timing import matmul_tflops
 
 
-CLASSES = (  # first match wins; kernel names of XLA:GPU, cuDNN, cuBLAS and Triton
+# XLA's collective op names (all-reduce.3, all-gather-start) and kernels (nccl*, all_reduce)
+_COLLECTIVE = r"nccl|all[-_]?(reduce|gather|to[-_]?all)|collective[-_]permute|reduce[-_]scatter"
+CLASSES = (  # first match wins; kernel names of XLA:GPU, cuDNN, cuBLAS, NCCL and Triton
+    ("collective", _COLLECTIVE),
     ("attention", r"flash|fmha|cudnn.*(attn|sdpa)|softmax"),
     ("matmul", r"gemm|cublas|nvjet|matmul|dot|wgmma|xmma|cutlass"),
     ("conv", r"conv(?!ert)|fprop_implicit"),  # not XLA's "convert" fusions
