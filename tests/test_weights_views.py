@@ -70,6 +70,15 @@ def test_a_transform_that_is_not_a_chain_is_not_taken_for_one(transform):
     assert view_chain(transform, (4, 6), np.float32) is None
 
 
+def test_a_strided_destination_gets_the_same_values():
+    transform, shape = CASES["head_major"]
+    raw = _raw(shape, np.float32)
+    expected = np.asarray(transform(raw))
+    dst = np.zeros((expected.shape[0], 2 * expected.shape[1]), np.float32)[:, ::2]
+    write(dst, raw, view_chain(transform, shape, raw.dtype))
+    np.testing.assert_array_equal(dst.view(np.uint32), expected.view(np.uint32))
+
+
 def test_tiles_cover_odd_sizes():
     src = _raw((1031, 517, 3), np.float32).transpose(1, 0, 2)
     dst = np.zeros(src.shape, np.float32)

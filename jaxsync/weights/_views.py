@@ -78,7 +78,7 @@ def _trace(transform: Callable, shape: tuple[int, ...], dtype: Any) -> tuple[Op,
 
 
 def write(dst: np.ndarray, raw: np.ndarray, ops: tuple[Op, ...]) -> None:
-    """`dst[...] = chain(raw)`, cast to `dst`'s dtype; `dst` is C-contiguous."""
+    """`dst[...] = chain(raw)`, cast to `dst`'s dtype (one copy where `dst` is C-contiguous)."""
     view = raw
     for i, (kind, arg) in enumerate(ops):
         if kind == "transpose":
@@ -86,8 +86,10 @@ def write(dst: np.ndarray, raw: np.ndarray, ops: tuple[Op, ...]) -> None:
             continue
         reshaped = _reshaped_view(view, arg)
         if reshaped is None and i == len(ops) - 1:  # the closing reshape: dst takes its input
-            copy_tiled(dst.reshape(view.shape), view)
-            return
+            target = _reshaped_view(dst, view.shape)
+            if target is not None:
+                copy_tiled(target, view)
+                return
         view = view.reshape(arg) if reshaped is None else reshaped
     copy_tiled(dst, view)
 
