@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import prepared_call, reads
+from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, TowerEntry
 from jaxsync._host import check_finite
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
@@ -65,7 +66,7 @@ def _as_token_rows(enc, out: jaxsync.Encoded, n: int, p: Planned) -> jax.Array:
     return _token_rows(out.extras["ids"], n, enc.tokens_per_image)
 
 
-class ChameleonImageEncoder(ChameleonTextPaths):
+class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
     """Image tower of one Chameleon model (and its text-side paths).
 
     Args:
@@ -84,13 +85,10 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         weights' mesh; a `PartitionSpec` over that mesh (e.g. `P("data")` for a batch split
         over "data") or a `Sharding` as the server asks.
 
-    It runs `jaxsync.TowerProgram(model, forward)`: the function a server jits over
-    the tower's state leaves, here given a state on one placement as one buffer per dtype and
-    per layer stack (a sharded state leaf by leaf). The encoder snapshots the weights: after
-    `nnx.update(model, ...)` call `load_state(model)` (no recompile). Compilation: one program
-    per batch bucket, shared by every encoder of the same tower structure; the first call of a
-    bucket also compiles the tiny row slices (and row pads for device pixels) for every batch
-    size of that bucket, so later calls in the bucket compile nothing.
+    It runs `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`), one program per batch
+    bucket; the first call of a bucket also compiles the tiny row slices (and row pads for
+    device pixels) for every batch size of that bucket, so later calls in the bucket compile
+    nothing.
     """
 
     def __init__(
@@ -104,34 +102,31 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         cache: jaxsync.DeviceCache | None = None,
         out_sharding: OutSharding = None,
     ):
-        if not isinstance(model, ChameleonImageTower):
-            raise TypeError(
-                f"model must be a ChameleonImageTower (load_model), got {type(model).__name__}"
-            )
-        super().__init__(model.cfg, missing_code_id=missing_code_id, cache=cache)
+        expect(model, ChameleonImageTower, " (load_model)")
+        ChameleonTextPaths.__init__(self, model.cfg, missing_code_id=missing_code_id, cache=cache)
         self.mapping.check_code_table()  # the tokenizer needs every code named
         self.missing_code_id = missing_code_id
         self.encoder_only = bool(encoder_only)
-        self.buckets = buckets
-        self.placement = placement
+        self.buckets, self.placement = buckets, placement
         vq = self.cfg.vq
         self.image_shape = (vq.in_channels, vq.resolution, vq.resolution)
         self.tokens_per_image = vq.tokens_per_image
         self._warm: set[tuple] = set()
         self._placings: dict[Any, tuple[int, Any]] = {}
-        # The server form's function; a state on one placement goes in as packed buffers.
-        self._program = jaxsync.TowerProgram(
-            model,
-            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
-        )
-        self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._devices, weights_at = weights_devices(model)
         # Repeated calls on device pixels, one entry per output form over one plan cache.
         checks = (_live, self._check_pixels, self._check_placing)
-        self._embeddings = TowerEntry(self._program, name=PIXELS, checks=checks)
-        self._tokens = TowerEntry(
-            self._program, name=PIXELS, checks=checks, plans=self._embeddings.plans
+        TowerEncoder.__init__(
+            self,
+            model,
+            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
+            name=PIXELS,
+            checks=checks,
         )
+        self._program, self._embeddings = self.program, self._entry
+        self._tokens = TowerEntry(self.program, name=PIXELS, checks=checks, plans=self.plans)
+        self._vq = jaxsync.TowerProgram(model, _vq_outputs)
+        self._programs.append(self._vq)
         check_placement(placement, jax.tree.leaves(nnx.state(model))[0])
         if placement is None and len(self._devices) > 1:  # host pixels go to the weights
             self.placement = replicated_on(weights_at)
@@ -143,11 +138,6 @@ class ChameleonImageEncoder(ChameleonTextPaths):
         """Reads `config.json` and the tower's weights of a checkpoint directory."""
         return cls(load_model(path, dtype=dtype, mesh=mesh), **kwargs)
 
-    @property
-    def program(self) -> jaxsync.TowerProgram:
-        """The compiled forward over the tower's state leaves (`.leaves`, `.num_state_args`)."""
-        return self._program
-
     def plan(self, num_images: int, *, batch_shards: int = 1) -> ChameleonPlan:
         """The host plan of `num_images` images with this encoder's buckets and vocabulary."""
         return plan(
@@ -157,11 +147,6 @@ class ChameleonImageEncoder(ChameleonTextPaths):
             batch_shards=batch_shards,
             missing_code_id=self.missing_code_id,
         )
-
-    def load_state(self, model: ChameleonImageTower) -> None:
-        """Takes new weights of the same structure (e.g. after `nnx.update`), no recompile."""
-        self._program.load_state(model)
-        self._vq.load_state(model)
 
     # ------------------------------------------------------------ image tokens
 
