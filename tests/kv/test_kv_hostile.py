@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from jaxsync.kv import (
     HostPool,
@@ -209,22 +209,33 @@ def saved(tmp_path_factory):
     return root
 
 
+def distinct_blocks(blocks: np.ndarray) -> bool:
+    """No block id repeats, padding (-1) aside."""
+    real = blocks[blocks >= 0]
+    return np.unique(real).size == real.size
+
+
 @SETTINGS
 @given(tokens=IDS, block_ids=IDS)
+@example(tokens=[], block_ids=np.array([-1]))  # no whole block, padding only: nothing to do
+@example(tokens=list(range(9)), block_ids=[-1, 4, -1, 2])  # padding skipped, the rest loads
+@example(tokens=list(range(9)), block_ids=[2, 2, 1, 0])  # a repeated block: refused
 def test_load_kv(saved, tokens, block_ids):
     # Only the saved request loads; every other input is refused before any upload.
     dst = fresh_copy(OTHER)
-    tok, blocks = valid_ids(tokens, 2**31), valid_ids(block_ids, P)
+    # -1 in a block table is padding: nothing is loaded there, and it may repeat.
+    tok, blocks = valid_ids(tokens, 2**31), valid_ids(block_ids, P, padding=True)
     match = tok is not None and tok.size == 9 and np.array_equal(tok, np.arange(9))
-    if match and blocks is not None and blocks.size >= 4 and np.unique(blocks[:4]).size == 4:
+    if match and blocks is not None and blocks.size >= 4 and distinct_blocks(blocks[:4]):
         out = load_kv(saved, dst, tokens, block_ids)
+        real = blocks[:4] >= 0
         for got, src in zip(host(out), host(MASTER), strict=True):
-            np.testing.assert_array_equal(got[blocks[:4]], src[[3, 5, 1, 0]])
+            np.testing.assert_array_equal(got[blocks[:4][real]], src[[3, 5, 1, 0]][real])
         return
     keep = (dst,)
     if tok is not None and blocks is not None and tok.size > S and blocks.size * S >= tok.size - 1:
         kept = (tok.size - 1) // S
-        if np.unique(blocks[:kept]).size == kept:
+        if distinct_blocks(blocks[:kept]):
             with pytest.raises(FileNotFoundError):  # another request: nothing saved
                 load_kv(saved, dst, tokens, block_ids)
             return
