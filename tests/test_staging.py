@@ -118,7 +118,9 @@ def test_donated_output_retires_its_buffer():
 
 def test_no_recompile_under_sync_guard():
     ring = _ring()
-    ring.put(_data(4))  # warm the transfer
+    # Warm the transfer, and let it land: four slots then serve the four puts below, so none
+    # has to wait on (or fall back from) a transfer still reading its buffer.
+    jax.block_until_ready(ring.put(_data(4)))
     with jaxsync.check.no_recompile(), jaxsync.check.sync_guard(), jax.transfer_guard("disallow"):
         outs = [ring.put(_data(i)) for i in range(5, 9)]
     assert ring.stats["fallback"] == 0
