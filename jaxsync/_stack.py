@@ -82,14 +82,10 @@ class LayerStack(nnx.Module):
           span: `(start, stop)` to run layers start..stop-1 only (a tower whose stacked layers
             are interleaved with other modules runs them in runs).
         """
+        start, stop = (0, self.num_layers) if span is None else check_span(span, self.num_layers)
+        if start == stop:  # no layer to run (a slice of a zero-row array cannot be traced)
+            return x
         graphdef, state = nnx.split(self.layer)
-
-        def step(carry: Any, layer_state: Any) -> tuple[Any, None]:
-            return nnx.merge(graphdef, layer_state)(carry, *args), None
-
-        if span is None:
-            return jax.lax.scan(step, x, state)[0]
-        start, stop = check_span(span, self.num_layers)
 
         def layer_at(i: jax.Array) -> nnx.Module:
             row = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), state)
@@ -138,12 +134,22 @@ def check_span(span: tuple[int, int], num_layers: int) -> tuple[int, int]:
 def scan_indices(
     layer_at: Callable[[jax.Array], nnx.Module], x: Any, args: tuple, start: int, stop: int
 ) -> Any:
-    """`x = layer_at(i)(x, *args)` for i = start..stop-1, as one `jax.lax.scan` over indices."""
+    """`x = layer_at(i)(x, *args)` for i = start..stop-1, as one `jax.lax.scan` over indices.
+
+    The layer index is data the loop reads, not the loop counter itself: XLA:GPU turns a slice
+    of a stacked weight at the loop counter into a device-to-device memcpy whose offset the host
+    computes per iteration, one per stacked weight per layer, and those stay outside the
+    loop body's command buffers (the host launches each, and the GPU idles between them on
+    small batches). Indices behind `optimization_barrier` are not known to the compiler, so each
+    layer's slices stay ordinary fused kernels of the body: the same program in every call
+    form (entry, a server's jit over stacked leaves, `shard_map`) and on every backend.
+    """
 
     def step(carry: Any, i: jax.Array) -> tuple[Any, None]:
         return layer_at(i)(carry, *args), None
 
-    return jax.lax.scan(step, x, jnp.arange(start, stop))[0]
+    indices = jax.lax.optimization_barrier(jnp.arange(start, stop, dtype=jnp.int32))
+    return jax.lax.scan(step, x, indices)[0]
 
 
 def stacks(module: nnx.Module) -> dict[str, int]:

@@ -225,18 +225,24 @@ class TowerProgram:
 
     def _take(self, model: nnx.Module, leaves: list[jax.Array]) -> None:
         """This model's weights as the program's first argument."""
+        jit_kwargs = dict(self._jit_kwargs)
+        devices = {d for x in leaves for d in x.sharding.device_set}
+        if len(devices) == 1 and "in_shardings" not in jit_kwargs:
+            # jit keys its compiled programs by whether each argument is committed to a device
+            # (`device_put(x, device)`, a staged upload) or not (`device_put(x)`, a result of
+            # uncommitted inputs): a program declared on the weights' device compiles once for
+            # both, so `precompile` covers every input a caller may hand in.
+            jit_kwargs["in_shardings"] = jax.sharding.SingleDeviceSharding(devices.pop())
         if self.packed:
             packing = _Packing(model)
             self._leaves = packing.buffers
             spec = tuple((x.shape, x.dtype) for x in leaves)
             self._jitted = _shared_jit(
-                self._forward, self.graphdef, self._treedef, self._jit_kwargs, packing, spec
+                self._forward, self.graphdef, self._treedef, jit_kwargs, packing, spec
             )
         else:
             self._leaves = leaves
-            self._jitted = _shared_jit(
-                self._forward, self.graphdef, self._treedef, self._jit_kwargs
-            )
+            self._jitted = _shared_jit(self._forward, self.graphdef, self._treedef, jit_kwargs)
         self.num_state_args = len(jax.tree_util.tree_leaves(self._leaves))
 
     @staticmethod

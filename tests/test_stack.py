@@ -97,6 +97,94 @@ def test_server_jit_sees_a_new_state_without_recompiling():
     assert not np.allclose(before, after)
 
 
+def _counter_scan(stack: jaxsync.LayerStack, x: jax.Array, gain: jax.Array) -> jax.Array:
+    """The layer scan written the naive way: the stacked weights as the scan's xs, sliced at
+    the loop counter (the form the detectors below must flag)."""
+    graphdef, state = nnx.split(stack.layer)
+
+    def step(carry, layer_state):
+        return nnx.merge(graphdef, layer_state)(carry, gain), None
+
+    return jax.lax.scan(step, x, state)[0]
+
+
+def _scanned_over(fn, *args) -> list[list[tuple]]:
+    """(shape, dtype, producing primitive) of every scan's xs in `fn`'s jaxpr: the arrays it
+    slices per step, and whether the compiler can know them (a constant) or not (a barrier)."""
+    found = []
+
+    def walk(jaxpr):
+        made_by = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                first = eqn.params["num_consts"] + eqn.params["num_carry"]
+                found.append([
+                    (v.aval.shape, str(v.aval.dtype), made_by.get(v)) for v in eqn.invars[first:]
+                ])  # fmt: skip
+            made_by.update((v, eqn.primitive.name) for v in eqn.outvars)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(sub, "eqns"):  # a Jaxpr
+                        walk(sub)
+                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):  # a ClosedJaxpr
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("span", [None, (1, 4)])
+def test_the_layer_scan_reads_its_index_not_the_loop_counter(span):
+    # Sliced at the loop counter, XLA:GPU copies every stacked weight with a host-launched
+    # memcpy per layer; the scan must run over an index vector and slice the weights by it.
+    tower = Tower(5, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(tower)
+    x, gain = jnp.ones((2, 6)), jnp.float32(0.5)
+
+    def server(s, x):
+        return nnx.merge(graphdef, s).blocks(x, gain, span=span)
+
+    layers = 5 if span is None else 3
+    assert _scanned_over(server, state, x) == [[((layers,), "int32", "optimization_barrier")]]
+    # negative control: the naive scan slices the three stacked leaves of a Block
+    naive = _scanned_over(lambda s, x: _counter_scan(nnx.merge(graphdef, s).blocks, x, gain),
+                          state, x)  # fmt: skip
+    assert len(naive[0]) == 3 and all(shape[0] == 5 for shape, _, _ in naive[0])
+
+
+@pytest.mark.gpu
+def test_a_server_jit_over_stacked_leaves_copies_no_layer_with_a_memcpy(tmp_path):
+    """On a GPU, the scan of a server's own jit runs no per-layer memcpy (negative control: the
+    naive scan runs one per stacked weight per layer)."""
+    import glob
+    import gzip
+    import json
+
+    depth, d = 8, 512
+    tower = Tower(depth, d, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(tower)
+    x, gain = jnp.ones((64, d)), jnp.float32(0.5)
+    forms = {
+        "stack": jax.jit(lambda s, x: nnx.merge(graphdef, s).blocks(x, gain)),
+        "naive": jax.jit(lambda s, x: _counter_scan(nnx.merge(graphdef, s).blocks, x, gain)),
+    }
+    memcpys = {}
+    for name, step in forms.items():
+        jax.block_until_ready(step(state, x))
+        trace = tmp_path / name
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            jax.block_until_ready(step(state, x))
+        (path,) = glob.glob(f"{trace}/**/*perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        memcpys[name] = sum(
+            1 for e in events if e.get("ph") == "X" and "memcpy" in e.get("name", "").lower()
+        )
+    assert memcpys["naive"] >= depth, memcpys  # the detector sees the per-layer copies
+    assert memcpys["stack"] < depth, memcpys
+
+
 RULES = (
     Rule(r"blocks\.(\d+)\.proj\.weight", r"blocks.\1.proj.kernel", linear),
     Rule(r"blocks\.(\d+)\.proj\.bias", r"blocks.\1.proj.bias"),

@@ -68,6 +68,28 @@ def test_programs_of_one_structure_share_their_compile_and_hold_their_own_weight
     np.testing.assert_array_equal(out_b, _server_step(b)[0](_server_step(b)[1], x, meta))
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_committed_and_an_uncommitted_input_share_one_compile(packed):
+    # `device_put(x, device)` (and a staged upload) commits x to its device, `device_put(x)`
+    # does not; jit keys programs by that flag, so a program must not compile a second time
+    # for it (a server feeding both would pay a compile per bucket that `precompile` missed).
+    device = jax.devices()[0]
+    tower = Tower(rngs=nnx.Rngs(0))
+    x, meta = _inputs()
+    host = np.asarray(x)
+    program = jaxsync.TowerProgram(tower, forward, packed=packed)
+    committed = program(jax.device_put(host, device), meta)
+    with no_recompile():
+        uncommitted = program(jax.device_put(host), meta)
+    np.testing.assert_array_equal(committed, uncommitted)
+    # negative control: a plain jit of the same step compiles once more for the other flag
+    step, leaves = _server_step(tower)
+    step(leaves, jax.device_put(host, device), meta)
+    with pytest.raises(jaxsync.check.RecompileError):
+        with no_recompile():
+            step(leaves, jax.device_put(host), meta)
+
+
 def test_load_state_takes_new_weights_without_recompiling_and_refuses_another_shape():
     model = Tower(rngs=nnx.Rngs(0))
     program = jaxsync.TowerProgram(model, forward)
