@@ -108,6 +108,17 @@ def _counter_scan(stack: jaxsync.LayerStack, x: jax.Array, gain: jax.Array) -> j
     return jax.lax.scan(step, x, state)[0]
 
 
+def _scan_xs(eqn) -> list:
+    """A scan equation's xs operands (its invars are consts, then carry, then xs). jax < 0.12
+    counts the first two groups in `num_consts` / `num_carry`; jax 0.12 gives the three groups
+    as the elements of one flat tree, `ft_in`."""
+    params = eqn.params
+    if "num_consts" in params:
+        return eqn.invars[params["num_consts"] + params["num_carry"] :]
+    xs_leaves = len(params["ft_in"].elts[2].vals)
+    return eqn.invars[len(eqn.invars) - xs_leaves :]
+
+
 def _scanned_over(fn, *args) -> list[list[tuple]]:
     """(shape, dtype, producing primitive) of every scan's xs in `fn`'s jaxpr: the arrays it
     slices per step, and whether the compiler can know them (a constant) or not (a barrier)."""
@@ -117,9 +128,8 @@ def _scanned_over(fn, *args) -> list[list[tuple]]:
         made_by = {}
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "scan":
-                first = eqn.params["num_consts"] + eqn.params["num_carry"]
                 found.append([
-                    (v.aval.shape, str(v.aval.dtype), made_by.get(v)) for v in eqn.invars[first:]
+                    (v.aval.shape, str(v.aval.dtype), made_by.get(v)) for v in _scan_xs(eqn)
                 ])  # fmt: skip
             made_by.update((v, eqn.primitive.name) for v in eqn.outvars)
             for value in eqn.params.values():
