@@ -8,7 +8,9 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
+from jaxsync._tower import TowerProgram
 from jaxsync.harness import _cli
 from jaxsync.harness.bench import _host_time, _roofline
 from jaxsync.harness.bench._cli import SUBCOMMANDS
@@ -43,20 +45,27 @@ def test_host_time_entry_and_programs(capsys):
     assert _cli.main(["bench", "host-time", "entry", "--smoke", "--depths", "1"]) == 0
     assert _cli.main(["bench", "host-time", "programs", "--smoke"]) == 0
     rows = _cold_stream_lines(capsys.readouterr().out)
-    assert {"depth  1  entry", "depth  1  its program", "depth  1  do-nothing, same args"} <= set(
-        rows
-    )
+    entry_rows = {"entry", "its program", "do-nothing, same args", "do-nothing, leaves"}
+    assert {f"depth  1  {name}" for name in entry_rows} <= set(rows)
+    assert any(row.startswith("depth  1  program, ") and row.endswith(" leaves") for row in rows)
     assert {"do-nothing", "chain of 10 matmul + tanh", "200-step fori_loop", "sort"} <= set(rows)
     assert all(cold > 0 and stream > 0 for cold, stream in rows.values())
 
 
 def test_host_time_entry_program_gets_the_entrys_own_arguments():
-    enc, mel = _host_time._voxtral(1, smoke=True)
+    tower, enc, mel = _host_time._voxtral(1, smoke=True)
     program, inputs = _host_time._program_inputs(enc, mel)
     assert inputs[0] is mel  # the device features as given, and the plan's packed metadata
     entry_out = enc(input_features=mel).embeddings
     direct = program._jitted(program.leaves, *inputs)[0]
     assert jnp.array_equal(entry_out, direct)  # same program, same arguments, same result
+    # the unpacked twin the bench times: the tower's own leaves, the same rows
+    stacked = TowerProgram(tower, program._forward, packed=False, **program._jit_kwargs)
+    leaves = jax.tree.leaves(nnx.state(tower))
+    assert program.packed and len(stacked.leaves) == len(leaves)
+    assert all(a is b for a, b in zip(stacked.leaves, leaves, strict=True))
+    assert stacked.num_state_args > program.num_state_args
+    assert jnp.array_equal(stacked._jitted(stacked.leaves, *inputs)[0], direct)
 
 
 def test_host_overhead_one_entry(capsys):

@@ -5,6 +5,8 @@
 
 - the entry call, its `TowerProgram` called directly on the same packed arguments, and a
   do-nothing jit taking those same arguments;
+- the same program over the tower's flat stacked leaves (`packed=False`, the server form's
+  arguments) and a do-nothing jit taking those: what packing the state buys per call;
 - "cold": one call right after the thread waited for the device; "stream": calls 2..k of k
   back-to-back calls, median.
 
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsync._tower import TowerProgram
 from jaxsync.harness.bench._timing import _Side, blocked_ms, measure, stream_ms
 
 
@@ -72,7 +75,7 @@ def _voxtral(depth: int, smoke: bool):
     enc = VoxtralAudioEncoder(tower, MelConfig(num_mel_bins=cfg.num_mel_bins))
     windows = 1 if smoke else 4
     mel = np.random.default_rng(0).uniform(-1, 2, (windows, cfg.num_mel_bins, cfg.chunk_frames))
-    return enc, jax.device_put(mel.astype(np.float32))
+    return tower, enc, jax.device_put(mel.astype(np.float32))
 
 
 def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
@@ -98,13 +101,19 @@ def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
 def entry(args: argparse.Namespace) -> None:
     side = _Side("jax")
     for depth in args.depths:
-        enc, mel = _voxtral(depth, args.smoke)
+        tower, enc, mel = _voxtral(depth, args.smoke)
         program, inputs = _program_inputs(enc, mel)
+        # The same forward and jit options over the flat leaves (a tool's private access).
+        stacked = TowerProgram(tower, program._forward, packed=False, **program._jit_kwargs)
         nothing = jax.jit(lambda state, *rest: rest[0][0, 0, 0])
         fns = {
             "entry": lambda enc=enc, mel=mel: enc(input_features=mel).embeddings,
             "its program": lambda p=program, i=inputs: p._jitted(p.leaves, *i),
             "do-nothing, same args": lambda p=program, i=inputs, f=nothing: f(p.leaves, *i),
+            f"program, {stacked.num_state_args} leaves": (
+                lambda p=stacked, i=inputs: p._jitted(p.leaves, *i)
+            ),
+            "do-nothing, leaves": lambda p=stacked, i=inputs, f=nothing: f(p.leaves, *i),
         }
         for name, fn in fns.items():
             cold, stream = host_us(fn, side, samples=_samples(args))
