@@ -74,6 +74,8 @@ class TowerEncoder:
       inside: a device input must live on the weights' devices (named so in the error);
         None: the family checks placement itself.
       fits, plan_cache_size: as `TowerEntry`'s.
+      entry: what builds the entry, called as `TowerEntry` is (default), e.g. a
+        `functools.partial` of `jaxsync._batching.BucketEntry` with its options bound.
 
     Attributes:
       cfg: the tower's config.
@@ -91,6 +93,7 @@ class TowerEncoder:
         inside: str | None = None,
         fits: Callable[[jax.Array, Any], Any] | None = None,
         plan_cache_size: int = 64,
+        entry: Callable[..., TowerEntry] = TowerEntry,
     ):
         self.cfg = model.cfg
         self._weights = weight_devices(model)
@@ -99,7 +102,7 @@ class TowerEncoder:
             checks = (*checks, self._inside)
         self.program = TowerProgram(model, forward)
         self._programs = [self.program]  # what `load_state` updates (a family may add its own)
-        self._entry = TowerEntry(
+        self._entry = entry(
             self.program, name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size
         )
         self.plans = self._entry.plans

@@ -119,6 +119,7 @@ class TowerEntry:
         input's shape against the metadata): the key covers it as well.
       plan_cache_size: plan keys (and call signatures) kept, least recently used evicted first.
       plans: a plan cache to share with another entry of the same encoder (default: its own).
+      to_host: host input as numpy (default `host_array(x, name=name)`), before the host checks.
     """
 
     def __init__(
@@ -131,8 +132,10 @@ class TowerEntry:
         fits: Callable[[jax.Array, Any], Any] | None = None,
         plans: PlanCache[Planned] | None = None,
         plan_reads: tuple[str, ...] = ("shape", "metadata"),
+        to_host: Callable[[Any], Any] | None = None,
     ):
         self.program = program
+        self.to_host = to_host
         self.name = name
         self.checks = tuple(checks)
         self.fits = fits
@@ -167,8 +170,9 @@ class TowerEntry:
 
         `planner(x, where) -> (plan key, plan build)` for input `x` whose metadata goes to
         `where`: `near(x)` for a device input (checked by `check`, kept under `key`),
-        `placement` for host data (checked by the host checks, then as `host`). `rank`: the
-        program's input rank; an input one axis short is one item (a leading axis added).
+        `placement` for host data (checked by the host checks, then as `host`; a function of
+        no argument gives it after the checks). `rank`: the program's input rank; an input one
+        axis short is one item (a leading axis added).
         """
         if isinstance(x, jax.Array):
             self.check(x)
@@ -176,11 +180,13 @@ class TowerEntry:
             plan_key, build = planner(x, where)
             p = self.planned(plan_key, build, where)
             return self.device(x, key, p, unbatched=rank is not None and x.ndim == rank - 1)
-        x = host_array(x, name=self.name)
+        x = host_array(x, name=self.name) if self.to_host is None else self.to_host(x)
         for check in self.host_checks:
             check(x)
         if rank is not None and x.ndim == rank - 1:
             x = x[None]
+        if callable(placement):
+            placement = placement()
         plan_key, build = planner(x, placement)
         return self.host(
             x, plan_key, build, placement, shape=shape, dtype=dtype, stage_at=stage_at, name=name
@@ -211,17 +217,20 @@ class TowerEntry:
     ) -> Embeddings:
         """A call on host data `x`: NaN / inf refused before a new plan's metadata goes up, or,
         on a known plan, as `x` is copied into its staging buffer (one pass), zero padded to
-        `shape(plan)`, uploaded to `stage_at` (default `placement`), then the program."""
+        `shape(plan)`, uploaded to `stage_at` (default `placement`), then the program and
+        `finished`."""
         name = self.name if name is None else name
         p = self.planned(key, plan, placement, on_miss=lambda: _host.check_finite(x, name=name))
+        at = placement if stage_at is None else stage_at
         staged = jaxsync.default_staging.put(
-            x,
-            None if shape is None else shape(p.plan),
-            dtype=dtype,
-            placement=placement if stage_at is None else stage_at,
-            finite=name,
+            x, None if shape is None else shape(p.plan), dtype=dtype, placement=at, finite=name
         )
-        return p.finish(self.program(staged, p.meta))
+        return self.finished(x, self.program(staged, p.meta), p, at)
+
+    def finished(self, x: Any, out: Encoded, p: Planned, where: Any) -> Any:
+        """The output of a call on host data `x` staged at `where`: `Embeddings.of(out, plan)`
+        (an entry with another output form, or work after a plan's first call, overrides it)."""
+        return p.finish(out)
 
     def device(
         self, x: jax.Array, key: Hashable | None, p: Planned, *, unbatched: bool = False

@@ -12,28 +12,22 @@ from __future__ import annotations
 
 import functools as ft
 import os
+from operator import attrgetter
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
-from jaxsync._calls import prepared_call, reads
+from jaxsync._batching import BucketEntry, Warmer, committed
+from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, TowerEntry
-from jaxsync._host import check_finite
 from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
-from jaxsync.models.chameleon._placing import (
-    batch_shards,
-    check_same_devices,
-    pad_rows,
-    replicated_on,
-    weights_devices,
-)
+from jaxsync.models.chameleon._placing import batch_shards, check_same_devices, replicated_on
 from jaxsync.models.chameleon._plan import (
     ChameleonPlan,
     bucket_batch_sizes,
@@ -58,12 +52,12 @@ def _vq_outputs(model: ChameleonImageTower, pixels: jax.Array):  # [B, h, w, L],
 PIXELS = "pixel_values"
 
 
-def _as_embeddings(enc, out: jaxsync.Encoded, n: int, p: Planned) -> jaxsync.Embeddings:
+def _as_embeddings(out: jaxsync.Encoded, p: Planned) -> jaxsync.Embeddings:
     return p.finish(out)  # `Embeddings.of(out, plan)` with the plan's row layout computed once
 
 
-def _as_token_rows(enc, out: jaxsync.Encoded, n: int, p: Planned) -> jax.Array:
-    return _token_rows(out.extras["ids"], n, enc.tokens_per_image)
+def _as_token_rows(out: jaxsync.Encoded, p: Planned) -> jax.Array:
+    return _token_rows(out.extras["ids"], p.plan.num_images, p.plan.tokens_per_image)
 
 
 class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
@@ -111,25 +105,30 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         vq = self.cfg.vq
         self.image_shape = (vq.in_channels, vq.resolution, vq.resolution)
         self.tokens_per_image = vq.tokens_per_image
-        self._warm: set[tuple] = set()
         self._placings: dict[Any, tuple[int, Any]] = {}
-        self._devices, weights_at = weights_devices(model)
-        # Repeated calls on device pixels, one entry per output form over one plan cache.
+        # Repeated calls on device pixels, one entry per output form over one plan cache; a
+        # bucket's first call warms its per-batch-size row slices (and device pixels' pads).
         checks = (_live, self._check_pixels, self._check_placing)
+        t = self.tokens_per_image
+        sizes = lambda rows, where: bucket_batch_sizes(rows, buckets, self._placings[where][0])  # noqa: E731
+        warm = Warmer(sizes, lambda out, n: _token_rows(out.extras["ids"], n, t))
+        entry = ft.partial(BucketEntry, batch=attrgetter("rows"), warm=warm, to_host=host_pixels)
         TowerEncoder.__init__(
             self,
             model,
             with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
             name=PIXELS,
             checks=checks,
+            entry=ft.partial(entry, output=_as_embeddings),
         )
-        self._program, self._embeddings = self.program, self._entry
-        self._tokens = TowerEntry(self.program, name=PIXELS, checks=checks, plans=self.plans)
+        self._tokens = entry(self.program, name=PIXELS, checks=checks, plans=self.plans,
+                             output=_as_token_rows)  # fmt: skip
         self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._programs.append(self._vq)
-        check_placement(placement, jax.tree.leaves(nnx.state(model))[0])
-        if placement is None and len(self._devices) > 1:  # host pixels go to the weights
-            self.placement = replicated_on(weights_at)
+        leaf = jax.tree.leaves(nnx.state(model))[0]
+        check_placement(placement, leaf)
+        if placement is None and len(self._weights) > 1:  # host pixels go to the weights
+            self.placement = replicated_on(leaf.sharding)
 
     @classmethod
     def from_pretrained(
@@ -172,12 +171,12 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
           ValueError: wrong rank or image size, no image, non-finite host pixels, a deleted
             (donated) array, or pixels placed apart from the weights or split off the batch axis.
         """
-        return self._run(pixel_values, self._embeddings, _as_embeddings)
+        return self._run(pixel_values, self._entry)
 
     @jaxsync.check.entry_point
     def get_image_tokens(self, pixel_values) -> Int[Array, "B T"]:
         """BPE ids `[B, T]` of each image's tokens in raster order (HF `get_image_tokens`)."""
-        return self._run(pixel_values, self._tokens, _as_token_rows)
+        return self._run(pixel_values, self._tokens)
 
     def encode(self, pixel_values: jax.Array) -> tuple[Float[Array, "B h w L"], Int[Array, "B T"]]:
         """The VQ model's own outputs, unbucketed (for parity): encoder latents (NHWC, before
@@ -193,90 +192,39 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
     @reads("sharding", "committed")
     def _check_placing(self, pixel_values: jax.Array) -> None:
         """Committed pixels on the weights' devices, split (if at all) over the batch axis."""
-        where = _where(pixel_values)
+        where = committed(pixel_values)
         if where is not None:
-            check_same_devices(where, self._devices, PIXELS)
-        self._placing(where, PIXELS)
+            check_same_devices(where, self._weights, PIXELS)
+        self._at(pixel_values)
 
-    def _run(self, pixel_values, entry: TowerEntry, finish):
-        """`finish(self, encoded, n, planned)` of the batch; a repeated call on device pixels
-        runs the prepared call kept by `entry`."""
+    def _run(self, pixel_values, entry: TowerEntry):
+        """The call through `entry` (one per output form); a repeated call on device pixels
+        runs the call it kept."""
         run, key = entry.calls.find(pixel_values)
         if run is not None:
             return run(pixel_values)
-        on_device = isinstance(pixel_values, jax.Array)
-        if on_device:
-            entry.check(pixel_values)
-            n, where = pixel_values.shape[0], _where(pixel_values)
-        else:
-            pixel_values = host_pixels(pixel_values)
-            n, where = check_pixels(pixel_values, self.image_shape), self.placement
-        shards, near = self._placing(where, PIXELS if on_device else "placement")
-        # Host pixels: NaN / inf refused before a new plan's metadata goes up, or, on a known
-        # plan, as they are copied into their staging buffer (one pass over them).
-        check = None
-        if not on_device:
-            check = lambda: check_finite(pixel_values, name=PIXELS)  # noqa: E731
-        build = lambda: self.plan(n, batch_shards=shards)  # noqa: E731
-        p = entry.planned((n, shards, near), build, near, on_miss=check)
-        rows = p.plan.rows
-        if not on_device:
-            pixels = jaxsync.default_staging.put(
-                pixel_values, (rows, *self.image_shape), placement=where, finite=PIXELS
-            )
-            out = self._program(pixels, p.meta)
-            self._warm_bucket(rows, shards, out, pixel_values, where)
-            return finish(self, out, n, p)
-        pad = None if n == rows else pad_rows(where)
+        return entry.run(
+            pixel_values, key, self._planner, placement=lambda: self._at(None)[1],
+            near=lambda x: self._at(x)[1], shape=lambda p: (p.rows, *self.image_shape),
+            stage_at=self.placement,
+        )  # fmt: skip
 
-        def encode(x: jax.Array):
-            out = self._program(x if pad is None else pad(x, rows), p.meta)
-            return out, finish(self, out, n, p)
+    def _planner(self, pixels, where):
+        n, shards = pixels.shape[0], self._at(pixels)[0]
+        return (n, shards, where), lambda: self.plan(n, batch_shards=shards)
 
-        out, result = encode(pixel_values)
-        self._warm_bucket(rows, shards, out, pixel_values, where)
-        if pad is None:  # a full bucket: the program and the output's assembly, nothing else
-            run = self._program.prepared(
-                p.meta, finish=lambda out: finish(self, out, n, p), name=PIXELS
-            )
-        else:
-            run = prepared_call(lambda x: encode(x)[1], PIXELS)
-        entry.calls.keep(key, run)
-        return result
-
-    def _placing(self, where, name: str) -> tuple[int, Any]:
-        """(batch shards, replicated placement) of pixels at `where`, memoised per sharding."""
+    def _at(self, pixels) -> tuple[int, Any]:
+        """(batch shards, metadata placement) of device pixels where they live, else of host
+        pixels at `placement`; memoised per sharding (only valid ones are kept)."""
+        on_device = isinstance(pixels, jax.Array)
+        where = committed(pixels) if on_device else self.placement
         hit = self._placings.get(where)
         if hit is None:
-            hit = (batch_shards(where, name), replicated_on(where))
-            self._placings[where] = hit  # only valid placements are kept
+            name = PIXELS if on_device else "placement"
+            hit = self._placings[where] = (batch_shards(where, name), replicated_on(where))
         return hit
-
-    def _warm_bucket(self, rows, shards, out, pixel_values, where) -> None:
-        # Compile the per-batch-size slice / pad programs of this bucket once, on its first use,
-        # by dispatching them on arrays of the exact shardings later calls will pass.
-        ids = out.extras["ids"]
-        if isinstance(ids, jax.core.Tracer):  # traced by a static scan: nothing runs
-            return
-        on_device = isinstance(pixel_values, jax.Array)
-        key = (rows, on_device, pixel_values.dtype, where)
-        if key in self._warm:
-            return
-        self._warm.add(key)
-        for n in bucket_batch_sizes(rows, self.buckets, shards):
-            _token_rows(ids, n, self.tokens_per_image)
-            if n < rows and on_device:
-                dummy = jax.device_put(np.zeros((n, *self.image_shape), pixel_values.dtype), where)
-                pad_rows(where)(dummy, rows)
 
 
 @reads("type", "live")
 def _live(pixel_values) -> None:
     check_device_array(pixel_values, PIXELS)
-
-
-def _where(pixel_values: jax.Array) -> Any:
-    """Where committed device pixels live (None: traced by a static scan, or uncommitted)."""
-    if isinstance(pixel_values, jax.core.Tracer) or not pixel_values.committed:
-        return None
-    return pixel_values.sharding
