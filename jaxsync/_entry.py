@@ -227,6 +227,21 @@ class TowerEntry:
         )
         return self.finished(x, self.program(staged, p.meta), p, at)
 
+    def staged(
+        self, x: Any, buffer: Any, key: Hashable, plan: Callable[[], Any], placement: Any,
+        stage_at: Any,
+    ) -> Any:  # fmt: skip
+        """A call on host data `x` the family staged itself: `buffer`, a `default_staging`
+        buffer it filled (and checked) at `stage_at`, released if the plan of `key` fails,
+        else uploaded; then the program and `finished`."""
+        ring = jaxsync.default_staging
+        try:
+            p = self.planned(key, plan, placement)
+        except BaseException:
+            ring.release(buffer)
+            raise
+        return self.finished(x, self.program(ring.upload(buffer), p.meta), p, stage_at)
+
     def finished(self, x: Any, out: Encoded, p: Planned, where: Any) -> Any:
         """The output of a call on host data `x` staged at `where`: `Embeddings.of(out, plan)`
         (an entry with another output form, or work after a plan's first call, overrides it)."""

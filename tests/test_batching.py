@@ -1,4 +1,5 @@
-"""jaxsync._batching: device batches padded to their bucket, per-batch programs warmed per bucket.
+"""jaxsync._batching: device batches padded to their bucket, per-batch programs warmed per bucket;
+and the hooks of `TowerEntry` / `jaxsync._encoder` an entry builds on.
 
 A toy entry (`BucketEntry` over a one-weight tower) proves: a device batch smaller than its
 bucket is padded on the device and gives the host batch's rows bit for bit, its repeat is one
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync
 from jaxsync._batching import BucketEntry, Warmer, committed, pad_batch
 from jaxsync._calls import reads
+from jaxsync._encoder import replicated
 from jaxsync._entry import TowerEntry
 from jaxsync.check import RecompileError, no_recompile
 
@@ -179,3 +181,47 @@ def test_host_input_goes_through_to_host_and_the_placement_function_after_the_ch
     assert asked == [True]
     want = (np.full((1, D), 2.0, np.float32) @ np.asarray(Toy().w[...]))[0]
     np.testing.assert_allclose(np.asarray(out.embeddings)[0], want, rtol=1e-6)  # doubled
+
+
+class _Ring:
+    """A staging ring that records what `TowerEntry.staged` does with the family's buffer."""
+
+    def __init__(self):
+        self.released, self.uploaded = [], []
+
+    def upload(self, buffer):
+        self.uploaded.append(buffer)
+        return jax.device_put(buffer, jax.devices()[0])
+
+    def release(self, buffer):
+        self.released.append(buffer)
+
+
+def test_a_staged_buffer_is_uploaded_or_released_when_its_plan_fails(monkeypatch):
+    ring = _Ring()
+    monkeypatch.setattr(jaxsync, "default_staging", ring)
+    entry, device = _entry(), jax.devices()[0]
+    x = np.ones((4, D), np.float32)
+    buffer = x.copy()
+
+    def failing():
+        raise ValueError("bad lengths")
+
+    with pytest.raises(ValueError, match="bad lengths"):
+        entry.staged(x, buffer, ("k", 1), failing, device, device)
+    assert ring.released == [buffer] and ring.uploaded == []
+    out = entry.staged(x, buffer, ("k", 2), lambda: plan(4), device, device)
+    assert ring.released == [buffer] and ring.uploaded == [buffer]  # control: not released
+    want = _call(entry, jax.device_put(x, device)).embeddings
+    np.testing.assert_array_equal(np.asarray(out.embeddings), np.asarray(want))
+
+
+def test_replicated_places_metadata_whole_over_the_mesh():
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    split = NamedSharding(mesh, P("d"))
+    whole = replicated(split, "device")
+    assert whole.mesh == mesh and whole.is_fully_replicated and whole.memory_kind == "device"
+    assert replicated(split) == NamedSharding(mesh, P())
+    device = jax.devices()[0]
+    assert replicated(device) is device
+    assert not split.is_fully_replicated  # control: the check tells a split placement apart

@@ -23,7 +23,7 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
-from jaxsync._encoder import TowerEncoder, content_key, expect
+from jaxsync._encoder import TowerEncoder, content_key, expect, replicated
 from jaxsync._entry import TowerEntry, alive
 from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
@@ -44,13 +44,6 @@ from jaxsync.models.voxtral._plan import (
     plan_features,
     plan_waveforms,
 )
-
-
-def _replicated(placement: Any) -> Any:
-    """Where per-call metadata goes next to data uploaded to `placement` (whole, on each device)."""
-    if isinstance(placement, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
-    return placement
 
 
 class VoxtralAudioEncoder(TowerEncoder):
@@ -113,8 +106,8 @@ class VoxtralAudioEncoder(TowerEncoder):
         self._audio_calls, self._feature_calls = self._audio.calls, self._calls
         leaf = jax.tree.leaves(nnx.state(model))[0]
         check_placement(placement, leaf)
-        self.placement = _replicated(leaf.sharding) if placement is None else placement
-        self._meta_at = _replicated(self.placement)  # host inputs' metadata
+        self.placement = replicated(leaf.sharding) if placement is None else placement
+        self._meta_at = replicated(self.placement)  # host inputs' metadata
 
     @property
     def num_state_args(self) -> int:
@@ -211,14 +204,8 @@ class VoxtralAudioEncoder(TowerEncoder):
                 audio, call_key, entry.planned(key, build, where), unbatched=audio.ndim == 1
             )
         # samples checked while staged, before a new plan's metadata goes up
-        ring = jaxsync.default_staging
         staged = stage_batch(x, lens, shape, self.placement)
-        try:
-            planned = entry.planned(key, build, where)
-        except BaseException:
-            ring.release(staged)
-            raise
-        return planned.finish(self._waveforms(ring.upload(staged), planned.meta))
+        return entry.staged(x, staged, key, build, where, self.placement)
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
         want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
