@@ -112,11 +112,18 @@ class TowerEncoder:
             checks = (*checks, self._inside)
         self.program = TowerProgram(model, forward)
         self._programs = [self.program]  # what `load_state` updates (a family may add its own)
-        self._entry = entry(
-            self.program, name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size
-        )
+        options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size)
+        self._entry_kind, self._entry_options = entry, options  # what `_entry_over` builds with
+        self._entry = entry(self.program, **options)
         self.plans = self._entry.plans
         self._calls = self._entry.calls  # repeated calls on device inputs
+
+    def _entry_over(self, program: TowerProgram, **options: Any) -> TowerEntry:
+        """Another entry over the encoder's plan cache (another output form, or another program,
+        which `load_state` then updates too), built as the first: `options` replace its."""
+        if program not in self._programs:
+            self._programs.append(program)
+        return self._entry_kind(program, **{**self._entry_options, "plans": self.plans, **options})
 
     def load_state(self, model: nnx.Module) -> None:
         """Takes the weights of `model` (e.g. after `nnx.update`) without recompiling.

@@ -225,3 +225,19 @@ def test_replicated_places_metadata_whole_over_the_mesh():
     device = jax.devices()[0]
     assert replicated(device) is device
     assert not split.is_fully_replicated  # control: the check tells a split placement apart
+
+
+def test_a_second_entry_shares_the_plans_and_its_program_takes_new_weights():
+    model = Toy()
+    enc = jaxsync.TowerEncoder(model, forward, name="x", checks=(_check,))
+    other = enc._entry_over(jaxsync.TowerProgram(model, forward), name="y")
+    apart = jaxsync.TowerProgram(model, forward)  # control: a program the encoder never saw
+    assert other.plans is enc.plans and other.checks == enc._entry.checks and other.name == "y"
+    assert type(other) is TowerEntry and other.program in enc._programs
+    nnx.update(model, jax.tree.map(lambda w: w + 1, nnx.state(model)))
+    enc.load_state(model)
+    x = jnp.ones((1, D), jnp.float32)
+    meta = jaxsync.upload_packed(plan(1))
+    new, old = other.program(x, meta).rows, apart(x, meta).rows
+    np.testing.assert_allclose(np.asarray(new), np.asarray(x @ model.w[...]), rtol=1e-6)
+    assert not np.allclose(np.asarray(new), np.asarray(old))

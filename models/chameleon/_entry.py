@@ -112,17 +112,16 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         t = self.tokens_per_image
         sizes = lambda rows, where: bucket_batch_sizes(rows, buckets, self._placings[where][0])  # noqa: E731
         warm = Warmer(sizes, lambda out, n: _token_rows(out.extras["ids"], n, t))
-        entry = ft.partial(BucketEntry, batch=attrgetter("rows"), warm=warm, to_host=host_pixels)
+        kind = ft.partial(BucketEntry, batch=attrgetter("rows"), warm=warm, to_host=host_pixels)
         TowerEncoder.__init__(
             self,
             model,
             with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
             name=PIXELS,
             checks=checks,
-            entry=ft.partial(entry, output=_as_embeddings),
+            entry=ft.partial(kind, output=_as_embeddings),
         )
-        self._tokens = entry(self.program, name=PIXELS, checks=checks, plans=self.plans,
-                             output=_as_token_rows)  # fmt: skip
+        self._tokens = self._entry_over(self.program, output=_as_token_rows)
         self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._programs.append(self._vq)
         leaf = jax.tree.leaves(nnx.state(model))[0]

@@ -24,7 +24,7 @@ import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, content_key, expect, replicated
-from jaxsync._entry import TowerEntry, alive
+from jaxsync._entry import alive
 from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
@@ -99,9 +99,8 @@ class VoxtralAudioEncoder(TowerEncoder):
         )
         self._features, self._input_features = self.program, self._entry
         self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
-        self._programs.append(self._waveforms)
-        self._audio = TowerEntry(
-            self._waveforms, name="waveforms", checks=(_waveforms, self._inside), plans=self.plans
+        self._audio = self._entry_over(
+            self._waveforms, name="waveforms", checks=(_waveforms, self._inside)
         )
         self._audio_calls, self._feature_calls = self._audio.calls, self._calls
         leaf = jax.tree.leaves(nnx.state(model))[0]
