@@ -10,11 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
 from jaxsync._calls import prepared_call
-from jaxsync._encoder import TowerEncoder, content_key
+from jaxsync._encoder import TowerEncoder, content_key, replicated
 from jaxsync._entry import Planned, alive, devices_of
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, with_out_sharding
@@ -96,10 +95,7 @@ class Gemma3nAudioEncoder(TowerEncoder):
             self.cfg = dataclasses.replace(self.cfg, overflow=overflow)
         self._pad = PadEmbedding(model)
         self.placement = self._pad.home if placement is None else placement
-        p = self.placement  # where host inputs' metadata goes: replicated over their mesh
-        self._meta_at = (
-            NamedSharding(p.mesh, P(), memory_kind="device") if isinstance(p, NamedSharding) else p
-        )
+        self._meta_at = replicated(self.placement, "device")  # host inputs' metadata
         if devices_of(self.placement) != self._weights:
             raise ValueError(
                 f"placement uses devices {sorted(map(str, devices_of(self.placement)))} but the "
