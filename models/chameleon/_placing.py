@@ -8,12 +8,9 @@ are refused here, with a message, instead of by XLA.
 
 from __future__ import annotations
 
-import functools as ft
 import math
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 
@@ -63,19 +60,3 @@ def check_same_devices(where: jax.sharding.Sharding, devices: frozenset, name: s
             f"{name} lives on {have} but the VQ weights on {want}: place them on the same "
             "devices (e.g. jax.device_put with the weights' mesh)"
         )
-
-
-@ft.cache
-def pad_rows(sharding: jax.sharding.Sharding | None):
-    """Row pad whose output keeps the input's sharding (the padded rows divide the shards)."""
-
-    def pad(x: jax.Array, rows: int) -> jax.Array:
-        return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
-
-    return jax.jit(pad, static_argnums=1, out_shardings=sharding)
-
-
-def weights_devices(model) -> tuple[frozenset, jax.sharding.Sharding]:
-    """The devices the weights live on, and one weight's sharding (its mesh)."""
-    leaves = jax.tree.leaves(nnx.state(model))
-    return frozenset(d for x in leaves for d in x.sharding.device_set), leaves[0].sharding
