@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsync._entry import TowerEntry, on_devices
 from jaxsync._plans import metadata_key
@@ -53,15 +52,6 @@ def content_key(metadata: Any, check: Callable[[Any], Any]) -> tuple[Hashable, A
         metadata = check(metadata)
         key = metadata_key(metadata)
     return key, metadata
-
-
-def replicated(placement: Any, memory_kind: str | None = None) -> Any:
-    """Where per-call metadata goes beside data placed at `placement`: replicated over a
-    `NamedSharding`'s mesh (in `memory_kind`), else `placement` itself (a device, or a
-    one-device sharding)."""
-    if isinstance(placement, NamedSharding):
-        return NamedSharding(placement.mesh, PartitionSpec(), memory_kind=memory_kind)
-    return placement
 
 
 def weight_devices(model: nnx.Module) -> frozenset:

@@ -27,6 +27,17 @@ def placement_of(x: jax.Array) -> jax.sharding.Sharding:
     return x.sharding
 
 
+def replicated(placement: Placement, memory_kind: str | None = None) -> Placement:
+    """Where per-call metadata goes beside data placed at `placement`: replicated over a
+    `NamedSharding`'s mesh (in `memory_kind`), else `placement` itself (a device, or a
+    one-device sharding)."""
+    if isinstance(placement, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(
+            placement.mesh, jax.sharding.PartitionSpec(), memory_kind=memory_kind
+        )
+    return placement
+
+
 def replicated_near(x: jax.Array) -> jax.sharding.Sharding | None:
     """Where small per-call data used together with `x` goes: device memory on `x`'s device, or
     replicated over `x`'s mesh. None while `x` is traced (e.g. by the static scans of

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsync
 from jaxsync._batching import BucketEntry, Warmer, committed, pad_batch
 from jaxsync._calls import reads
-from jaxsync._encoder import replicated
 from jaxsync._entry import TowerEntry
+from jaxsync._placement import replicated
 from jaxsync.check import RecompileError, no_recompile
 
 

@@ -13,8 +13,9 @@ import jax
 
 import jaxsync
 from jaxsync._calls import prepared_call
-from jaxsync._encoder import TowerEncoder, content_key, replicated
+from jaxsync._encoder import TowerEncoder, content_key
 from jaxsync._entry import Planned, alive, devices_of
+from jaxsync._placement import replicated
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward

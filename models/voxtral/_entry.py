@@ -23,8 +23,9 @@ from flax import nnx
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
-from jaxsync._encoder import TowerEncoder, content_key, expect, replicated
+from jaxsync._encoder import TowerEncoder, content_key, expect
 from jaxsync._entry import alive
+from jaxsync._placement import replicated
 from jaxsync.models._sharding import OutSharding, check_placement
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
