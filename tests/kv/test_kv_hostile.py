@@ -56,9 +56,9 @@ IDS = st.one_of(
 )
 
 
-def valid_ids(ids, limit: int, padding: bool = False) -> np.ndarray | None:
+def valid_ids(ids, limit: int | None, padding: bool = False) -> np.ndarray | None:
     """The oracle: ids as an int array when well-formed and inside [0, limit) (or -1, vLLM's
-    padding slot, with `padding`), else None."""
+    padding slot, with `padding`; any value with no limit), else None."""
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             return None
@@ -69,6 +69,8 @@ def valid_ids(ids, limit: int, padding: bool = False) -> np.ndarray | None:
         arr = np.array(ids, np.int64).reshape(-1)
     else:
         return None
+    if limit is None:
+        return arr
     ok = (arr >= 0) & (arr < limit)
     if padding:
         ok |= arr == -1
@@ -220,11 +222,13 @@ def distinct_blocks(blocks: np.ndarray) -> bool:
 @example(tokens=[], block_ids=np.array([-1]))  # no whole block, padding only: nothing to do
 @example(tokens=list(range(9)), block_ids=[-1, 4, -1, 2])  # padding skipped, the rest loads
 @example(tokens=list(range(9)), block_ids=[2, 2, 1, 0])  # a repeated block: refused
+@example(tokens=np.array([-1]), block_ids=[])  # a token id only keys the folder: any int
 def test_load_kv(saved, tokens, block_ids):
     # Only the saved request loads; every other input is refused before any upload.
     dst = fresh_copy(OTHER)
-    # -1 in a block table is padding: nothing is loaded there, and it may repeat.
-    tok, blocks = valid_ids(tokens, 2**31), valid_ids(block_ids, P, padding=True)
+    # -1 in a block table is padding: nothing is loaded there, and it may repeat. Token ids
+    # only key the request's folder (int64 bytes, as `kv_folder`): any int value is one.
+    tok, blocks = valid_ids(tokens, None), valid_ids(block_ids, P, padding=True)
     match = tok is not None and tok.size == 9 and np.array_equal(tok, np.arange(9))
     if match and blocks is not None and blocks.size >= 4 and distinct_blocks(blocks[:4]):
         out = load_kv(saved, dst, tokens, block_ids)
