@@ -7,7 +7,7 @@ planner, its forward and its options:
         def __init__(self, model, *, placement=None, plan_cache_size=64):
             expect(model, FooTower)
             super().__init__(model, forward, name="x", checks=(alive("x"), self._check),
-                             inside="x", plan_cache_size=plan_cache_size)
+                             inside="x", placement=placement, plan_cache_size=plan_cache_size)
 
         @entry_point
         def __call__(self, x, lengths):
@@ -17,8 +17,8 @@ planner, its forward and its options:
             return self._entry.run(x, key, self._planner(lengths), ...)
 
 The base holds the program (`TowerProgram(model, forward)`, shared by every encoder of the same
-structure), the entry (its plan and call caches), the weights' devices, and the methods every
-entry offers: `load_state`, `lower`.
+structure), the entry (its plan and call caches), the weights' devices, where per-call data goes
+(`jaxsync._placement`'s one rule), and the methods every entry offers: `load_state`, `lower`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax
 from flax import nnx
 
 from jaxsync._entry import TowerEntry, on_devices
+from jaxsync._placement import Placement, entry_placement, replicated
 from jaxsync._plans import metadata_key
 from jaxsync._tower import TowerProgram
 
@@ -66,6 +67,15 @@ class TowerEncoder:
     structure and shared by every encoder of it. The encoder snapshots the weights: after
     `nnx.update` of the model, call `load_state(model)` (no recompile).
 
+    Options every family's entry takes, with the same meaning:
+      placement: a device or sharding for host inputs (e.g. `NamedSharding(mesh, P("data"))`
+        for a batch split over "data"); None: replicated beside the weights. One on other
+        devices than the weights is refused. Device inputs stay where they are (on the
+        weights' devices); per-call metadata goes replicated beside the input.
+      plan_cache_size: plans (and their uploaded metadata) kept, least recently used first out.
+      out_sharding: where the rows go (`forward`'s option): None replicates them over the
+        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
+
     Args:
       model: the family's tower; its `cfg` becomes the encoder's.
       forward: the family's forward (its options bound).
@@ -73,12 +83,14 @@ class TowerEncoder:
       checks: the family's checks of a device input, each declared with `reads`.
       inside: a device input must live on the weights' devices (named so in the error);
         None: the family checks placement itself.
+      placement: above.
       fits, plan_cache_size: as `TowerEntry`'s.
       entry: what builds the entry, called as `TowerEntry` is (default), e.g. a
         `functools.partial` of `jaxsync._batching.BucketEntry` with its options bound.
 
     Attributes:
       cfg: the tower's config.
+      placement: where host inputs go (`placement` resolved).
       program: the `jaxsync.TowerProgram` (`.lower(...)`, `.leaves`, `.num_state_args`).
       plans: the `PlanCache` of plans and their uploads (`len()`, `clear()`).
     """
@@ -91,18 +103,22 @@ class TowerEncoder:
         name: str,
         checks: Iterable[Callable[[jax.Array], Any]] = (),
         inside: str | None = None,
+        placement: Placement = None,
         fits: Callable[[jax.Array, Any], Any] | None = None,
         plan_cache_size: int = 64,
         entry: Callable[..., TowerEntry] = TowerEntry,
     ):
         self.cfg = model.cfg
         self._weights = weight_devices(model)
+        self.placement = entry_placement(placement, jax.tree.leaves(nnx.state(model))[0])
+        self._meta_at = replicated(self.placement, "device")  # host inputs' metadata
         if inside is not None:  # `_inside`: the same check, for the family's other inputs
             self._inside = on_devices(self._weights, inside)
             checks = (*checks, self._inside)
         self.program = TowerProgram(model, forward)
         self._programs = [self.program]  # what `load_state` updates (a family may add its own)
-        options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size)
+        options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size,
+                       placement=self._meta_at, stage_at=self.placement)  # fmt: skip
         self._entry_kind, self._entry_options = entry, options  # what `_entry_over` builds with
         self._entry = entry(self.program, **options)
         self.plans = self._entry.plans

@@ -7,7 +7,7 @@ planner (`plan(host metadata, cfg, *, buckets=None) -> <Family>Plan`) and its `f
     run, key = entry.calls.find(x, metadata)      # a repeated call on device input: one hit
     if run is not None:
         return run(x)
-    return entry.run(x, key, planner, placement=..., near=...)  # the full path:
+    return entry.run(x, key, planner)               # the full path:
     # device input: the family's declared checks, `planned` (PlanCache: plan + one upload),
     #   the TowerProgram's prepared call, kept under `key`;
     # host input: host_array, the checks that apply to host data, then `host` (finite, staged)
@@ -32,6 +32,7 @@ from jaxsync import _host
 from jaxsync._calls import CallCache, deleted_message, prepared_call, reads
 from jaxsync._host import host_array
 from jaxsync._outputs import Embeddings, Encoded
+from jaxsync._placement import check_devices, replicated_near
 from jaxsync._plans import PlanCache
 from jaxsync._tower import TowerProgram
 from jaxsync._transfer import Packed
@@ -68,13 +69,6 @@ def planned(plan: Any, placement: Any) -> Planned:
     )
 
 
-def devices_of(placement: Any) -> frozenset:
-    """The devices of a `jax.Device` or a `Sharding`."""
-    if isinstance(placement, jax.Device):
-        return frozenset((placement,))
-    return frozenset(placement.device_set)
-
-
 def alive(name: str) -> Callable[[jax.Array], None]:
     """A check refusing a deleted (donated) device input (a kept call re-checks it per call)."""
 
@@ -93,14 +87,7 @@ def on_devices(devices: Iterable[jax.Device], name: str) -> Callable[[jax.Array]
 
     @reads("sharding")
     def check(x: jax.Array) -> None:
-        if isinstance(x, jax.core.Tracer):  # traced by a checker: placement is the jit's
-            return
-        have = x.sharding.device_set
-        if have != want:
-            raise ValueError(
-                f"{name} live on devices {sorted(d.id for d in have)} but the weights on "
-                f"{sorted(d.id for d in want)}: put them on the same devices"
-            )
+        check_devices(x, want, name)
 
     return check
 
@@ -120,6 +107,8 @@ class TowerEntry:
       plan_cache_size: plan keys (and call signatures) kept, least recently used evicted first.
       plans: a plan cache to share with another entry of the same encoder (default: its own).
       to_host: host input as numpy (default `host_array(x, name=name)`), before the host checks.
+      placement: where host input's metadata goes (`run`'s default; None: JAX's default device).
+      stage_at: where host input goes (`run`'s default; None: `placement`).
     """
 
     def __init__(
@@ -133,8 +122,11 @@ class TowerEntry:
         plans: PlanCache[Planned] | None = None,
         plan_reads: tuple[str, ...] = ("shape", "metadata"),
         to_host: Callable[[Any], Any] | None = None,
+        placement: Any = None,
+        stage_at: Any = None,
     ):
         self.program = program
+        self.placement, self.stage_at = placement, stage_at
         self.to_host = to_host
         self.name = name
         self.checks = tuple(checks)
@@ -158,8 +150,8 @@ class TowerEntry:
         key: Hashable | None,
         planner: Callable[[Any, Any], tuple[Hashable, Callable[[], Any]]],
         *,
-        placement: Any,
-        near: Callable[[jax.Array], Any],
+        placement: Any = None,
+        near: Callable[[jax.Array], Any] = replicated_near,
         rank: int | None = None,
         shape: Callable[[Any], tuple[int, ...]] | None = None,
         dtype: Any = None,
@@ -171,8 +163,9 @@ class TowerEntry:
         `planner(x, where) -> (plan key, plan build)` for input `x` whose metadata goes to
         `where`: `near(x)` for a device input (checked by `check`, kept under `key`),
         `placement` for host data (checked by the host checks, then as `host`; a function of
-        no argument gives it after the checks). `rank`: the program's input rank; an input one
-        axis short is one item (a leading axis added).
+        no argument gives it after the checks). `placement` and `stage_at` default to the
+        entry's. `rank`: the program's input rank; an input one axis short is one item (a
+        leading axis added).
         """
         if isinstance(x, jax.Array):
             self.check(x)
@@ -185,8 +178,10 @@ class TowerEntry:
             check(x)
         if rank is not None and x.ndim == rank - 1:
             x = x[None]
+        placement = self.placement if placement is None else placement
         if callable(placement):
             placement = placement()
+        stage_at = self.stage_at if stage_at is None else stage_at
         plan_key, build = planner(x, placement)
         return self.host(
             x, plan_key, build, placement, shape=shape, dtype=dtype, stage_at=stage_at, name=name

@@ -1,8 +1,18 @@
-"""Placement: where a host table or upload lands (a device, a sharding, or the default device)."""
+"""Placement: where a host table or upload lands (a device, a sharding, or the default device),
+and the one rule of an entry's per-call data:
+
+- host data goes to the entry's `placement`: the caller's, else replicated beside the weights;
+- host metadata goes replicated beside that placement (`replicated(placement, "device")`);
+- a device input's metadata goes replicated beside the input (`replicated_near`);
+- a placement or a device input on other devices than the weights is refused on the host
+  (`check_devices`), naming both, before JAX would fail with "incompatible devices".
+"""
 
 from __future__ import annotations
 
-from typing import TypeAlias
+import math
+from collections.abc import Iterable
+from typing import Any, TypeAlias
 
 import jax
 
@@ -25,6 +35,74 @@ def resolve(placement: Placement) -> jax.Device | jax.sharding.Sharding:
 def placement_of(x: jax.Array) -> jax.sharding.Sharding:
     """The sharding a device array lives on (its memory kind included)."""
     return x.sharding
+
+
+def devices_of(where: jax.Device | jax.sharding.Sharding | jax.Array) -> frozenset:
+    """The devices of a `jax.Device`, a `Sharding` or a concrete array."""
+    if isinstance(where, jax.Device):
+        return frozenset((where,))
+    if isinstance(where, jax.Array):
+        where = where.sharding
+    return frozenset(where.device_set)
+
+
+def check_devices(
+    where: Any, devices: Iterable[jax.Device], name: str, *, other: str = "the weights"
+) -> None:
+    """Refuses `where` (a device, a sharding or an array) on other devices than `devices`,
+    naming both (`other` names what `devices` are). A traced array passes: its placement is
+    the jit's.
+
+    Raises:
+      ValueError: the two device sets differ.
+    """
+    if isinstance(where, jax.core.Tracer):
+        return
+    have, want = devices_of(where), frozenset(devices)
+    if have != want:
+        shown = "" if isinstance(where, jax.Array) else f" ({where})"
+        raise ValueError(
+            f"{name}{shown} on devices {_ids(have)}, but {other} on devices {_ids(want)}: put "
+            "them on the same devices"
+        )
+
+
+def entry_placement(placement: Any, weights: jax.Array) -> jax.Device | jax.sharding.Sharding:
+    """Where an entry's host data goes: `placement`, else replicated beside `weights` (over
+    their mesh, or on their device).
+
+    Raises:
+      TypeError: `placement` is not a `jax.Device`, a `Sharding` or None.
+      ValueError: `placement` is on other devices than `weights`.
+    """
+    if placement is None:
+        return replicated(weights.sharding)
+    resolve(placement)  # the type check
+    check_devices(placement, weights.sharding.device_set, "placement")
+    return placement
+
+
+def batch_split(where: Placement, name: str) -> int:
+    """How many ways `where` splits dimension 0 (1 for a device, None or a replicated sharding).
+
+    Raises:
+      ValueError: a sharding that splits another dimension, or one that is not a NamedSharding.
+    """
+    if where is None or isinstance(where, jax.Device | jax.sharding.SingleDeviceSharding):
+        return 1
+    if not isinstance(where, jax.sharding.NamedSharding):
+        if where.is_fully_replicated:
+            return 1
+        raise ValueError(f"{name}: use a NamedSharding over a Mesh, got {where}")
+    spec = tuple(where.spec)
+    if any(entry is not None for entry in spec[1:]):
+        raise ValueError(
+            f"{name} may be split over the batch axis only (dimension 0), got spec {where.spec}"
+        )
+    if not spec or spec[0] is None:
+        return 1
+    names = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    return math.prod(where.mesh.shape[a] for a in names)
 
 
 def replicated(placement: Placement, memory_kind: str | None = None) -> Placement:
@@ -54,6 +132,10 @@ def replicated_near(x: jax.Array) -> jax.sharding.Sharding | None:
     if near is None:
         near = _NEAR[sharding] = _replicated(sharding)
     return near
+
+
+def _ids(devices: frozenset) -> list[int]:
+    return sorted(d.id for d in devices)
 
 
 # x.sharding -> replicated_near's answer: a call costs a lookup, not a new sharding object

@@ -70,22 +70,3 @@ def with_out_sharding(forward: Callable[..., Any], out_sharding: OutSharding) ->
     if out_sharding is None:
         return forward
     return functools.partial(forward, out_sharding=out_sharding)
-
-
-def check_placement(placement: Any, weights: jax.Array, name: str = "placement") -> None:
-    """Refuses an upload placement on other devices than the weights, naming both, before any
-    upload (JAX would fail later with "Received incompatible devices").
-
-    Raises:
-      ValueError: `placement` (a device or sharding) is not on the weights' devices.
-    """
-    if placement is None:
-        return
-    have = placement.device_set if isinstance(placement, Sharding) else {placement}
-    want = weights.sharding.device_set
-    if set(have) != set(want):
-        raise ValueError(
-            f"{name} {placement} is on devices {sorted(d.id for d in have)} but the tower's "
-            f"weights are on {sorted(d.id for d in want)} ({weights.sharding}): leave {name} "
-            "unset (uploads go beside the weights) or place it on the weights' devices"
-        )

@@ -93,16 +93,17 @@ X = "x"
 
 
 class ToyEncoder(jaxsync.TowerEncoder):
-    def __init__(self, model: ToyTower, *, buckets=(8, 16, 32), plan_cache_size: int = 64):
+    def __init__(self, model: ToyTower, *, buckets=(8, 16, 32), placement=None,
+                 plan_cache_size: int = 64):  # fmt: skip
         expect(model, ToyTower)
         self.buckets = tuple(buckets)
-        self.placement = jaxsync.replicated_near(model.proj[...])
         super().__init__(
             model,
             forward,
             name=X,
             checks=(alive(X), self._check_x),
             inside=X,
+            placement=placement,
             fits=_padded,
             plan_cache_size=plan_cache_size,
         )
@@ -130,8 +131,6 @@ class ToyEncoder(jaxsync.TowerEncoder):
             x,
             key,
             self._planner(lengths),
-            placement=self.placement,
-            near=lambda x: self.placement,
             shape=lambda p: (p.padded_rows, self.cfg.in_dim),
             dtype=np.float32,
         )

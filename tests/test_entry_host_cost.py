@@ -184,7 +184,7 @@ def test_same_shape_on_other_devices_is_checked_again(family, call_cache_spy):
     jax.block_until_ready(call(x))
     call_cache_spy.clear()
     away = jax.device_put(x, jax.devices()[1])  # same shape and dtype, away from the weights
-    with pytest.raises(ValueError, match="devices|lives on|live on"):
+    with pytest.raises(ValueError, match="on devices"):
         call(away)
     assert call_cache_spy[0] == "miss"
 

@@ -16,7 +16,6 @@ from operator import attrgetter
 from typing import Any
 
 import jax
-from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxsync
@@ -25,9 +24,9 @@ from jaxsync._batching import BucketEntry, Warmer, committed
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, TowerEntry
-from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
+from jaxsync._placement import batch_split, check_devices, replicated
+from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
-from jaxsync.models.chameleon._placing import batch_shards, check_same_devices, replicated_on
 from jaxsync.models.chameleon._plan import (
     ChameleonPlan,
     bucket_batch_sizes,
@@ -69,15 +68,12 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
       encoder_only: the rows are the VQ encoder's hidden states (latents before `quant_conv`,
         `[T, latent_channels]` per image) instead of the embedded image tokens.
       buckets: image-count buckets (default `IMAGE_BUCKETS`: 1, 4, 8, ...).
-      placement: where host pixels go (a device, or a sharding; one that splits the batch
-        axis over a mesh's data axis pads the batch to a multiple of that axis); one on other
-        devices than the weights is refused.
       missing_code_id: see `ImageVocabularyMapping` (None: a VQ code without a name is an
         error).
       cache: the `DeviceCache` for the text-side tables (default: the process-wide one).
-      out_sharding: where the rows go (`forward`'s option): None replicates them over the
-        weights' mesh; a `PartitionSpec` over that mesh (e.g. `P("data")` for a batch split
-        over "data") or a `Sharding` as the server asks.
+      placement, out_sharding: as `TowerEncoder`'s; pixels (host ones at `placement`) may be
+        split over a mesh's data axis (dimension 0) and nowhere else, and the batch is then
+        padded to a multiple of that axis.
 
     It runs `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`), one program per batch
     bucket; the first call of a bucket also compiles the tiny row slices (and row pads for
@@ -101,7 +97,7 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         self.mapping.check_code_table()  # the tokenizer needs every code named
         self.missing_code_id = missing_code_id
         self.encoder_only = bool(encoder_only)
-        self.buckets, self.placement = buckets, placement
+        self.buckets = buckets
         vq = self.cfg.vq
         self.image_shape = (vq.in_channels, vq.resolution, vq.resolution)
         self.tokens_per_image = vq.tokens_per_image
@@ -119,15 +115,12 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
             with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
             name=PIXELS,
             checks=checks,
+            placement=placement,
             entry=ft.partial(kind, output=_as_embeddings),
         )
         self._tokens = self._entry_over(self.program, output=_as_token_rows)
         self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._programs.append(self._vq)
-        leaf = jax.tree.leaves(nnx.state(model))[0]
-        check_placement(placement, leaf)
-        if placement is None and len(self._weights) > 1:  # host pixels go to the weights
-            self.placement = replicated_on(leaf.sharding)
 
     @classmethod
     def from_pretrained(
@@ -193,7 +186,7 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         """Committed pixels on the weights' devices, split (if at all) over the batch axis."""
         where = committed(pixel_values)
         if where is not None:
-            check_same_devices(where, self._weights, PIXELS)
+            check_devices(pixel_values, self._weights, PIXELS)
         self._at(pixel_values)
 
     def _run(self, pixel_values, entry: TowerEntry):
@@ -205,7 +198,6 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         return entry.run(
             pixel_values, key, self._planner, placement=lambda: self._at(None)[1],
             near=lambda x: self._at(x)[1], shape=lambda p: (p.rows, *self.image_shape),
-            stage_at=self.placement,
         )  # fmt: skip
 
     def _planner(self, pixels, where):
@@ -220,7 +212,7 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         hit = self._placings.get(where)
         if hit is None:
             name = PIXELS if on_device else "placement"
-            hit = self._placings[where] = (batch_shards(where, name), replicated_on(where))
+            hit = self._placings[where] = (batch_split(where, name), replicated(where, "device"))
         return hit
 
 

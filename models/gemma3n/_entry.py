@@ -14,8 +14,7 @@ import jax
 import jaxsync
 from jaxsync._calls import prepared_call
 from jaxsync._encoder import TowerEncoder, content_key
-from jaxsync._entry import Planned, alive, devices_of
-from jaxsync._placement import replicated
+from jaxsync._entry import Planned, alive
 from jaxsync.check import entry_point
 from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward
@@ -59,12 +58,7 @@ class Gemma3nAudioEncoder(TowerEncoder):
         frame_buckets: frame buckets for host features: increasing sizes, or an int G (a
             multiple of G); default `gemma3n.FRAME_BUCKETS` (the released processor's shapes).
         batch_buckets: clip-count buckets for host features; default `gemma3n.CLIP_BUCKETS`.
-        placement: where host features go (a device, or a sharding such as
-            `NamedSharding(mesh, P("data"))` for data-parallel clips); default: next to the
-            weights. Device features stay where they are.
-        plan_cache_size: distinct (mask, placement) plans kept.
-        out_sharding: where the rows go (`forward`'s option): None replicates them over the
-            weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
+        placement, plan_cache_size, out_sharding: as `TowerEncoder`'s.
 
     Attributes:
         cfg: the config the entry plans with.
@@ -90,18 +84,12 @@ class Gemma3nAudioEncoder(TowerEncoder):
             name=FEATURES,
             checks=(alive(FEATURES), device_check(model.cfg.input_feat_size)),
             inside=FEATURES,
+            placement=placement,
             plan_cache_size=plan_cache_size,
         )
         if overflow is not None:
             self.cfg = dataclasses.replace(self.cfg, overflow=overflow)
         self._pad = PadEmbedding(model)
-        self.placement = self._pad.home if placement is None else placement
-        self._meta_at = replicated(self.placement, "device")  # host inputs' metadata
-        if devices_of(self.placement) != self._weights:
-            raise ValueError(
-                f"placement uses devices {sorted(map(str, devices_of(self.placement)))} but the "
-                f"weights live on {sorted(map(str, self._weights))}"
-            )
 
     def _took(self, model: Gemma3nAudioModel) -> None:
         self._pad.take(model)

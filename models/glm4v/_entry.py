@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxsync
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, content_key, expect
 from jaxsync._entry import alive
 from jaxsync.check import entry_point
-from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
+from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.glm4v import _modules, _plan
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, forward_encoder_only
 from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan, check_grid
@@ -30,14 +29,10 @@ class Glm4vVisionEncoder(TowerEncoder):
     Args:
       model: the tower (e.g. from `load_model`).
       buckets: the static sizes plans pad to (default `Glm4vBuckets()`).
-      placement: device or sharding for host uploads (None: replicated beside the weights;
-        one on other devices than the weights is refused).
-      plan_cache_size: host plans (and their uploaded metadata) kept per `grid_thw` mix.
       layout: how each image / frame attends only to itself (`AttentionLayout`: "ragged",
         "dense", "segments" or "auto", the default).
       encoder_only: return the tokens before the patch merger as the rows (no merger runs).
-      out_sharding: where the rows go (`forward`'s option): None replicates them over the
-        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
+      placement, plan_cache_size, out_sharding: as `TowerEncoder`'s.
 
     Attributes:
       cfg: the tower's config (`model.cfg`, with its resolved attention).
@@ -62,14 +57,13 @@ class Glm4vVisionEncoder(TowerEncoder):
         self.dtype, self.buckets = model.dtype, _plan.check_buckets(buckets)
         self.encoder_only = bool(encoder_only)
         self._took(model)
-        check_placement(placement, self._table)
-        self.placement = _beside(self._table.sharding) if placement is None else placement
         super().__init__(
             model,
             with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
             name=PIXELS,
             checks=(self._check_pixels, alive(PIXELS)),
             inside=PIXELS,
+            placement=placement,
             fits=_padded,
             plan_cache_size=plan_cache_size,
         )
@@ -92,13 +86,6 @@ class Glm4vVisionEncoder(TowerEncoder):
             return (key, n, where), lambda: self.plan(grid, n)  # validates the grid
 
         return planner
-
-    def _near(self, pixels: jax.Array):
-        """Uploads beside checked device pixels (replicated over their mesh)."""
-        if isinstance(pixels, jax.core.Tracer):  # traced by a checker: placement is the jit's
-            return self.placement
-        near = _beside(pixels.sharding)
-        return self.placement if near is None else near
 
     @reads("type", "shape", "dtype")
     def _check_pixels(self, pixel_values) -> None:
@@ -134,26 +121,16 @@ class Glm4vVisionEncoder(TowerEncoder):
         run, key = self._calls.find(pixel_values, image_grid_thw)
         if run is not None:
             return run(pixel_values)
-        return self._entry.run(
-            pixel_values, key, self._planner(image_grid_thw), placement=self.placement,
-            near=self._near, shape=lambda p: (p.padded_patches, self.cfg.patch_dim),
-            dtype=self.dtype,
-        )  # fmt: skip
+        shape = lambda p: (p.padded_patches, self.cfg.patch_dim)  # noqa: E731
+        return self._entry.run(pixel_values, key, self._planner(image_grid_thw), shape=shape,
+                               dtype=self.dtype)  # fmt: skip
 
     @entry_point
     def pos_embeds(self, image_grid_thw) -> jax.Array:
         """Interpolated position embeddings of a batch alone: [P_bucket, D] in the model dtype
         (upstream's `pos_embeds_interpolate`); rows >= sum(t*h*w) are padding."""
-        key, build = self._planner(image_grid_thw)(None, self.placement)
-        return _pos_program(self._table, self._entry.planned(key, build, self.placement).meta)
-
-
-def _beside(sharding) -> jax.Device | NamedSharding | None:
-    """Where per-call uploads go beside `sharding`: replicated over its mesh, or its device."""
-    if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec())
-    have = sharding.device_set
-    return next(iter(have)) if len(have) == 1 else None
+        key, build = self._planner(image_grid_thw)(None, self._meta_at)
+        return _pos_program(self._table, self._entry.planned(key, build, self._meta_at).meta)
 
 
 @reads("shape", "metadata")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -16,7 +15,7 @@ from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
 from jaxsync.check import entry_point
-from jaxsync.models._sharding import OutSharding, check_placement, with_out_sharding
+from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.qwen3_omni._features import call_inputs, check_feature_lens
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
 from jaxsync.models.qwen3_omni._plan import (
@@ -30,10 +29,6 @@ from jaxsync.models.qwen3_omni._plan import (
 FEATURES = "features"
 
 
-def _devices(sharding: jax.sharding.Sharding) -> list[str]:
-    return sorted(str(d) for d in sharding.device_set)
-
-
 class Qwen3OmniAudioEncoder(TowerEncoder):
     """Sync-free Qwen3-Omni audio encoder: host lengths in, device embeddings out.
 
@@ -45,9 +40,6 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
 
     Args:
       model: the `Qwen3OmniAudioTower` (e.g. from `load_model`).
-      placement: device or sharding for the per-call uploads; None puts them next to device
-        features, or next to the weights (replicated over their mesh) for host features. One
-        on other devices than the weights is refused.
       buckets: the sizes programs are compiled for (`Qwen3OmniBuckets`; default: frames,
         windows and items at about four sizes per octave, items from 16).
       window_buckets: attention-window counts alone (replaces `buckets.windows`); coarser
@@ -71,17 +63,10 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         out_sharding: OutSharding = None,
     ):
         expect(model, Qwen3OmniAudioTower)
-        if placement is not None and not isinstance(placement, jax.Device | jax.sharding.Sharding):
-            raise TypeError(
-                f"placement must be a jax.Device, a Sharding or None, got {placement!r}"
-            )
         self.buckets = entry_buckets(buckets, window_buckets)
-        self.placement, leaf = placement, jax.tree.leaves(model)[0]
-        self._home = jaxsync.replicated_near(leaf)  # host features go up next to the weights
-        check_placement(placement, leaf)
-        checks = (alive(FEATURES), self._check_features, self._check_devices)
         super().__init__(model, with_out_sharding(forward, out_sharding), name=FEATURES,
-                         checks=checks, plan_cache_size=plan_cache_size)  # fmt: skip
+                         checks=(alive(FEATURES), self._check_features), inside=FEATURES,
+                         placement=placement, plan_cache_size=plan_cache_size)  # fmt: skip
 
     def plan(self, features_shape: Sequence[int], feature_lens: Any) -> Qwen3OmniPlan:
         """Validates shapes and lengths on the host and plans the batch (no device work).
@@ -96,32 +81,6 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
     def _check_features(self, features: Any) -> None:
         if not jnp.issubdtype(features.dtype, jnp.floating):
             raise TypeError(f"features must be floating point, got dtype {features.dtype}")
-
-    @reads("sharding")
-    def _check_devices(self, features: jax.Array) -> None:
-        """Refuses device features away from the weights or from the upload placement."""
-        if isinstance(features, jax.core.Tracer):
-            return
-        have = features.sharding.device_set
-        if have != self._weights:
-            raise ValueError(
-                f"features are on devices {_devices(features.sharding)} but the encoder's weights "
-                f"are on {sorted(str(d) for d in self._weights)}: place them on the same "
-                "devices (or mesh)"
-            )
-        target = self.placement
-        if target is not None:
-            if ({target} if isinstance(target, jax.Device) else target.device_set) != have:
-                raise ValueError(
-                    f"features are on devices {_devices(features.sharding)} but the encoder "
-                    f"uploads to placement {target}"
-                )
-
-    def _near(self, features: jax.Array) -> Any:
-        """Where device features' metadata goes: the placement, else beside them."""
-        if self.placement is None and not isinstance(features, jax.core.Tracer):
-            return jaxsync.replicated_near(features)
-        return self.placement
 
     def _planner(self, feature_lens: Any):
         """`planner(features, where)`: `plan()` cached per (shape, dtype, placement, lengths).
@@ -180,6 +139,5 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         features, feature_lens, name = call_inputs(
             features, feature_lens, input_features, feature_attention_mask
         )
-        home = self._home if self.placement is None else self.placement
-        return self._entry.run(features, key, self._planner(feature_lens), placement=home,
-                               near=self._near, dtype=np.float32, name=name)  # fmt: skip
+        return self._entry.run(features, key, self._planner(feature_lens), dtype=np.float32,
+                               name=name)  # fmt: skip

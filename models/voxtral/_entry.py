@@ -18,15 +18,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, content_key, expect
 from jaxsync._entry import alive
-from jaxsync._placement import replicated
-from jaxsync.models._sharding import OutSharding, check_placement
+from jaxsync.models._sharding import OutSharding
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._mel_plan import (
@@ -57,13 +55,10 @@ class VoxtralAudioEncoder(TowerEncoder):
         model's bins); its `num_mel_bins` must match the model and its n_fft must be even (an
         odd one does not fill whole windows).
       chunk_buckets: allowed padded window counts (default: powers of two).
-      placement: device or sharding for host uploads (default: where the weights live,
-        replicated over their mesh); one on other devices than the weights is refused.
       project: True: the projector's rows (the language model's audio embeddings); False: the
         Whisper encoder's hidden states (`last_hidden_state` rows, `max_source_positions` per
         window).
-      out_sharding: where the rows go (`forward`'s option): None replicates them over the
-        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
+      placement, out_sharding: as `TowerEncoder`'s.
 
     Attributes:
       cfg: the audio config; mel_config: the front end's; mel: its static settings.
@@ -97,6 +92,7 @@ class VoxtralAudioEncoder(TowerEncoder):
             name=FEATURES,
             checks=(alive(FEATURES), features_check(cfg)),
             inside="inputs",
+            placement=placement,
         )
         self._features, self._input_features = self.program, self._entry
         self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
@@ -104,10 +100,6 @@ class VoxtralAudioEncoder(TowerEncoder):
             self._waveforms, name="waveforms", checks=(_waveforms, self._inside)
         )
         self._audio_calls, self._feature_calls = self._audio.calls, self._calls
-        leaf = jax.tree.leaves(nnx.state(model))[0]
-        check_placement(placement, leaf)
-        self.placement = replicated(leaf.sharding) if placement is None else placement
-        self._meta_at = replicated(self.placement)  # host inputs' metadata
 
     @property
     def num_state_args(self) -> int:
@@ -209,11 +201,8 @@ class VoxtralAudioEncoder(TowerEncoder):
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
         want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
-        return self._entry.run(
-            features, call_key, self._features_planner(num_chunks), placement=self._meta_at,
-            near=jaxsync.replicated_near, rank=3, shape=lambda p: (p.chunks, *want),
-            dtype=np.float32, stage_at=self.placement,
-        )  # fmt: skip
+        return self._entry.run(features, call_key, self._features_planner(num_chunks), rank=3,
+                               shape=lambda p: (p.chunks, *want), dtype=np.float32)  # fmt: skip
 
     def _features_planner(self, num_chunks: Any):
         """`planner(features, where)`: the plan, checks of num_chunks included, cached per

@@ -41,6 +41,7 @@ import numpy as np
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import CallCache, prepared_call
+from jaxsync._placement import check_devices, devices_of
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._filters import periodic_hann, slaney_mel_filters
 from jaxsync.models.voxtral._mel_plan import (
@@ -252,7 +253,8 @@ def log_mel_spectrogram(
         max_length=max_length,
     )  # fmt: skip
     if on_device:
-        check_placement(x, placement, name="waveforms")
+        if placement is not None:
+            check_devices(x, devices_of(placement), "waveforms", other="placement=")
     else:
         x = jaxsync.default_staging.upload(stage_batch(x, lens, (b_pad, width), placement))
     meta = jaxsync.upload_packed(plan, placement=jaxsync.replicated_near(x))
@@ -283,17 +285,3 @@ def _settings_token(settings: tuple) -> tuple[int] | None:
         return None
     token = _TOKENS.get(settings)
     return _TOKENS.setdefault(settings, (next(_COUNT),)) if token is None else token
-
-
-def check_placement(x: jax.Array, placement: Any, *, name: str) -> None:
-    """A device input and an explicit `placement=` must name the same devices."""
-    if placement is None or isinstance(x, jax.core.Tracer):
-        return
-    want = placement if isinstance(placement, jax.Device) else None
-    devices = {want} if want is not None else set(placement.device_set)
-    have = set(x.sharding.device_set)
-    if have != devices:
-        raise ValueError(
-            f"{name} live on devices {sorted(d.id for d in have)} but placement= names devices "
-            f"{sorted(d.id for d in devices)}: move the input or drop placement="
-        )

@@ -101,7 +101,8 @@ def test_device_pixels_refused(enc, monkeypatch):
     _refused(monkeypatch, ValueError, "deleted", enc, gone)
     d0, d1 = jaxsync.testing.two_devices()
     elsewhere = jax.device_put(_px(2), d1)  # weights live on d0
-    _refused(monkeypatch, ValueError, "lives on .* but the VQ weights on", enc, elsewhere)
+    off = "pixel_values on devices .*, but the weights on devices"
+    _refused(monkeypatch, ValueError, off, enc, elsewhere)
 
 
 def test_pixels_split_off_the_batch_axis_refused(enc, monkeypatch):

@@ -183,7 +183,7 @@ def test_upload_placement_away_from_the_weights_is_refused_when_built():
     refused before any upload, naming both placements."""
     tower = q3.Qwen3OmniAudioTower(CFG, rngs=nnx.Rngs(0))
     with pytest.raises(
-        ValueError, match=r"placement cpu:1 is on devices \[1\] .* weights are on \[0\]"
+        ValueError, match=r"placement \(cpu:1\) on devices \[1\], but the weights on devices \[0\]"
     ):
         q3.Qwen3OmniAudioEncoder(tower, placement=jax.devices()[1])
 

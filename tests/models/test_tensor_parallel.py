@@ -283,6 +283,11 @@ def test_entry_refuses_a_placement_away_from_the_weights(case, sharded):
     case.encoder(sharded, placement=NamedSharding(_mesh(), P()))
 
 
+def test_entry_refuses_a_placement_of_another_type(case, sharded):
+    with pytest.raises(TypeError, match="placement must be a jax.Device, a Sharding or None"):
+        case.encoder(sharded, placement="cpu:0")
+
+
 def test_glm4v_column_split_of_the_stored_qkv_gathers(tmp_path, monkeypatch):
     """Negative control: transformers' fused qkv order ([3, N, H] columns) split by column puts
     q heads on some devices and v heads on others, so attention must gather them."""

@@ -141,7 +141,8 @@ def test_encoder_bad_features_and_keywords(encoder, uploads, kw, exc, match):
 
 def test_encoder_device_inputs_stale_or_misplaced(encoder, uploads):
     x = jax.device_put(X, jax.devices()[1])
-    with refused(uploads, ValueError, "inputs live on devices \\[1\\] but the weights on \\[0\\]"):
+    off = r"inputs on devices \[1\], but the weights on devices \[0\]"
+    with refused(uploads, ValueError, off):
         encoder(x, [5000, 3000])
     dead = jax.device_put(X)
     dead.delete()  # as after donation to another program
@@ -226,7 +227,8 @@ def test_log_mel_metadata(uploads, kw, exc, match):
 def test_log_mel_device_input_stale_or_misplaced(uploads):
     cfg = MelConfig(num_mel_bins=80)
     x = jax.device_put(X, jax.devices()[2])
-    with refused(uploads, ValueError, r"live on devices \[2\] but placement= names devices \[0\]"):
+    off = r"waveforms on devices \[2\], but placement= on devices \[0\]"
+    with refused(uploads, ValueError, off):
         log_mel_spectrogram(x, [5000, 3000], config=cfg, placement=jax.devices()[0])
     x.delete()
     with refused(uploads, ValueError, "waveforms was deleted"):

@@ -177,7 +177,7 @@ def test_sharded_input_follows_its_placement():
     want = log_mel_spectrogram(jax.device_put(host), lens, config=cfg)
     np.testing.assert_array_equal(np.asarray(got.features), np.asarray(want.features))
     np.testing.assert_array_equal(np.asarray(got.finite), np.asarray(want.finite))
-    with pytest.raises(ValueError, match="placement= names devices"):
+    with pytest.raises(ValueError, match="but placement= on devices"):
         log_mel_spectrogram(x, lens, config=cfg, placement=jax.devices()[0])
 
 

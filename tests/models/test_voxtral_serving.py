@@ -115,7 +115,7 @@ def test_data_parallel_inputs_over_replicated_weights(checkpoint):
     assert np.asarray(got.extras["finite"]).all()
     host_in = enc(host, lens)  # host data: uploaded next to the weights
     np.testing.assert_allclose(host_in.embeddings, want.embeddings, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="inputs live on devices"):
+    with pytest.raises(ValueError, match="inputs on devices"):
         single(x, lens)
 
 
