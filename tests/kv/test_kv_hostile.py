@@ -155,13 +155,16 @@ INTS = st.one_of(st.integers(-2, 9), st.floats(-2, 9), st.booleans(), st.none(),
 
 @SETTINGS
 @given(block_ids=IDS, block_size=INTS, num_tokens=INTS)
+@example(block_ids=np.array([-1]), block_size=1, num_tokens=0)  # padding, no block kept
+@example(block_ids=[-1, 3], block_size=2, num_tokens=5)  # a padded block's slots are -1
+@example(block_ids=[-2, 3], block_size=2, num_tokens=5)  # -2 is no padding: refused
 def test_slot_mapping_for(block_ids, block_size, num_tokens):
     def is_int(x):
         return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
 
-    ids = valid_ids(
-        block_ids, np.iinfo(np.int32).max // max(2, int(block_size) if is_int(block_size) else 2)
-    )
+    # -1 is a padded entry of the block table (documented): accepted, its slots are -1
+    limit = np.iinfo(np.int32).max // max(2, int(block_size) if is_int(block_size) else 2)
+    ids = valid_ids(block_ids, limit, padding=True)
     ok = is_int(block_size) and block_size > 0 and is_int(num_tokens) and num_tokens >= 0
     kept = (num_tokens - 1) // block_size if ok and num_tokens else 0
     if not ok or ids is None or ids.size < kept:
@@ -169,7 +172,8 @@ def test_slot_mapping_for(block_ids, block_size, num_tokens):
             slot_mapping_for(block_ids, block_size, num_tokens)
         assert str(info.value)
         return
-    want = (ids[:kept, None] * block_size + np.arange(block_size)).reshape(-1)
+    slots = ids[:kept, None] * block_size + np.arange(block_size)
+    want = np.where(ids[:kept, None] == -1, -1, slots).reshape(-1)
     np.testing.assert_array_equal(slot_mapping_for(block_ids, block_size, num_tokens), want)
 
 
