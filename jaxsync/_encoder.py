@@ -4,10 +4,10 @@ A family's entry (`<Family><Modality>Encoder`) subclasses it and supplies its ch
 planner, its forward and its options:
 
     class FooEncoder(TowerEncoder):
-        def __init__(self, model, *, placement=None, plan_cache_size=64):
+        def __init__(self, model, *, placement=None, out_sharding=None):
             expect(model, FooTower)
             super().__init__(model, forward, name="x", checks=(alive("x"), self._check),
-                             inside="x", placement=placement, plan_cache_size=plan_cache_size)
+                             inside="x", placement=placement, out_sharding=out_sharding)
 
         @entry_point
         def __call__(self, x, lengths):
@@ -30,6 +30,7 @@ import jax
 from flax import nnx
 
 from jaxsync._entry import TowerEntry, on_devices
+from jaxsync._out_sharding import OutSharding, with_out_sharding
 from jaxsync._placement import Placement, entry_placement, replicated
 from jaxsync._plans import metadata_key
 from jaxsync._tower import TowerProgram
@@ -78,12 +79,12 @@ class TowerEncoder:
 
     Args:
       model: the family's tower; its `cfg` becomes the encoder's.
-      forward: the family's forward (its options bound).
+      forward: the family's forward (its options bound but `out_sharding`).
       name: the device input's name in errors.
       checks: the family's checks of a device input, each declared with `reads`.
       inside: a device input must live on the weights' devices (named so in the error);
         None: the family checks placement itself.
-      placement: above.
+      placement, out_sharding: above.
       fits, plan_cache_size: as `TowerEntry`'s.
       entry: what builds the entry, called as `TowerEntry` is (default), e.g. a
         `functools.partial` of `jaxsync._batching.BucketEntry` with its options bound.
@@ -91,6 +92,7 @@ class TowerEncoder:
     Attributes:
       cfg: the tower's config.
       placement: where host inputs go (`placement` resolved).
+      out_sharding: where the rows go, as given.
       program: the `jaxsync.TowerProgram` (`.lower(...)`, `.leaves`, `.num_state_args`).
       plans: the `PlanCache` of plans and their uploads (`len()`, `clear()`).
     """
@@ -104,6 +106,7 @@ class TowerEncoder:
         checks: Iterable[Callable[[jax.Array], Any]] = (),
         inside: str | None = None,
         placement: Placement = None,
+        out_sharding: OutSharding = None,
         fits: Callable[[jax.Array, Any], Any] | None = None,
         plan_cache_size: int = 64,
         entry: Callable[..., TowerEntry] = TowerEntry,
@@ -115,14 +118,22 @@ class TowerEncoder:
         if inside is not None:  # `_inside`: the same check, for the family's other inputs
             self._inside = on_devices(self._weights, inside)
             checks = (*checks, self._inside)
-        self.program = TowerProgram(model, forward)
-        self._programs = [self.program]  # what `load_state` updates (a family may add its own)
+        self.out_sharding = out_sharding
+        self._programs: list[TowerProgram] = []  # what `load_state` updates
+        self.program = self._program_of(model, forward)
         options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size,
                        placement=self._meta_at, stage_at=self.placement)  # fmt: skip
         self._entry_kind, self._entry_options = entry, options  # what `_entry_over` builds with
         self._entry = entry(self.program, **options)
         self.plans = self._entry.plans
         self._calls = self._entry.calls  # repeated calls on device inputs
+
+    def _program_of(self, model: nnx.Module, forward: Callable[..., Any]) -> TowerProgram:
+        """`TowerProgram(model, forward)` with the encoder's `out_sharding` bound, updated by
+        `load_state` (a family's second program: another input kind)."""
+        program = TowerProgram(model, with_out_sharding(forward, self.out_sharding))
+        self._programs.append(program)
+        return program
 
     def _entry_over(self, program: TowerProgram, **options: Any) -> TowerEntry:
         """Another entry over the encoder's plan cache (another output form, or another program,

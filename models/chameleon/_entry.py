@@ -24,8 +24,8 @@ from jaxsync._batching import BucketEntry, Warmer, committed
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, TowerEntry
+from jaxsync._out_sharding import OutSharding
 from jaxsync._placement import batch_split, check_devices, replicated
-from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
 from jaxsync.models.chameleon._plan import (
     ChameleonPlan,
@@ -112,10 +112,11 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         TowerEncoder.__init__(
             self,
             model,
-            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
+            forward_encoder_only if self.encoder_only else forward,
             name=PIXELS,
             checks=checks,
             placement=placement,
+            out_sharding=out_sharding,
             entry=ft.partial(kind, output=_as_embeddings),
         )
         self._tokens = self._entry_over(self.program, output=_as_token_rows)

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxsync
-from jaxsync.models._sharding import OutSharding, place_rows
+from jaxsync._out_sharding import OutSharding, place_rows
 from jaxsync.models.chameleon._config import ChameleonConfig, ChameleonVQConfig
 from jaxsync.models.chameleon._vocab import img2bpe
 from jaxsync.models.chameleon._vq_encoder import Encoder, conv

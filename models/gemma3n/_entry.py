@@ -15,8 +15,8 @@ import jaxsync
 from jaxsync._calls import prepared_call
 from jaxsync._encoder import TowerEncoder, content_key
 from jaxsync._entry import Planned, alive
+from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
-from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward
 from jaxsync.models.gemma3n._inputs import (
     FEATURES,
@@ -80,11 +80,12 @@ class Gemma3nAudioEncoder(TowerEncoder):
         self.buckets = entry_buckets(frame_buckets, batch_buckets)
         super().__init__(
             model,
-            with_out_sharding(forward if self.embed else encode, out_sharding),
+            forward if self.embed else encode,
             name=FEATURES,
             checks=(alive(FEATURES), device_check(model.cfg.input_feat_size)),
             inside=FEATURES,
             placement=placement,
+            out_sharding=out_sharding,
             plan_cache_size=plan_cache_size,
         )
         if overflow is not None:

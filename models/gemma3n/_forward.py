@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
-from jaxsync.models._sharding import OutSharding, place_rows
+from jaxsync._out_sharding import OutSharding, place_rows
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 
 

@@ -9,8 +9,8 @@ import jaxsync
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, content_key, expect
 from jaxsync._entry import alive
+from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
-from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.glm4v import _modules, _plan
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, forward_encoder_only
 from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan, check_grid
@@ -59,11 +59,12 @@ class Glm4vVisionEncoder(TowerEncoder):
         self._took(model)
         super().__init__(
             model,
-            with_out_sharding(forward_encoder_only if self.encoder_only else forward, out_sharding),
+            forward_encoder_only if self.encoder_only else forward,
             name=PIXELS,
             checks=(self._check_pixels, alive(PIXELS)),
             inside=PIXELS,
             placement=placement,
+            out_sharding=out_sharding,
             fits=_padded,
             plan_cache_size=plan_cache_size,
         )

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
+from jaxsync._out_sharding import OutSharding, place_rows
 from jaxsync.models._activations import activation, gelu
 from jaxsync.models._attention import AttentionImpl, resolve_attention
-from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.glm4v._attention import Attention, RaggedSegments, linear, rotary_cos_sin
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._interp import interpolate_pos_embed

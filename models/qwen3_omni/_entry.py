@@ -14,8 +14,8 @@ import jaxsync
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
+from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
-from jaxsync.models._sharding import OutSharding, with_out_sharding
 from jaxsync.models.qwen3_omni._features import call_inputs, check_feature_lens
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
 from jaxsync.models.qwen3_omni._plan import (
@@ -64,9 +64,9 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
     ):
         expect(model, Qwen3OmniAudioTower)
         self.buckets = entry_buckets(buckets, window_buckets)
-        super().__init__(model, with_out_sharding(forward, out_sharding), name=FEATURES,
-                         checks=(alive(FEATURES), self._check_features), inside=FEATURES,
-                         placement=placement, plan_cache_size=plan_cache_size)  # fmt: skip
+        super().__init__(model, forward, name=FEATURES, inside=FEATURES,
+                         checks=(alive(FEATURES), self._check_features), placement=placement,
+                         out_sharding=out_sharding, plan_cache_size=plan_cache_size)  # fmt: skip
 
     def plan(self, features_shape: Sequence[int], feature_lens: Any) -> Qwen3OmniPlan:
         """Validates shapes and lengths on the host and plans the batch (no device work).

@@ -21,8 +21,8 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float
 
 import jaxsync
+from jaxsync._out_sharding import OutSharding, place_rows
 from jaxsync.models._activations import activation, gelu
-from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK, Qwen3OmniAudioConfig
 from jaxsync.models.qwen3_omni._plan import Qwen3OmniMeta
 

@@ -24,7 +24,7 @@ import jaxsync.check
 from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, content_key, expect
 from jaxsync._entry import alive
-from jaxsync.models._sharding import OutSharding
+from jaxsync._out_sharding import OutSharding
 from jaxsync.models.voxtral._config import MelConfig
 from jaxsync.models.voxtral._mel import MelSpec
 from jaxsync.models.voxtral._mel_plan import (
@@ -88,14 +88,15 @@ class VoxtralAudioEncoder(TowerEncoder):
         # one entry each over one plan cache.
         super().__init__(
             model,
-            server_form(project, None, out_sharding),
+            server_form(project),
             name=FEATURES,
             checks=(alive(FEATURES), features_check(cfg)),
             inside="inputs",
             placement=placement,
+            out_sharding=out_sharding,
         )
         self._features, self._input_features = self.program, self._entry
-        self._waveforms = jaxsync.TowerProgram(model, server_form(project, self.mel, out_sharding))
+        self._waveforms = self._program_of(model, server_form(project, self.mel))
         self._audio = self._entry_over(
             self._waveforms, name="waveforms", checks=(_waveforms, self._inside)
         )

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxsync
+from jaxsync._out_sharding import OutSharding, place_rows
 from jaxsync.models._activations import gelu as _gelu
 from jaxsync.models._attention import AttentionImpl, resolve_attention
-from jaxsync.models._sharding import OutSharding, place_rows
 from jaxsync.models.voxtral._config import VoxtralAudioConfig
 from jaxsync.models.voxtral._mel import MelSpec, log_mel_rows
 

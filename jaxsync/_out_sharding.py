@@ -1,5 +1,5 @@
-"""Where a tower's output rows go: the `out_sharding` option of the families' forwards and
-entries.
+"""Where a tower's output rows go: the `out_sharding` option of every family's forward and
+entry.
 
 A tower whose weights are split over a mesh's "model" axis computes its rows from partial sums
 that every model shard ends up holding; left to the compiler, the rows may come out split over
