@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsync._calls import prepared_call
+from jaxsync._calls import prepared_call, reads
 from jaxsync._entry import Planned, TowerEntry
 from jaxsync._outputs import Encoded
+from jaxsync._placement import batch_split, replicated
 
 
 @ft.cache
@@ -39,6 +40,40 @@ def committed(x: jax.Array) -> jax.sharding.Sharding | None:
     if isinstance(x, jax.core.Tracer) or not x.committed:
         return None
     return x.sharding
+
+
+class BatchSplit:
+    """How a batch is split over devices, per placement: `(shards, meta_at)`, memoised.
+
+    A batch may be split over a mesh's data axis (dimension 0) and nowhere else
+    (`jaxsync._placement.batch_split`): `shards` is the number of pieces (the plan pads the
+    batch to a multiple of it) and `meta_at` where the call's metadata goes (replicated over
+    the batch's devices). Device input is taken where it lives, host input at `placement`.
+    Only valid placements are kept, so a repeated call costs one lookup.
+    """
+
+    def __init__(self, placement: Any, name: str):
+        self.placement, self.name = placement, name
+        self.known: dict[Any, tuple[int, Any]] = {}
+
+    def __call__(self, x: Any) -> tuple[int, Any]:
+        """`(shards, meta_at)` of device input `x` where it lives, else of host input."""
+        on_device = isinstance(x, jax.Array)
+        where = committed(x) if on_device else self.placement
+        hit = self.known.get(where)
+        if hit is None:
+            name = self.name if on_device else "placement"
+            hit = self.known[where] = (batch_split(where, name), replicated(where, "device"))
+        return hit
+
+    def shards(self, where: Any) -> int:
+        """The shards of a batch placed at `where`, a placement seen before."""
+        return self.known[where][0]
+
+    @reads("sharding", "committed")
+    def check(self, x: jax.Array) -> None:
+        """Refuses a device batch split off dimension 0 (ValueError)."""
+        self(x)
 
 
 class Warmer:
@@ -82,6 +117,12 @@ class BucketEntry(TowerEntry):
       output: the entry's output form, `output(encoded, planned)` (e.g. `planned.finish`).
       warm: the encoder's `Warmer`, run after the first call of a bucket.
 
+      split: the `BatchSplit` to share with another entry of the encoder (default: its own,
+        of host input at `stage_at`).
+
+    The split checks a device batch last, and `run` places metadata by it: beside the batch,
+    over the devices it is split across.
+
     A device batch of `rows` items runs as `TowerEntry`'s (the program and the output, kept);
     a smaller one keeps the pad, the program and the output as its repeated call.
     """
@@ -93,10 +134,22 @@ class BucketEntry(TowerEntry):
         batch: Callable[[Any], int],
         output: Callable[[Encoded, Planned], Any],
         warm: Warmer,
+        name: str,
+        checks: Iterable[Callable[[jax.Array], Any]] = (),
+        stage_at: Any = None,
+        split: BatchSplit | None = None,
         **options: Any,
     ):
-        super().__init__(program, **options)
+        self.split = BatchSplit(stage_at, name) if split is None else split
+        checks = (*checks, self.split.check)
+        super().__init__(program, name=name, checks=checks, stage_at=stage_at, **options)
         self.batch, self.output, self.warm = batch, output, warm
+
+    def run(self, x: Any, key: Hashable | None, planner: Callable, **options: Any) -> Any:
+        """`TowerEntry.run`, the metadata placed by the batch split unless `options` say."""
+        split = self.split
+        at = dict(placement=lambda: split(None)[1], near=lambda x: split(x)[1])
+        return super().run(x, key, planner, **{**at, **options})
 
     def finished(self, x: Any, out: Encoded, p: Planned, where: Any) -> Any:
         self.warm(x, out, self.batch(p.plan), where)

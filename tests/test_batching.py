@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-from jaxsync._batching import BucketEntry, Warmer, committed, pad_batch
+from jaxsync._batching import BatchSplit, BucketEntry, Warmer, committed, pad_batch
 from jaxsync._calls import reads
 from jaxsync._entry import TowerEntry
 from jaxsync._placement import replicated
@@ -241,3 +241,32 @@ def test_a_second_entry_shares_the_plans_and_its_program_takes_new_weights():
     new, old = other.program(x, meta).rows, apart(x, meta).rows
     np.testing.assert_allclose(np.asarray(new), np.asarray(x @ model.w[...]), rtol=1e-6)
     assert not np.allclose(np.asarray(new), np.asarray(old))
+
+
+def test_a_batch_split_counts_the_data_shards_and_keeps_valid_placements_only():
+    mesh = jax.make_mesh(
+        (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    host_at = NamedSharding(mesh, P("data"))
+    split = BatchSplit(host_at, "x")
+    assert split(None) == (4, replicated(host_at, "device"))  # host input: at the placement
+    x = jax.device_put(np.zeros((8, D), np.float32), NamedSharding(mesh, P(("data", "model"))))
+    assert split(x)[0] == 8 and split.shards(x.sharding) == 8  # device input: where it lives
+    one = jax.device_put(np.zeros((8, D), np.float32), jax.devices()[0])
+    assert split(one) == (1, one.sharding) and split.shards(one.sharding) == 1
+    off = jax.device_put(np.zeros((8, D), np.float32), NamedSharding(mesh, P(None, "model")))
+    with pytest.raises(ValueError, match="batch axis only"):
+        split.check(off)  # negative control: a split off dimension 0
+    assert off.sharding not in split.known  # refused placements are not kept
+    assert split.check.reads == {"sharding", "committed"}  # what a kept call's key covers
+
+
+def test_a_bucket_entry_refuses_a_device_batch_split_off_the_batch_axis():
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    entry = _entry()
+    good = jax.device_put(np.ones((8, D), np.float32), jax.devices()[0])  # the weights' device
+    off = jax.device_put(np.ones((8, D), np.float32), NamedSharding(mesh, P(None, "model")))
+    want = np.ones((8, D), np.float32) @ np.asarray(Toy().w[...])
+    np.testing.assert_allclose(np.asarray(_call(entry, good).embeddings), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="batch axis only"):
+        _call(entry, off)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools as ft
 import os
 from operator import attrgetter
-from typing import Any
 
 import jax
 from jaxtyping import Array, Float, Int
@@ -25,7 +24,7 @@ from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, TowerEntry
 from jaxsync._out_sharding import OutSharding
-from jaxsync._placement import batch_split, check_devices, replicated
+from jaxsync._placement import check_devices
 from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
 from jaxsync.models.chameleon._plan import (
     ChameleonPlan,
@@ -101,12 +100,11 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         vq = self.cfg.vq
         self.image_shape = (vq.in_channels, vq.resolution, vq.resolution)
         self.tokens_per_image = vq.tokens_per_image
-        self._placings: dict[Any, tuple[int, Any]] = {}
         # Repeated calls on device pixels, one entry per output form over one plan cache; a
         # bucket's first call warms its per-batch-size row slices (and device pixels' pads).
         checks = (_live, self._check_pixels, self._check_placing)
         t = self.tokens_per_image
-        sizes = lambda rows, where: bucket_batch_sizes(rows, buckets, self._placings[where][0])  # noqa: E731
+        sizes = lambda rows, where: bucket_batch_sizes(rows, buckets, self._split.shards(where))  # noqa: E731
         warm = Warmer(sizes, lambda out, n: _token_rows(out.extras["ids"], n, t))
         kind = ft.partial(BucketEntry, batch=attrgetter("rows"), warm=warm, to_host=host_pixels)
         TowerEncoder.__init__(
@@ -119,7 +117,8 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
             out_sharding=out_sharding,
             entry=ft.partial(kind, output=_as_embeddings),
         )
-        self._tokens = self._entry_over(self.program, output=_as_token_rows)
+        self._split = self._entry.split  # how a batch is split over a data axis, per placement
+        self._tokens = self._entry_over(self.program, output=_as_token_rows, split=self._split)
         self._vq = jaxsync.TowerProgram(model, _vq_outputs)
         self._programs.append(self._vq)
 
@@ -184,11 +183,9 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
 
     @reads("sharding", "committed")
     def _check_placing(self, pixel_values: jax.Array) -> None:
-        """Committed pixels on the weights' devices, split (if at all) over the batch axis."""
-        where = committed(pixel_values)
-        if where is not None:
+        """Committed pixels on the weights' devices (uncommitted ones may move)."""
+        if committed(pixel_values) is not None:
             check_devices(pixel_values, self._weights, PIXELS)
-        self._at(pixel_values)
 
     def _run(self, pixel_values, entry: TowerEntry):
         """The call through `entry` (one per output form); a repeated call on device pixels
@@ -196,25 +193,12 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         run, key = entry.calls.find(pixel_values)
         if run is not None:
             return run(pixel_values)
-        return entry.run(
-            pixel_values, key, self._planner, placement=lambda: self._at(None)[1],
-            near=lambda x: self._at(x)[1], shape=lambda p: (p.rows, *self.image_shape),
-        )  # fmt: skip
+        shape = lambda p: (p.rows, *self.image_shape)  # noqa: E731
+        return entry.run(pixel_values, key, self._planner, shape=shape)
 
     def _planner(self, pixels, where):
-        n, shards = pixels.shape[0], self._at(pixels)[0]
+        n, shards = pixels.shape[0], self._split(pixels)[0]
         return (n, shards, where), lambda: self.plan(n, batch_shards=shards)
-
-    def _at(self, pixels) -> tuple[int, Any]:
-        """(batch shards, metadata placement) of device pixels where they live, else of host
-        pixels at `placement`; memoised per sharding (only valid ones are kept)."""
-        on_device = isinstance(pixels, jax.Array)
-        where = committed(pixels) if on_device else self.placement
-        hit = self._placings.get(where)
-        if hit is None:
-            name = PIXELS if on_device else "placement"
-            hit = self._placings[where] = (batch_split(where, name), replicated(where, "device"))
-        return hit
 
 
 @reads("type", "live")
