@@ -23,7 +23,7 @@ structure), the entry (its plan and call caches), the weights' devices, where pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -32,7 +32,6 @@ from flax import nnx
 from jaxsync._entry import TowerEntry, on_devices
 from jaxsync._out_sharding import OutSharding, with_out_sharding
 from jaxsync._placement import Placement, entry_placement, replicated
-from jaxsync._plans import metadata_key
 from jaxsync._tower import TowerProgram
 
 
@@ -40,20 +39,6 @@ def expect(model: Any, tower: type, hint: str = "") -> None:
     """Refuses a model of another type than `tower` as `TypeError`, before anything is built."""
     if not isinstance(model, tower):
         raise TypeError(f"model must be a {tower.__name__}{hint}, got {type(model).__name__}")
-
-
-def content_key(metadata: Any, check: Callable[[Any], Any]) -> tuple[Hashable, Any]:
-    """(plan key, metadata) of host metadata, keyed by its exact content.
-
-    Lists of Python ints and numpy arrays are keyed as given, so a repeated call costs the key,
-    not the checks (the planner validates on a miss); other host types (a torch tensor) go
-    through `check` first and are keyed as it returns them.
-    """
-    key = metadata_key(metadata)
-    if key is None:
-        metadata = check(metadata)
-        key = metadata_key(metadata)
-    return key, metadata
 
 
 def weight_devices(model: nnx.Module) -> frozenset:

@@ -121,3 +121,17 @@ class PlanCache(Generic[T]):
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+
+
+def content_key(metadata: Any, check: Callable[[Any], Any]) -> tuple[Hashable, Any]:
+    """(plan key, metadata) of host metadata, keyed by its exact content.
+
+    Lists of Python ints and numpy arrays are keyed as given, so a repeated call costs the key,
+    not the checks (the planner validates on a miss); other host types (a torch tensor) go
+    through `check` first and are keyed as it returns them.
+    """
+    key = metadata_key(metadata)
+    if key is None:
+        metadata = check(metadata)
+        key = metadata_key(metadata)
+    return key, metadata

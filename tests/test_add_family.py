@@ -24,9 +24,10 @@ from flax import nnx
 import jaxsync
 from jaxsync import check, testing
 from jaxsync._calls import reads
-from jaxsync._encoder import content_key, expect
+from jaxsync._encoder import expect
 from jaxsync._entry import alive
 from jaxsync._host import host_ints
+from jaxsync._plans import content_key
 
 
 # Step 1: a frozen config and the tower, its repeated layers in a LayerStack.

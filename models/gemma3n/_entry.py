@@ -13,9 +13,10 @@ import jax
 
 import jaxsync
 from jaxsync._calls import prepared_call
-from jaxsync._encoder import TowerEncoder, content_key
+from jaxsync._encoder import TowerEncoder
 from jaxsync._entry import Planned, alive
 from jaxsync._out_sharding import OutSharding
+from jaxsync._plans import content_key
 from jaxsync.check import entry_point
 from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward
 from jaxsync.models.gemma3n._inputs import (

@@ -7,13 +7,13 @@ import numpy as np
 
 import jaxsync
 from jaxsync._calls import reads
-from jaxsync._encoder import TowerEncoder, content_key, expect
+from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
 from jaxsync.models.glm4v import _modules, _plan
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, forward_encoder_only
-from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan, check_grid
+from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan
 
 
 _pos_program = jax.jit(_modules.pos_embeds)
@@ -21,10 +21,8 @@ PIXELS = "pixel_values"
 
 
 class Glm4vVisionEncoder(TowerEncoder):
-    """Host entry around a `Glm4vVisionTower`: host plan, one packed upload, one dispatch.
-
-    It runs `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`), so a server may rebuild
-    the encoder from its `(graphdef, state)` per call.
+    """Host entry around a `Glm4vVisionTower`: host plan, one packed upload, one dispatch of
+    `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`).
 
     Args:
       model: the tower (e.g. from `load_model`).
@@ -79,14 +77,8 @@ class Glm4vVisionEncoder(TowerEncoder):
                           devices=self.devices, num_patches=num_patches)  # fmt: skip
 
     def _planner(self, grid_thw):
-        """`planner(pixels, where)`: plans cached per grid content, patches and placement."""
-
-        def planner(pixels, where):
-            key, grid = content_key(grid_thw, lambda g: check_grid(g, self.cfg.spatial_merge_size))
-            n = pixels.shape[0] if isinstance(pixels, np.ndarray) else None  # host pixels
-            return (key, n, where), lambda: self.plan(grid, n)  # validates the grid
-
-        return planner
+        return _plan.grid_planner(grid_thw, self.cfg, buckets=self.buckets, layout=self.layout,
+                                  devices=self.devices)  # fmt: skip
 
     @reads("type", "shape", "dtype")
     def _check_pixels(self, pixel_values) -> None:
@@ -107,17 +99,15 @@ class Glm4vVisionEncoder(TowerEncoder):
           image_grid_thw: [B, 3] host (t, h, w) per item, in patches (numpy, list, torch CPU).
 
         Returns:
-          `jaxsync.Embeddings`, `Embeddings.of(forward(...), plan)`: merged tokens
-          [G_bucket, out_hidden_size] (item i at `offsets[i]`, `lengths[i]` = t*h*w / m^2 rows),
-          extras "hidden" (the same rows before the patch merger; with `encoder_only` those are
-          the rows and there is no "hidden") and "finite" (bool [I_bucket]: entry i < B is True
-          when every output of item i is finite; computed on device, never read back).
+          `Embeddings.of(forward(...), plan)`: merged tokens [G_bucket, out_hidden_size], item i
+          at `offsets[i]` (t*h*w / m^2 rows); extras "hidden" (the rows before the merger; none
+          with `encoder_only`, whose rows they are) and "finite" (bool [I_bucket], on device).
 
-        Raises:
+        Raises (before any upload or compile):
           TypeError: non-integer or device `image_grid_thw`, non-float pixels.
-          ValueError: empty batch, bad shapes, h/w not multiples of the merge size, a patch
-            count that does not match the grid, non-finite host pixels, or device pixels away
-            from the weights or not padded to the bucket; all before any upload or compile.
+          ValueError: an empty batch, bad shapes, h/w not multiples of the merge size, a patch
+            count that does not match the grid, non-finite host pixels, device pixels away from
+            the weights or not padded to the bucket.
         """
         run, key = self._calls.find(pixel_values, image_grid_thw)
         if run is not None:

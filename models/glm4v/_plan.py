@@ -9,13 +9,14 @@ so many batches share one program.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 import jaxsync
 from jaxsync import _compat
 from jaxsync._host import host_int, host_ints
+from jaxsync._plans import content_key
 from jaxsync.models.glm4v._config import Glm4vVisionConfig
 from jaxsync.models.glm4v._segments import MAX_GROUPS, ragged_segments, segment_groups
 
@@ -277,3 +278,15 @@ def plan(
         groups[: len(found)] = found
     meta = Glm4vMeta(h, w, th, tw, seg, item, item_tokens, seq_lengths, seq_offsets, *groups)
     return Glm4vPlan(meta, lengths, grid, layout, real, padded, items)
+
+
+def grid_planner(grid_thw: Any, cfg: Glm4vVisionConfig, **options: Any):
+    """`planner(pixels, where)` of `TowerEntry.run`: `plan(grid, cfg, **options)` cached per grid
+    content, host patch count and placement (the grid is checked on a miss)."""
+
+    def planner(pixels: Any, where: Any):
+        key, grid = content_key(grid_thw, lambda g: check_grid(g, cfg.spatial_merge_size))
+        n = pixels.shape[0] if isinstance(pixels, np.ndarray) else None  # host pixels
+        return (key, n, where), lambda: plan(grid, cfg, num_patches=n, **options)
+
+    return planner

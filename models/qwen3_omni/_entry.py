@@ -6,22 +6,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
 import jaxsync
-from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
-from jaxsync.models.qwen3_omni._features import call_inputs, check_feature_lens
+from jaxsync.models.qwen3_omni._features import call_inputs, check_dtype
 from jaxsync.models.qwen3_omni._modules import Qwen3OmniAudioTower, forward
 from jaxsync.models.qwen3_omni._plan import (
     Qwen3OmniBuckets,
     Qwen3OmniPlan,
     entry_buckets,
+    lengths_planner,
     plan_features,
 )
 
@@ -30,13 +29,9 @@ FEATURES = "features"
 
 
 class Qwen3OmniAudioEncoder(TowerEncoder):
-    """Sync-free Qwen3-Omni audio encoder: host lengths in, device embeddings out.
-
-    A call validates and plans on the host (`plan`, cached per length mix with its one packed
-    upload), uploads host features, and dispatches `jaxsync.TowerProgram(tower, forward)` (see
-    `TowerEncoder`), so the entry and a server's jit give the same rows. No projector follows
-    this encoder (`proj1` and `proj2` are upstream's encoder's own last layers), so it has no
-    encoder-only option.
+    """Sync-free Qwen3-Omni audio encoder: host lengths in, device embeddings out, in one
+    dispatch of `jaxsync.TowerProgram(tower, forward)` (see `TowerEncoder`). No projector follows
+    this encoder (`proj1` and `proj2` are its own last layers), so it has no encoder-only option.
 
     Args:
       model: the `Qwen3OmniAudioTower` (e.g. from `load_model`).
@@ -44,9 +39,7 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         windows and items at about four sizes per octave, items from 16).
       window_buckets: attention-window counts alone (replaces `buckets.windows`); coarser
         buckets mean fewer programs and more padding.
-      plan_cache_size: length mixes whose plan and uploads are kept (least recently used).
-      out_sharding: where the rows go (`forward`'s option): None replicates them over the
-        weights' mesh; a `PartitionSpec` over that mesh or a `Sharding` as the server asks.
+      placement, plan_cache_size, out_sharding: as `TowerEncoder`'s.
 
     Usage: `Qwen3OmniAudioEncoder(load_model(ckpt))(features, [310, 0, 99])`, or with the
     processor's outputs: `encoder(input_features=..., feature_attention_mask=...)`.
@@ -65,7 +58,7 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         expect(model, Qwen3OmniAudioTower)
         self.buckets = entry_buckets(buckets, window_buckets)
         super().__init__(model, forward, name=FEATURES, inside=FEATURES,
-                         checks=(alive(FEATURES), self._check_features), placement=placement,
+                         checks=(alive(FEATURES), check_dtype), placement=placement,
                          out_sharding=out_sharding, plan_cache_size=plan_cache_size)  # fmt: skip
 
     def plan(self, features_shape: Sequence[int], feature_lens: Any) -> Qwen3OmniPlan:
@@ -76,29 +69,6 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
             that is neither `sum(feature_lens)` nor its frame bucket.
         """
         return plan_features(features_shape, feature_lens, self.cfg, self.buckets)
-
-    @reads("dtype")
-    def _check_features(self, features: Any) -> None:
-        if not jnp.issubdtype(features.dtype, jnp.floating):
-            raise TypeError(f"features must be floating point, got dtype {features.dtype}")
-
-    def _planner(self, feature_lens: Any):
-        """`planner(features, where)`: `plan()` cached per (shape, dtype, placement, lengths).
-
-        A list or tuple of ints (what a server passes) becomes the key without numpy; other
-        lengths pass the type checks first. `type(n) is int` keeps floats and bools (equal to
-        ints, same hash) off the fast key.
-        """
-
-        def planner(features: Any, where: Any):
-            if type(feature_lens) in (list, tuple) and all(type(n) is int for n in feature_lens):
-                lens = tuple(feature_lens)
-            else:
-                lens = tuple(check_feature_lens(feature_lens).tolist())  # the same key
-            key = (features.shape, features.dtype, getattr(features, "sharding", None), lens)
-            return key, lambda: self.plan(features.shape, lens)
-
-        return planner
 
     @entry_point
     def __call__(
@@ -139,5 +109,5 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         features, feature_lens, name = call_inputs(
             features, feature_lens, input_features, feature_attention_mask
         )
-        return self._entry.run(features, key, self._planner(feature_lens), dtype=np.float32,
-                               name=name)  # fmt: skip
+        planner = lengths_planner(feature_lens, self.cfg, self.buckets)
+        return self._entry.run(features, key, planner, dtype=np.float32, name=name)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
 from jaxsync import _host
+from jaxsync._calls import reads
 from jaxsync._host import host_array, host_ints
 from jaxsync.models.qwen3_omni._config import TOKENS_PER_FULL_CHUNK
 
@@ -133,3 +135,10 @@ def pad_features(features: Any, feature_lens: Any) -> np.ndarray:
     out = np.zeros((feats.shape[0], frame_bucket(total)), np.float32)
     out[:, :total] = feats
     return out
+
+
+@reads("dtype")
+def check_dtype(features: Any) -> None:
+    """Refuses features that are not floating point (TypeError)."""
+    if not jnp.issubdtype(features.dtype, jnp.floating):  # bfloat16 included
+        raise TypeError(f"features must be floating point, got dtype {features.dtype}")

@@ -16,7 +16,7 @@ flattened layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -262,3 +262,20 @@ def plan_features(
             f"{cfg.num_mel_bins} (shape must be [num_mel_bins, frames])"
         )
     return plan(feature_lens, cfg, buckets=buckets, num_frames=features_shape[1])
+
+
+def lengths_planner(feature_lens: Any, cfg: Qwen3OmniAudioConfig, buckets: Qwen3OmniBuckets):
+    """`planner(features, where)` of `TowerEntry.run`: `plan_features` cached per (shape, dtype,
+    placement, lengths). A list or tuple of ints (what a server passes) is the key without
+    numpy; other lengths pass the type checks first (`type(n) is int` keeps floats and bools,
+    equal to ints with the same hash, off the fast key)."""
+
+    def planner(features: Any, where: Any):
+        if type(feature_lens) in (list, tuple) and all(type(n) is int for n in feature_lens):
+            lens = tuple(feature_lens)
+        else:
+            lens = tuple(check_feature_lens(feature_lens).tolist())  # the same key
+        key = (features.shape, features.dtype, getattr(features, "sharding", None), lens)
+        return key, lambda: plan_features(features.shape, lens, cfg, buckets)
+
+    return planner

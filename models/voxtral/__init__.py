@@ -54,10 +54,12 @@ from jaxsync.models.voxtral._modules import (
 from jaxsync.models.voxtral._plan import (
     VoxtralMeta as VoxtralMeta,
     VoxtralPlan as VoxtralPlan,
+    plan as plan,
+)
+from jaxsync.models.voxtral._waveform_plan import (
     VoxtralWaveformMeta as VoxtralWaveformMeta,
     VoxtralWaveformPlan as VoxtralWaveformPlan,
     WaveformBuckets as WaveformBuckets,
-    plan as plan,
     plan_waveforms as plan_waveforms,
 )
 from jaxsync.models.voxtral._weights import (

@@ -22,7 +22,7 @@ import numpy as np
 import jaxsync
 import jaxsync.check
 from jaxsync._calls import reads
-from jaxsync._encoder import TowerEncoder, content_key, expect
+from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.models.voxtral._config import MelConfig
@@ -35,14 +35,8 @@ from jaxsync.models.voxtral._mel_plan import (
     stage_batch,
 )
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, server_form
-from jaxsync.models.voxtral._plan import (
-    VoxtralWaveformPlan,
-    batch_layout,
-    check_num_chunks,
-    features_check,
-    plan_features,
-    plan_waveforms,
-)
+from jaxsync.models.voxtral._plan import features_check, features_planner
+from jaxsync.models.voxtral._waveform_plan import VoxtralWaveformPlan, batch_layout, plan_waveforms
 
 
 class VoxtralAudioEncoder(TowerEncoder):
@@ -202,28 +196,9 @@ class VoxtralAudioEncoder(TowerEncoder):
 
     def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
         want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
-        return self._entry.run(features, call_key, self._features_planner(num_chunks), rank=3,
+        planner = features_planner(num_chunks, self.cfg, self.chunk_buckets, self.project)
+        return self._entry.run(features, call_key, planner, rank=3,
                                shape=lambda p: (p.chunks, *want), dtype=np.float32)  # fmt: skip
-
-    def _features_planner(self, num_chunks: Any):
-        """`planner(features, where)`: the plan, checks of num_chunks included, cached per
-        content of num_chunks (a repeated call costs the key)."""
-
-        def planner(features: Any, where: Any):
-            on_device, rows = isinstance(features, jax.Array), features.shape[0]
-            if features.ndim == 2:  # one window of device features
-                rows = 1
-            key, chunks = (("ones",), None)
-            if num_chunks is not None:
-                key, chunks = content_key(num_chunks, check_num_chunks)
-
-            def build():
-                return plan_features(chunks, rows, self.cfg, buckets=self.chunk_buckets,
-                                     on_device=on_device, project=self.project)  # fmt: skip
-
-            return ("features", key, rows, on_device, where), build
-
-        return planner
 
 
 FEATURES = "input_features"
