@@ -1,11 +1,10 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
 """`ChameleonImageEncoder`: Chameleon's image tower behind one host object.
 
-Pixels -> VQ codes -> BPE image-token ids -> their text embedding rows, in one program per batch
-bucket: `jaxsync.TowerProgram(model, forward)`, the very function a server jits over the tower's
-state leaves (vLLM post-PR gathers through a cached device copy of `img2bpe`; pre-PR and HF read
-the codes back to the CPU for the lookup). Nothing is read back. The same object offers the
-text-side paths of `ChameleonTextPaths` (logit mask, masked logits, placeholder merge).
+Pixels -> VQ codes -> BPE image-token ids -> their text embedding rows in one dispatch of
+`jaxsync.TowerProgram(model, forward)`: the ids are gathered through a device copy of `img2bpe`
+(upstream reads the codes back to the CPU for the lookup), so nothing is read back. The same
+object offers the text-side paths of `ChameleonTextPaths` (logit mask, masked logits, merge).
 """
 
 from __future__ import annotations
@@ -25,7 +24,13 @@ from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, TowerEntry
 from jaxsync._out_sharding import OutSharding
 from jaxsync._placement import check_devices
-from jaxsync.models.chameleon._modules import ChameleonImageTower, forward, forward_encoder_only
+from jaxsync.models.chameleon._modules import (
+    ChameleonImageTower,
+    forward,
+    forward_encoder_only,
+    token_rows,
+    vq_outputs,
+)
 from jaxsync.models.chameleon._plan import (
     ChameleonPlan,
     bucket_batch_sizes,
@@ -38,15 +43,6 @@ from jaxsync.models.chameleon._vocab import check_device_array
 from jaxsync.models.chameleon._weights import load_model
 
 
-@ft.partial(jax.jit, static_argnums=(1, 2))
-def _token_rows(ids: jax.Array, n: int, t: int) -> jax.Array:  # [Bp*T] -> [n, T]
-    return ids[: n * t].reshape(n, t)
-
-
-def _vq_outputs(model: ChameleonImageTower, pixels: jax.Array):  # [B, h, w, L], [B, T]
-    return model.vqmodel(pixels)
-
-
 PIXELS = "pixel_values"
 
 
@@ -55,7 +51,7 @@ def _as_embeddings(out: jaxsync.Encoded, p: Planned) -> jaxsync.Embeddings:
 
 
 def _as_token_rows(out: jaxsync.Encoded, p: Planned) -> jax.Array:
-    return _token_rows(out.extras["ids"], p.plan.num_images, p.plan.tokens_per_image)
+    return token_rows(out.extras["ids"], p.plan.num_images, p.plan.tokens_per_image)
 
 
 class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
@@ -74,9 +70,8 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         split over a mesh's data axis (dimension 0) and nowhere else, and the batch is then
         padded to a multiple of that axis.
 
-    It runs `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`), one program per batch
-    bucket; the first call of a bucket also compiles the tiny row slices (and row pads for
-    device pixels) for every batch size of that bucket, so later calls in the bucket compile
+    One program per batch bucket (see `TowerEncoder`); a bucket's first call also compiles the
+    row slices (and device pixels' pads) of every batch size in it, so later calls compile
     nothing.
     """
 
@@ -105,7 +100,7 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         checks = (_live, self._check_pixels, self._check_placing)
         t = self.tokens_per_image
         sizes = lambda rows, where: bucket_batch_sizes(rows, buckets, self._split.shards(where))  # noqa: E731
-        warm = Warmer(sizes, lambda out, n: _token_rows(out.extras["ids"], n, t))
+        warm = Warmer(sizes, lambda out, n: token_rows(out.extras["ids"], n, t))
         kind = ft.partial(BucketEntry, batch=attrgetter("rows"), warm=warm, to_host=host_pixels)
         TowerEncoder.__init__(
             self,
@@ -119,7 +114,7 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         )
         self._split = self._entry.split  # how a batch is split over a data axis, per placement
         self._tokens = self._entry_over(self.program, output=_as_token_rows, split=self._split)
-        self._vq = jaxsync.TowerProgram(model, _vq_outputs)
+        self._vq = jaxsync.TowerProgram(model, vq_outputs)
         self._programs.append(self._vq)
 
     @classmethod

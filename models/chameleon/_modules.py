@@ -187,3 +187,14 @@ def forward(
 
 forward_encoder_only = ft.partial(forward, encoder_only=True)
 """`forward(..., encoder_only=True)`: one function object, so its programs are shared."""
+
+
+@ft.partial(jax.jit, static_argnums=(1, 2))
+def token_rows(ids: jax.Array, n: int, t: int) -> jax.Array:  # [Bp*T] -> [n, T]
+    """The first `n` images' ids as rows of `t` (what `get_image_tokens` returns)."""
+    return ids[: n * t].reshape(n, t)
+
+
+def vq_outputs(model: ChameleonImageTower, pixels: jax.Array):  # [B, h, w, L], [B, T]
+    """The VQ model's own outputs, unbucketed: encoder latents and codes (for parity)."""
+    return model.vqmodel(pixels)

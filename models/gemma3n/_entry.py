@@ -16,22 +16,20 @@ from jaxsync._calls import prepared_call
 from jaxsync._encoder import TowerEncoder
 from jaxsync._entry import Planned, alive
 from jaxsync._out_sharding import OutSharding
-from jaxsync._plans import content_key
 from jaxsync.check import entry_point
 from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward
 from jaxsync.models.gemma3n._inputs import (
     FEATURES,
     check_host_finite,
     device_check,
-    frame_mask,
     host_inputs,
     stage_features,
 )
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 from jaxsync.models.gemma3n._plan import (
     AudioTruncationWarning,
-    Gemma3nBuckets,
     entry_buckets,
+    mask_planner,
     plan,
 )
 
@@ -40,11 +38,8 @@ __all__ = ["Gemma3nAudioEncoder"]
 
 
 class Gemma3nAudioEncoder(TowerEncoder):
-    """Audio features -> `soft_tokens` embedding rows per clip, on the device.
-
-    A call is host validation, a cached plan (`gemma3n.plan`, uploaded once per distinct mask),
-    one upload of host features, and one dispatch of `jaxsync.TowerProgram(model, forward)`
-    (see `TowerEncoder`: after `nnx.update`, call `load_state(model)`).
+    """Audio features -> `soft_tokens` embedding rows per clip, on the device, in one dispatch
+    of `jaxsync.TowerProgram(model, forward)` (see `TowerEncoder`).
 
     Overflow (more than `soft_tokens` tower positions, i.e. more than ~30 s at the released
     config) follows `cfg.overflow`: "error" raises `ValueError` like transformers; "truncate"
@@ -102,9 +97,6 @@ class Gemma3nAudioEncoder(TowerEncoder):
         computed once per weights and placement, then cached."""
         return self._pad(placement)
 
-    def _plan(self, valid: Any, buckets: Gemma3nBuckets):
-        return lambda: plan(valid(), self.cfg, buckets=buckets, embed=self.embed)
-
     @entry_point
     def __call__(self, input_features: Any, input_features_mask: Any = None) -> jaxsync.Embeddings:
         """Embeds a batch of clips.
@@ -138,23 +130,18 @@ class Gemma3nAudioEncoder(TowerEncoder):
         if not isinstance(input_features, jax.Array):
             n_mel = self.cfg.input_feat_size
             host, valid = host_inputs(input_features, input_features_mask, n_mel)
-            placement = self._meta_at
-            key = ((valid.shape, valid.tobytes()), placement, self.buckets)
+            key = ((valid.shape, valid.tobytes()), self._meta_at, self.buckets)
             # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
             # the features are copied into their staging buffer (one pass over them).
-            build = self._plan(lambda: valid, self.buckets)
-            p = entry.planned(key, build, placement, on_miss=lambda: check_host_finite(host))
+            build = lambda: plan(valid, self.cfg, buckets=self.buckets, embed=self.embed)  # noqa: E731
+            p = entry.planned(key, build, self._meta_at, on_miss=lambda: check_host_finite(host))
             shape = (p.plan.batch, p.plan.frame_bucket, n_mel)
             return self._embed(stage_features(host, shape, self.placement), p, stacklevel=4)
-        entry.check(input_features)
-        feats, mask = input_features, input_features_mask
-        shape = feats.shape[:2]
-        # Keyed by the mask's content (checked on a miss); other host types checked first.
-        key, mask = content_key(mask, lambda m: frame_mask(m, shape))
-        placement = jaxsync.replicated_near(feats)
-        exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
-        build = self._plan(lambda: frame_mask(mask, shape), exact)
-        p = entry.planned(((key, shape), placement, exact), build, placement)
+        feats = input_features
+        entry.check(feats)
+        where = jaxsync.replicated_near(feats)
+        key, build = mask_planner(input_features_mask, self.cfg, embed=self.embed)(feats, where)
+        p = entry.planned(key, build, where)
         if not p.plan.truncation:  # the common case: the program and the output's assembly
             return entry.device(feats, call_key, p)
         run = prepared_call(  # the caller is 6 frames up: call, lambda, _embed

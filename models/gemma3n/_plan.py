@@ -14,6 +14,7 @@ import numpy as np
 
 import jaxsync
 from jaxsync._host import host_int, host_ints
+from jaxsync._plans import content_key
 from jaxsync.models.gemma3n._config import Gemma3nAudioConfig
 from jaxsync.models.gemma3n._inputs import frame_mask
 
@@ -180,3 +181,21 @@ def entry_buckets(frames: Any, clips: Any) -> Gemma3nBuckets:
     if clips is None:
         return Gemma3nBuckets(frames, default.clips)
     return Gemma3nBuckets(frames, tuple(host_ints(clips, name="batch_buckets", minimum=1).tolist()))
+
+
+def mask_planner(mask: Any, cfg: Gemma3nAudioConfig, *, embed: bool = True):
+    """`planner(features, where)` of device features `[B, S, F]`, planned at their own shape
+    (the caller's buffer is the bucket): the plan cached per content of the host `mask`, which
+    is checked on a miss."""
+
+    def planner(features: Any, where: Any):
+        shape = tuple(features.shape[:2])
+        key, checked = content_key(mask, lambda m: frame_mask(m, shape))
+        exact = Gemma3nBuckets(frames=(shape[1],), clips=(shape[0],))
+
+        def build() -> Gemma3nPlan:
+            return plan(frame_mask(checked, shape), cfg, buckets=exact, embed=embed)
+
+        return (key, shape, where, exact), build
+
+    return planner

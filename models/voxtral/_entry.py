@@ -6,9 +6,6 @@ windows), cuts it into windows of `2 * max_source_positions` frames and encodes 
 windows. From raw audio the windows are the rows of the on-device log-mel, so no per-audio
 spectrogram of the padded batch width is built, and the per-audio max is a segment max over its
 windows. The processor's own `input_features` go straight in as well.
-
-The entry compiles the server form's own functions (`forward`, `forward_waveforms`) with
-`jaxsync.TowerProgram`, so a server's jit over the same state gives the same rows.
 """
 
 from __future__ import annotations
@@ -36,12 +33,12 @@ from jaxsync.models.voxtral._mel_plan import (
 )
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, server_form
 from jaxsync.models.voxtral._plan import features_check, features_planner
-from jaxsync.models.voxtral._waveform_plan import VoxtralWaveformPlan, batch_layout, plan_waveforms
+from jaxsync.models.voxtral._waveform_plan import waveform_planner
 
 
 class VoxtralAudioEncoder(TowerEncoder):
-    """Audio in, audio embeddings out, in one compiled program per shape mix (see
-    `TowerEncoder`: after `nnx.update(model, ...)` call `load_state(model)`).
+    """Audio in, audio embeddings out, in one dispatch of `jaxsync.TowerProgram(model,
+    server_form(...))` per call (see `TowerEncoder`).
 
     Args:
       model: the loaded `VoxtralAudioTower`; its `cfg` is the encoder's.
@@ -178,14 +175,10 @@ class VoxtralAudioEncoder(TowerEncoder):
         on_device = isinstance(x, jax.Array)
         if on_device:  # the caller's buffer is the bucket
             self._inside(x)
-        buckets, shape = batch_layout(x, lens, self.mel_config, self.chunk_buckets)
         where = jaxsync.replicated_near(x) if on_device else self._meta_at
-
-        def build() -> VoxtralWaveformPlan:
-            mel = self.mel_config
-            return plan_waveforms(lens, self.cfg, mel, buckets=buckets, project=self.project)
-
-        key = ("audio", lens.tobytes(), shape, where)
+        key, build, shape = waveform_planner(
+            lens, self.cfg, self.mel_config, chunk_buckets=self.chunk_buckets, project=self.project
+        )(x, where)
         if on_device:  # refuses bad plans before any upload
             return entry.device(
                 audio, call_key, entry.planned(key, build, where), unbatched=audio.ndim == 1

@@ -152,3 +152,21 @@ def batch_layout(
         return WaveformBuckets(chunk_buckets, (x.shape[0],), (x.shape[1],)), tuple(x.shape)
     buckets = WaveformBuckets(chunk_buckets)
     return buckets, waveform_shape(lens, config, buckets)
+
+
+def waveform_planner(
+    lens: np.ndarray, cfg: VoxtralAudioConfig, mel_config: MelConfig, *,
+    chunk_buckets: Sequence[int] | None, project: bool,
+):  # fmt: skip
+    """`planner(x, where) -> (plan key, plan build, padded shape)` of a checked waveform batch
+    `x` of `lens` samples per audio (`batch_layout`: a device batch is its own bucket)."""
+
+    def planner(x: Any, where: Any):
+        buckets, shape = batch_layout(x, lens, mel_config, chunk_buckets)
+
+        def build() -> VoxtralWaveformPlan:
+            return plan_waveforms(lens, cfg, mel_config, buckets=buckets, project=project)
+
+        return ("audio", lens.tobytes(), shape, where), build, shape
+
+    return planner
