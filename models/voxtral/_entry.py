@@ -86,22 +86,16 @@ class VoxtralAudioEncoder(TowerEncoder):
             placement=placement,
             out_sharding=out_sharding,
         )
-        self._features, self._input_features = self.program, self._entry
         self._waveforms = self._program_of(model, server_form(project, self.mel))
         self._audio = self._entry_over(
             self._waveforms, name="waveforms", checks=(_waveforms, self._inside)
         )
         self._audio_calls, self._feature_calls = self._audio.calls, self._calls
 
-    @property
-    def num_state_args(self) -> int:
-        """Jit arguments the weights take per call: the state's leaf count (depth-free)."""
-        return self._features.num_state_args
-
     def lower(self, x: jax.Array, meta: jaxsync.Packed) -> Any:
         """`jax.jit(...).lower` of the program on device inputs: `[B, W]` waveforms or `[C, F,
         2P]` features (argument counts, HLO)."""
-        return (self._waveforms if x.ndim == 2 else self._features).lower(x, meta)
+        return (self._waveforms if x.ndim == 2 else self.program).lower(x, meta)
 
     @jaxsync.check.entry_point
     def __call__(

@@ -118,7 +118,7 @@ def test_jit_argument_count_is_small_and_depth_free(dtype):
         # packed: one flat buffer per dtype (the float32 position table beside bf16 weights),
         # one row buffer for the stack
         packed = 2 if dtype == jnp.float32 else 3
-        assert enc.num_state_args == packed
+        assert enc.program.num_state_args == packed
     assert counts[0] == counts[1] and max(counts[0]) == packed + 2, counts
 
 

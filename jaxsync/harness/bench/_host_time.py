@@ -80,7 +80,7 @@ def _voxtral(depth: int, smoke: bool):
 
 def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
     """The arguments the entry hands its program (recorded from one call)."""
-    program = enc._features
+    program = enc.program
     seen = {}
     jitted = program._jitted  # a tool's private access: wrapped for one call
 
@@ -121,8 +121,8 @@ def entry(args: argparse.Namespace) -> None:
         if args.command_buffers:
             plain = measure(fns["entry"], side, repeat=3)["device_ms"]
             # The entry's program recompiled with command buffers (a tool's private access).
-            enc._features._jitted = jax.jit(
-                enc._features._jitted.__wrapped__, compiler_options=COMMAND_BUFFERS
+            enc.program._jitted = jax.jit(
+                enc.program._jitted.__wrapped__, compiler_options=COMMAND_BUFFERS
             )
             cold, stream = host_us(fns["entry"], side, samples=_samples(args))
             graphs = measure(fns["entry"], side, repeat=3)["device_ms"]
