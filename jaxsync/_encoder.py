@@ -30,7 +30,7 @@ import jax
 from flax import nnx
 
 from jaxsync._entry import TowerEntry, on_devices
-from jaxsync._out_sharding import OutSharding, with_out_sharding
+from jaxsync._out_sharding import OutSharding, check_out_sharding, with_out_sharding
 from jaxsync._placement import Placement, entry_placement, replicated
 from jaxsync._tower import TowerProgram
 
@@ -69,7 +69,8 @@ class TowerEncoder:
       checks: the family's checks of a device input, each declared with `reads`.
       inside: a device input must live on the weights' devices (named so in the error);
         None: the family checks placement itself.
-      placement, out_sharding: above.
+      placement, out_sharding: above (either refused at construction: `TypeError` for another
+        type, `ValueError` for devices or axes the weights do not have).
       fits, plan_cache_size: as `TowerEntry`'s.
       entry: what builds the entry, called as `TowerEntry` is (default), e.g. a
         `functools.partial` of `jaxsync._batching.BucketEntry` with its options bound.
@@ -103,7 +104,7 @@ class TowerEncoder:
         if inside is not None:  # `_inside`: the same check, for the family's other inputs
             self._inside = on_devices(self._weights, inside)
             checks = (*checks, self._inside)
-        self.out_sharding = out_sharding
+        self.out_sharding = check_out_sharding(model, out_sharding)
         self._programs: list[TowerProgram] = []  # what `load_state` updates
         self.program = self._program_of(model, forward)
         options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size,

@@ -18,6 +18,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from jaxsync._placement import check_devices
+
 
 OutSharding = Sharding | PartitionSpec | None
 """A forward's `out_sharding`: a `Sharding`, a `PartitionSpec` over the weights' mesh, or None
@@ -54,13 +56,53 @@ def place_rows(model: nnx.Module, x: jax.Array, out_sharding: OutSharding = None
     mesh = weights_mesh(model)
     if mesh is None:
         if out_sharding is not None:
-            raise ValueError(
-                f"out_sharding={out_sharding} is a PartitionSpec but the tower's weights are on "
-                "no mesh: pass a NamedSharding"
-            )
+            raise ValueError(_no_mesh(out_sharding))
         return x
     spec = PartitionSpec() if out_sharding is None else out_sharding
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def check_out_sharding(model: nnx.Module, out_sharding: Any) -> OutSharding:
+    """`out_sharding` checked at an entry's construction, before anything compiles: what
+    `place_rows` would refuse while tracing, and what it could not read.
+
+    Raises:
+      TypeError: anything but a `Sharding`, a `PartitionSpec` or None.
+      ValueError: a `Sharding` on other devices than the weights; a `PartitionSpec` for weights
+        on no mesh, or naming axes their mesh lacks.
+    """
+    if out_sharding is None:
+        return None
+    if isinstance(out_sharding, Sharding):  # the program's devices are the weights'
+        weights = {d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set}
+        check_devices(out_sharding, weights, "out_sharding")
+        return out_sharding
+    if not isinstance(out_sharding, PartitionSpec):
+        raise TypeError(
+            "out_sharding must be a Sharding, a PartitionSpec over the weights' mesh or None, "
+            f"got {type(out_sharding).__name__}"
+        )
+    mesh = weights_mesh(model)
+    if mesh is None:
+        raise ValueError(_no_mesh(out_sharding))
+    names = {a for part in out_sharding if part is not None for a in _axes(part)}
+    if not names <= set(mesh.axis_names):
+        raise ValueError(
+            f"out_sharding={out_sharding} names axes {sorted(names - set(mesh.axis_names))} "
+            f"that the weights' mesh lacks (its axes: {list(mesh.axis_names)})"
+        )
+    return out_sharding
+
+
+def _axes(part: Any) -> tuple:
+    return (part,) if isinstance(part, str) else tuple(part)
+
+
+def _no_mesh(out_sharding: PartitionSpec) -> str:
+    return (
+        f"out_sharding={out_sharding} is a PartitionSpec but the tower's weights are on no "
+        "mesh: pass a NamedSharding"
+    )
 
 
 @functools.cache

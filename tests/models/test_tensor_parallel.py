@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import jaxsync
 from jaxsync.harness.bench._mesh import collectives
@@ -286,6 +286,18 @@ def test_entry_refuses_a_placement_away_from_the_weights(case, sharded):
 def test_entry_refuses_a_placement_of_another_type(case, sharded):
     with pytest.raises(TypeError, match="placement must be a jax.Device, a Sharding or None"):
         case.encoder(sharded, placement="cpu:0")
+
+
+def test_entry_refuses_a_bad_out_sharding_at_construction(case, sharded):
+    with pytest.raises(TypeError, match="out_sharding must be a Sharding, a PartitionSpec"):
+        case.encoder(sharded, out_sharding="data")
+    with pytest.raises(ValueError, match=r"names axes \['rows'\] that the weights' mesh lacks"):
+        case.encoder(sharded, out_sharding=P("rows"))
+    with pytest.raises(ValueError, match=r"out_sharding \(.*\) on devices \[0\]"):
+        case.encoder(sharded, out_sharding=SingleDeviceSharding(jax.devices()[0]))
+    with pytest.raises(ValueError, match="no mesh"):
+        case.encoder(case.load(), out_sharding=P("data"))  # one-device weights
+    case.encoder(sharded, out_sharding=P("data"))  # control: the mesh's own axis is taken
 
 
 def test_glm4v_column_split_of_the_stored_qkv_gathers(tmp_path, monkeypatch):
