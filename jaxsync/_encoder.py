@@ -4,6 +4,8 @@ A family's entry (`<Family><Modality>Encoder`) subclasses it and supplies its ch
 planner, its forward and its options:
 
     class FooEncoder(TowerEncoder):
+        load_model = staticmethod(load_model)         # gives `FooEncoder.from_pretrained`
+
         def __init__(self, model, *, placement=None, out_sharding=None):
             expect(model, FooTower)
             super().__init__(model, forward, name="x", checks=(alive("x"), self._check),
@@ -18,7 +20,8 @@ planner, its forward and its options:
 
 The base holds the program (`TowerProgram(model, forward)`, shared by every encoder of the same
 structure), the entry (its plan and call caches), the weights' devices, where per-call data goes
-(`jaxsync._placement`'s one rule), and the methods every entry offers: `load_state`, `lower`.
+(`jaxsync._placement`'s one rule), and the methods every entry offers: `from_pretrained`,
+`load_state`, `lower`.
 """
 
 from __future__ import annotations
@@ -83,6 +86,20 @@ class TowerEncoder:
       plans: the `PlanCache` of plans and their uploads (`len()`, `clear()`).
     """
 
+    load_model: Callable[..., nnx.Module] | None = None  # the family's checkpoint loader
+
+    @classmethod
+    def from_pretrained(
+        cls, checkpoint: Any, cfg: Any = None, *, dtype: Any = None, mesh: Any = None,
+        **options: Any,
+    ) -> Any:  # fmt: skip
+        """The encoder of a checkpoint: `cls(load_model(checkpoint, cfg, dtype=, mesh=),
+        **options)` with the family's loader (a directory with `config.json`, or a safetensors
+        file with `cfg`; weights read lazily, split over `mesh` by the family's rules)."""
+        if cls.load_model is None:
+            raise TypeError(f"{cls.__name__} has no checkpoint loader (`load_model`)")
+        return cls(cls.load_model(checkpoint, cfg, dtype=dtype, mesh=mesh), **options)
+
     def __init__(
         self,
         model: nnx.Module,
@@ -104,7 +121,7 @@ class TowerEncoder:
         if inside is not None:  # `_inside`: the same check, for the family's other inputs
             self._inside = on_devices(self._weights, inside)
             checks = (*checks, self._inside)
-        self.out_sharding = check_out_sharding(model, out_sharding)
+        self.out_sharding = check_out_sharding(model, out_sharding, self._weights)
         self._programs: list[TowerProgram] = []  # what `load_state` updates
         self.program = self._program_of(model, forward)
         options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size,

@@ -62,9 +62,12 @@ def place_rows(model: nnx.Module, x: jax.Array, out_sharding: OutSharding = None
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def check_out_sharding(model: nnx.Module, out_sharding: Any) -> OutSharding:
+def check_out_sharding(
+    model: nnx.Module, out_sharding: Any, weights: frozenset[jax.Device]
+) -> OutSharding:
     """`out_sharding` checked at an entry's construction, before anything compiles: what
-    `place_rows` would refuse while tracing, and what it could not read.
+    `place_rows` would refuse while tracing, and what it could not read. `weights`: the
+    devices the model's weights live on (the program's).
 
     Raises:
       TypeError: anything but a `Sharding`, a `PartitionSpec` or None.
@@ -73,8 +76,7 @@ def check_out_sharding(model: nnx.Module, out_sharding: Any) -> OutSharding:
     """
     if out_sharding is None:
         return None
-    if isinstance(out_sharding, Sharding):  # the program's devices are the weights'
-        weights = {d for x in jax.tree.leaves(nnx.state(model)) for d in x.sharding.device_set}
+    if isinstance(out_sharding, Sharding):
         check_devices(out_sharding, weights, "out_sharding")
         return out_sharding
     if not isinstance(out_sharding, PartitionSpec):

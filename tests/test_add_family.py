@@ -255,3 +255,21 @@ def test_precompile_compiles_every_bucket(model):
 def test_the_refusal_check_fails_on_good_input(model):  # negative control
     with pytest.raises(pytest.fail.Exception):
         testing.assert_refused(ValueError, "x", ToyEncoder(model), _batch([3]), [3])
+
+
+def test_from_pretrained_builds_through_the_family_loader(model):
+    """`from_pretrained` passes the checkpoint, its config and the load options to the family's
+    `load_model`, and the rest to the entry; a family without a loader is refused."""
+    with pytest.raises(TypeError, match="ToyEncoder has no checkpoint loader"):
+        ToyEncoder.from_pretrained("ckpt")
+    seen = []
+
+    class LoadedToy(ToyEncoder):
+        @staticmethod
+        def load_model(checkpoint, cfg=None, *, dtype=None, mesh=None):
+            seen.append((checkpoint, cfg, dtype, mesh))
+            return model
+
+    enc = LoadedToy.from_pretrained("ckpt", "cfg", dtype=jnp.bfloat16, buckets=(16,))
+    assert seen == [("ckpt", "cfg", jnp.bfloat16, None)]
+    assert isinstance(enc, LoadedToy) and enc.buckets == (16,) and enc.cfg is model.cfg

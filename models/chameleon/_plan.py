@@ -5,52 +5,22 @@ the VQ code -> BPE id table); `plan_merge` turns a prompt's `<image>` placeholde
 scatter positions. Both validate host metadata before anything is uploaded or compiled, and
 both return a typed `meta` that goes up in ONE `jaxsync.upload_packed(plan)` (a server may put
 its fields, `meta._asdict()`, in its own packed transfer instead).
-`host_pixels` and `check_pixels` validate the tokenizer's input (device pixels by shape and
-dtype only); `bucket_batch_sizes` lists the batch sizes that share one bucket's program.
+`images_planner` is the entry's planner; `bucket_batch_sizes` lists the batch sizes that share
+one bucket's program.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
 import jaxsync
-from jaxsync._host import host_array, host_int, host_ints
+from jaxsync._host import host_int, host_ints
 from jaxsync.models.chameleon._config import ChameleonConfig
 from jaxsync.models.chameleon._vocab import ImageVocabularyMapping
-
-
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
-
-
-def host_pixels(pixel_values) -> np.ndarray:
-    """Host pixels (numpy or a torch CPU tensor) as numpy; float64 narrowed to float32."""
-    x = host_array(pixel_values, name="pixel_values")
-    if x.dtype == np.float64:  # numpy's default float: narrowed exactly as the model would
-        x = x.astype(np.float32)
-    return x
-
-
-def check_pixels(x, image_shape: tuple[int, int, int]) -> int:
-    """The number of images in `[B, *image_shape]` pixels (host or device: shape and dtype only).
-
-    Raises:
-      TypeError: a dtype other than float32/float16/bfloat16. ValueError: another shape, no image.
-    """
-    shape = tuple(x.shape)
-    if len(shape) != 4 or shape[1:] != image_shape:
-        raise ValueError(
-            f"pixel_values must have shape (B, {', '.join(map(str, image_shape))}), got {shape}"
-        )
-    if np.dtype(x.dtype) not in _FLOATS:
-        raise TypeError(f"pixel_values must be float32/float16/bfloat16, got {x.dtype}")
-    if shape[0] < 1:
-        raise ValueError("pixel_values holds no image")
-    return shape[0]
 
 
 IMAGE_BUCKETS: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -118,6 +88,17 @@ def plan(
     t = cfg.vq.tokens_per_image
     meta = ChameleonMeta(valid=np.arange(rows) < n, img2bpe=table)
     return ChameleonPlan(meta, (t,) * n, n, rows, t)
+
+
+def images_planner(cfg: ChameleonConfig, shards_of: Any, **options: Any):
+    """The entry's planner: `(pixels, where) -> (plan key, plan build)` for a batch of
+    `pixels.shape[0]` images split into `shards_of(pixels)` pieces, `options` as `plan`'s."""
+
+    def planner(pixels: Any, where: Any):
+        n, shards = pixels.shape[0], shards_of(pixels)
+        return (n, shards, where), lambda: plan(n, cfg, batch_shards=shards, **options)
+
+    return planner
 
 
 _VOCABULARIES: collections.OrderedDict = collections.OrderedDict()

@@ -32,6 +32,7 @@ from jaxsync.models.gemma3n._plan import (
     mask_planner,
     plan,
 )
+from jaxsync.models.gemma3n._weights import load_model
 
 
 __all__ = ["Gemma3nAudioEncoder"]
@@ -59,6 +60,8 @@ class Gemma3nAudioEncoder(TowerEncoder):
     Attributes:
         cfg: the config the entry plans with.
     """
+
+    load_model = staticmethod(load_model)
 
     def __init__(
         self,

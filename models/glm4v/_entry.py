@@ -14,6 +14,7 @@ from jaxsync.check import entry_point
 from jaxsync.models.glm4v import _modules, _plan
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, forward_encoder_only
 from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan
+from jaxsync.models.glm4v._weights import load_model
 
 
 _pos_program = jax.jit(_modules.pos_embeds)
@@ -37,6 +38,8 @@ class Glm4vVisionEncoder(TowerEncoder):
       layout: the layout in use ("auto" resolved).
       buckets: the checked buckets.
     """
+
+    load_model = staticmethod(load_model)
 
     def __init__(
         self,

@@ -23,6 +23,7 @@ from jaxsync.models.qwen3_omni._plan import (
     lengths_planner,
     plan_features,
 )
+from jaxsync.models.qwen3_omni._weights import load_model
 
 
 FEATURES = "features"
@@ -44,6 +45,8 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
     Usage: `Qwen3OmniAudioEncoder(load_model(ckpt))(features, [310, 0, 99])`, or with the
     processor's outputs: `encoder(input_features=..., feature_attention_mask=...)`.
     """
+
+    load_model = staticmethod(load_model)
 
     def __init__(
         self,

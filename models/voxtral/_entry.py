@@ -34,6 +34,7 @@ from jaxsync.models.voxtral._mel_plan import (
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, server_form
 from jaxsync.models.voxtral._plan import features_check, features_planner
 from jaxsync.models.voxtral._waveform_plan import waveform_planner
+from jaxsync.models.voxtral._weights import load_model
 
 
 class VoxtralAudioEncoder(TowerEncoder):
@@ -54,6 +55,8 @@ class VoxtralAudioEncoder(TowerEncoder):
     Attributes:
       cfg: the audio config; mel_config: the front end's; mel: its static settings.
     """
+
+    load_model = staticmethod(load_model)
 
     def __init__(
         self,

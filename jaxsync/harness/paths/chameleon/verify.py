@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxsync.harness.paths.chameleon import reference as ref
 from jaxsync.harness.registry import Parity, PathCase, register_path
-from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder, load_model
+from jaxsync.models.chameleon import ChameleonConfig, ChameleonImageEncoder
 
 
 _TINY_BUCKETS = (4,)
@@ -32,7 +32,7 @@ def _tiny_reference() -> tuple[Any, ChameleonImageEncoder]:
     model = ref.build_hf_model(hf_cfg)
     ckpt = ref.save_checkpoint(model, tempfile.mkdtemp(prefix="jaxsync-chameleon-"))
     cfg = ChameleonConfig.from_hf_config(model.config)
-    return model, ChameleonImageEncoder(load_model(ckpt, cfg), buckets=_TINY_BUCKETS)
+    return model, ChameleonImageEncoder.from_pretrained(ckpt, cfg, buckets=_TINY_BUCKETS)
 
 
 def _image_tokens_parity() -> Parity:

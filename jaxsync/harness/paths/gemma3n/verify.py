@@ -12,7 +12,6 @@ from jaxsync.models.gemma3n import (
     Gemma3nAudioEncoder,
     Gemma3nAudioModel,
     from_hf_config,
-    load_model,
 )
 
 
@@ -31,7 +30,7 @@ def _parity() -> Parity:
     from jaxsync.testing import rel_err
 
     ref = R.build_reference(tempfile.mkdtemp(prefix="jaxsync-gemma3n-"))
-    emb = Gemma3nAudioEncoder(load_model(ref.checkpoint, ref.cfg), frame_buckets=_TINY_BUCKET)
+    emb = Gemma3nAudioEncoder.from_pretrained(ref.checkpoint, ref.cfg, frame_buckets=_TINY_BUCKET)
     worst = 0.0
     for feats, mask in _inputs(ref.cfg):
         got = R.per_clip(emb(feats, mask))
@@ -50,7 +49,7 @@ def _build(checkpoint: str | None) -> PathCase:
         emb = Gemma3nAudioEncoder(model, frame_buckets=_TINY_BUCKET)
         return PathCase(fn=emb, inputs=_inputs(cfg), parity=_parity)
     cfg = from_hf_config(checkpoint)
-    emb = Gemma3nAudioEncoder(load_model(checkpoint, cfg, dtype=jnp.bfloat16))
+    emb = Gemma3nAudioEncoder.from_pretrained(checkpoint, cfg, dtype=jnp.bfloat16)
     inputs = []
     for seconds in (5, 4, 3):  # one 512-frame bucket of the default frame buckets
         feats, mask = R.mel_batch([seconds * 100], seconds * 100, cfg.input_feat_size)

@@ -16,7 +16,6 @@ from jaxsync.models.glm4v import (
     Glm4vVisionConfig,
     Glm4vVisionEncoder,
     Glm4vVisionTower,
-    load_model,
 )
 
 
@@ -40,7 +39,7 @@ def _tiny_encoder() -> Glm4vVisionEncoder:
 
 
 def _checkpoint_encoder(checkpoint: str) -> Glm4vVisionEncoder:
-    return Glm4vVisionEncoder(load_model(checkpoint, dtype=jnp.bfloat16))
+    return Glm4vVisionEncoder.from_pretrained(checkpoint, dtype=jnp.bfloat16)
 
 
 def _reference_pair(seed: int):
@@ -50,7 +49,7 @@ def _reference_pair(seed: int):
     cfg = Glm4vVisionConfig.from_hf_config(hf)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = ref.save_checkpoint(torch_model, Path(tmp) / "model.safetensors")
-        return torch_model, Glm4vVisionEncoder(load_model(ckpt, cfg))
+        return torch_model, Glm4vVisionEncoder.from_pretrained(ckpt, cfg)
 
 
 def _parity() -> Parity:

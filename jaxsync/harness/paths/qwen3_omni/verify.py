@@ -59,7 +59,7 @@ def _tiny_pair() -> tuple[Any, Qwen3OmniAudioEncoder]:
     model = ref.build_hf_encoder(ref.TINY)
     path = Path(tempfile.mkdtemp(prefix="jaxsync-qwen3-omni-")) / "model.safetensors"
     ref.save_hf_encoder(model, path, prefix="thinker.audio_tower.")
-    return model, Qwen3OmniAudioEncoder(load_model(path, ref.TINY))
+    return model, Qwen3OmniAudioEncoder.from_pretrained(path, ref.TINY)
 
 
 def parity_error(mixes=PARITY_MIXES) -> float:

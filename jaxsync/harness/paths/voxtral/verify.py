@@ -90,7 +90,7 @@ def _build_log_mel(checkpoint: str | None) -> PathCase:
 def _tiny_reference() -> tuple[Any, VoxtralAudioEncoder]:
     model, path, cfg = ref.build_tiny_voxtral(tempfile.mkdtemp(prefix="jaxsync-voxtral-"))
     mel = MelConfig.from_feature_extractor(ref.whisper_fe(cfg.num_mel_bins))
-    return model, VoxtralAudioEncoder(load_model(path, cfg), mel)
+    return model, VoxtralAudioEncoder.from_pretrained(path, cfg, mel_config=mel)
 
 
 def _embed_parity() -> Parity:
