@@ -13,7 +13,7 @@ import jax
 
 import jaxsync
 from jaxsync._calls import prepared_call
-from jaxsync._encoder import TowerEncoder
+from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import Planned, alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
@@ -29,13 +29,10 @@ from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 from jaxsync.models.gemma3n._plan import (
     AudioTruncationWarning,
     entry_buckets,
+    host_planner,
     mask_planner,
-    plan,
 )
 from jaxsync.models.gemma3n._weights import load_model
-
-
-__all__ = ["Gemma3nAudioEncoder"]
 
 
 class Gemma3nAudioEncoder(TowerEncoder):
@@ -48,7 +45,7 @@ class Gemma3nAudioEncoder(TowerEncoder):
     clips that lose real (non-padding) positions.
 
     Args:
-        model: the loaded `Gemma3nAudioModel` (its `cfg` is the entry's).
+        model: the loaded `Gemma3nAudioModel`.
         embed: True: the embedder's rows (`forward`); False: the audio tower's encodings
             `[*, D_a]` per clip, before the embedder (`encode`; no overflow policy).
         overflow: "error" or "truncate" in place of `model.cfg.overflow`; None keeps it.
@@ -75,18 +72,13 @@ class Gemma3nAudioEncoder(TowerEncoder):
         plan_cache_size: int = 64,
         out_sharding: OutSharding = None,
     ):
+        expect(model, Gemma3nAudioModel)
         self.embed = bool(embed)
         self.buckets = entry_buckets(frame_buckets, batch_buckets)
-        super().__init__(
-            model,
-            forward if self.embed else encode,
-            name=FEATURES,
-            checks=(alive(FEATURES), device_check(model.cfg.input_feat_size)),
-            inside=FEATURES,
-            placement=placement,
-            out_sharding=out_sharding,
-            plan_cache_size=plan_cache_size,
-        )
+        checks = (alive(FEATURES), device_check(model.cfg.input_feat_size))
+        super().__init__(model, forward if self.embed else encode, name=FEATURES, checks=checks,
+                         inside=FEATURES, placement=placement, out_sharding=out_sharding,
+                         plan_cache_size=plan_cache_size)  # fmt: skip
         if overflow is not None:
             self.cfg = dataclasses.replace(self.cfg, overflow=overflow)
         self._pad = PadEmbedding(model)
@@ -129,14 +121,13 @@ class Gemma3nAudioEncoder(TowerEncoder):
             return run(input_features)
         if isinstance(input_features, jax.core.Tracer):
             raise TypeError(f"{FEATURES} is traced: inside a jit call `forward` directly")
-        entry = self._entry
+        entry, n_mel = self._entry, self.cfg.input_feat_size
         if not isinstance(input_features, jax.Array):
-            n_mel = self.cfg.input_feat_size
             host, valid = host_inputs(input_features, input_features_mask, n_mel)
-            key = ((valid.shape, valid.tobytes()), self._meta_at, self.buckets)
+            planner = host_planner(valid, self.cfg, buckets=self.buckets, embed=self.embed)
+            key, build = planner(host, self._meta_at)
             # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
             # the features are copied into their staging buffer (one pass over them).
-            build = lambda: plan(valid, self.cfg, buckets=self.buckets, embed=self.embed)  # noqa: E731
             p = entry.planned(key, build, self._meta_at, on_miss=lambda: check_host_finite(host))
             shape = (p.plan.batch, p.plan.frame_bucket, n_mel)
             return self._embed(stage_features(host, shape, self.placement), p, stacklevel=4)

@@ -199,3 +199,14 @@ def mask_planner(mask: Any, cfg: Gemma3nAudioConfig, *, embed: bool = True):
         return (key, shape, where, exact), build
 
     return planner
+
+
+def host_planner(valid: np.ndarray, cfg: Gemma3nAudioConfig, *, buckets: Any, embed: bool = True):
+    """`planner(features, where)` of host features with the checked frame mask `valid` `[B, S]`,
+    padded into the entry's `buckets`: the plan cached per content of the mask."""
+
+    def planner(features: Any, where: Any):
+        key = ((valid.shape, valid.tobytes()), where, buckets)
+        return key, lambda: plan(valid, cfg, buckets=buckets, embed=embed)
+
+    return planner

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 import jaxsync
-from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
 from jaxsync.models.glm4v import _modules, _plan
+from jaxsync.models.glm4v._inputs import PIXELS, padded, pixel_check
 from jaxsync.models.glm4v._modules import Glm4vVisionTower, forward, forward_encoder_only
 from jaxsync.models.glm4v._plan import AttentionLayout, Glm4vBuckets, Glm4vPlan
 from jaxsync.models.glm4v._weights import load_model
 
 
 _pos_program = jax.jit(_modules.pos_embeds)
-PIXELS = "pixel_values"
 
 
 class Glm4vVisionEncoder(TowerEncoder):
@@ -62,11 +60,11 @@ class Glm4vVisionEncoder(TowerEncoder):
             model,
             forward_encoder_only if self.encoder_only else forward,
             name=PIXELS,
-            checks=(self._check_pixels, alive(PIXELS)),
+            checks=(pixel_check(model.cfg.patch_dim, model.dtype), alive(PIXELS)),
             inside=PIXELS,
             placement=placement,
             out_sharding=out_sharding,
-            fits=_padded,
+            fits=padded,
             plan_cache_size=plan_cache_size,
         )
 
@@ -82,14 +80,6 @@ class Glm4vVisionEncoder(TowerEncoder):
     def _planner(self, grid_thw):
         return _plan.grid_planner(grid_thw, self.cfg, buckets=self.buckets, layout=self.layout,
                                   devices=self.devices)  # fmt: skip
-
-    @reads("type", "shape", "dtype")
-    def _check_pixels(self, pixel_values) -> None:
-        shape, dtype = pixel_values.shape, np.dtype(pixel_values.dtype)
-        if len(shape) != 2 or shape[1] != self.cfg.patch_dim:
-            raise ValueError(f"pixel_values must be [P, {self.cfg.patch_dim}], got {shape}")
-        if not np.issubdtype(dtype, np.floating) and dtype != np.dtype(self.dtype):
-            raise TypeError(f"pixel_values must be floating point, got {dtype}")
 
     @entry_point
     def __call__(self, pixel_values, image_grid_thw) -> jaxsync.Embeddings:
@@ -125,13 +115,3 @@ class Glm4vVisionEncoder(TowerEncoder):
         (upstream's `pos_embeds_interpolate`); rows >= sum(t*h*w) are padding."""
         key, build = self._planner(image_grid_thw)(None, self._meta_at)
         return _pos_program(self._table, self._entry.planned(key, build, self._meta_at).meta)
-
-
-@reads("shape", "metadata")
-def _padded(pixels: jax.Array, plan: Glm4vPlan) -> None:
-    """Device pixels come padded to the plan's patch bucket (zeros past the real ones)."""
-    if pixels.shape[0] != plan.padded_patches:
-        raise ValueError(
-            f"a device pixel array must already be padded to the bucket: "
-            f"{plan.padded_patches} rows, got {pixels.shape[0]}"
-        )

@@ -18,23 +18,18 @@ import numpy as np
 
 import jaxsync
 import jaxsync.check
-from jaxsync._calls import reads
 from jaxsync._encoder import TowerEncoder, expect
 from jaxsync._entry import alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.models.voxtral._config import MelConfig
-from jaxsync.models.voxtral._mel import MelSpec
-from jaxsync.models.voxtral._mel_plan import (
-    check_audio_list,
-    check_waveforms,
-    front_end,
-    resolve_floor,
-    stage_batch,
-)
+from jaxsync.models.voxtral._mel_plan import front_end, stage_batch
 from jaxsync.models.voxtral._modules import VoxtralAudioTower, server_form
-from jaxsync.models.voxtral._plan import features_check, features_planner
-from jaxsync.models.voxtral._waveform_plan import waveform_planner
+from jaxsync.models.voxtral._plan import audio_given, features_check, features_planner
+from jaxsync.models.voxtral._waveform_plan import audio_inputs, front_end_spec, waveform_planner
 from jaxsync.models.voxtral._weights import load_model
+
+
+FEATURES = "input_features"
 
 
 class VoxtralAudioEncoder(TowerEncoder):
@@ -42,14 +37,12 @@ class VoxtralAudioEncoder(TowerEncoder):
     server_form(...))` per call (see `TowerEncoder`).
 
     Args:
-      model: the loaded `VoxtralAudioTower`; its `cfg` is the encoder's.
+      model: the loaded `VoxtralAudioTower`.
       mel_config: front-end config for raw audio (default: Whisper's 128-bin extractor with the
-        model's bins); its `num_mel_bins` must match the model and its n_fft must be even (an
-        odd one does not fill whole windows).
+        model's bins); its `num_mel_bins` must match the model and its n_fft must be even.
       chunk_buckets: allowed padded window counts (default: powers of two).
       project: True: the projector's rows (the language model's audio embeddings); False: the
-        Whisper encoder's hidden states (`last_hidden_state` rows, `max_source_positions` per
-        window).
+        Whisper encoder's `last_hidden_state` rows (`max_source_positions` per window).
       placement, out_sharding: as `TowerEncoder`'s.
 
     Attributes:
@@ -73,25 +66,17 @@ class VoxtralAudioEncoder(TowerEncoder):
             raise TypeError(f"project must be a bool, got {type(project).__name__}")
         cfg = model.cfg
         self.mel_config, self.chunk_buckets = front_end(cfg.num_mel_bins, mel_config, chunk_buckets)
-        floor = resolve_floor(self.mel_config, None)
-        floor = self.mel_config.floor_value if floor == "global" else None
-        self.mel = MelSpec(self.mel_config, cfg.chunk_frames, floor)
+        self.mel = front_end_spec(self.mel_config, cfg.chunk_frames)
         self.project = project
         self.chunk_samples = cfg.chunk_frames * self.mel_config.hop_length
         # Device inputs, by kind (a [B, W] audio batch and [F, 2P] features share a shape):
         # one entry each over one plan cache.
-        super().__init__(
-            model,
-            server_form(project),
-            name=FEATURES,
-            checks=(alive(FEATURES), features_check(cfg)),
-            inside="inputs",
-            placement=placement,
-            out_sharding=out_sharding,
-        )
+        super().__init__(model, server_form(project), name=FEATURES, inside="inputs",
+                         checks=(alive(FEATURES), features_check(cfg)), placement=placement,
+                         out_sharding=out_sharding)  # fmt: skip
         self._waveforms = self._program_of(model, server_form(project, self.mel))
         self._audio = self._entry_over(
-            self._waveforms, name="waveforms", checks=(_waveforms, self._inside)
+            self._waveforms, name="waveforms", checks=(audio_inputs, self._inside)
         )
         self._audio_calls, self._feature_calls = self._audio.calls, self._calls
 
@@ -111,28 +96,24 @@ class VoxtralAudioEncoder(TowerEncoder):
         attention_mask: Any = None,
         sampling_rate: int | None = None,
     ) -> jaxsync.Embeddings:
-        """Audio embeddings of raw audio or of processor features.
+        """Audio embeddings of raw audio or of processor features (exactly one of the two).
 
         Args:
-          audio: raw mono audio: a list of 1-D waveforms, or a padded `[B, W]` batch (host data,
-            or a device array whose width is the caller's bucket) with host `lengths` [B].
-            Each audio is zero-padded to whole 30 s windows, as the Voxtral processor does.
-          lengths: real samples per row of a padded `audio` batch (default: W for all).
-          input_features: `[C, F, 2P]` (or `[F, 2P]`) log-mel windows, as
-            `WhisperFeatureExtractor` / the Voxtral processor return them (numpy, torch CPU,
-            or a device array whose C is the caller's bucket).
-          num_chunks: host ints, windows per item of `input_features` (default: one item per
-            window); items own consecutive windows.
+          audio: raw mono audio, each zero-padded to whole 30 s windows as the processor does:
+            a list of 1-D waveforms, or a padded `[B, W]` batch (host data, or a device array
+            whose width is the caller's bucket) with host `lengths` [B] (default: W for all).
+          input_features: `[C, F, 2P]` (or `[F, 2P]`) log-mel windows as the processor returns
+            them (numpy, torch CPU, or a device array whose C is the caller's bucket), with
+            `num_chunks`, host windows per item (default: one item per window).
           attention_mask: accepted with `input_features` and unused: the Whisper encoder attends
             over whole windows, as transformers' does.
           sampling_rate: if given, must equal the front end's rate.
 
         Returns:
           `jaxsync.Embeddings.of` the forward's `Encoded` and its plan: item i owns rows
-          `offsets[i] : offsets[i] + lengths[i]` (`tokens_per_chunk` per window, or the
-          encoder's `max_source_positions` rows with `project=False`); `extras["finite"]` is an
-          on-device bool per padded item (the first B are the items): every input value and
-          output row of the item was finite.
+          `offsets[i] : offsets[i] + lengths[i]` (`tokens_per_chunk` per window, or
+          `max_source_positions` with `project=False`); `extras["finite"]`, an on-device bool per
+          padded item: every input value and output row of the item was finite.
 
         Raises:
           ValueError / TypeError: bad shapes, dtypes, lengths, NaN/inf host data, both or
@@ -149,52 +130,26 @@ class VoxtralAudioEncoder(TowerEncoder):
                 run, key = self._feature_calls.find(input_features, num_chunks)
                 if run is not None:
                     return run(input_features)
-        if (audio is None) == (input_features is None):
-            raise ValueError("pass exactly one of audio= and input_features=")
-        if input_features is None:
-            if num_chunks is not None or attention_mask is not None:
-                raise ValueError("num_chunks and attention_mask go with input_features=")
+        if audio_given(audio, lengths, input_features, num_chunks, attention_mask, sampling_rate):
             return self._from_audio(audio, lengths, sampling_rate, key)
-        if lengths is not None or sampling_rate is not None:
-            raise ValueError("lengths and sampling_rate go with audio=, not input_features=")
-        return self._from_features(input_features, num_chunks, key)
+        want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
+        planner = features_planner(num_chunks, self.cfg, self.chunk_buckets, self.project)
+        return self._entry.run(input_features, key, planner, rank=3,
+                               shape=lambda p: (p.chunks, *want), dtype=np.float32)  # fmt: skip
 
-    def _from_audio(
-        self, audio: Any, lengths: Any, sampling_rate: Any, call_key: Any
-    ) -> jaxsync.Embeddings:
-        entry = self._audio
-        if isinstance(audio, list | tuple):  # rows copied straight into their bucket
-            if lengths is not None:
-                raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
-            x, lens = check_audio_list(audio, self.mel_config, sampling_rate=sampling_rate)
-        else:
-            x, lens = _waveforms(audio, lengths, self.mel_config, sampling_rate=sampling_rate)
+    def _from_audio(self, audio: Any, lengths: Any, rate: Any, key: Any) -> jaxsync.Embeddings:
+        x, lens = audio_inputs(audio, lengths, self.mel_config, sampling_rate=rate)
         on_device = isinstance(x, jax.Array)
         if on_device:  # the caller's buffer is the bucket
             self._inside(x)
         where = jaxsync.replicated_near(x) if on_device else self._meta_at
-        key, build, shape = waveform_planner(
+        plan_key, build, shape = waveform_planner(
             lens, self.cfg, self.mel_config, chunk_buckets=self.chunk_buckets, project=self.project
         )(x, where)
+        entry = self._audio
         if on_device:  # refuses bad plans before any upload
-            return entry.device(
-                audio, call_key, entry.planned(key, build, where), unbatched=audio.ndim == 1
-            )
+            p = entry.planned(plan_key, build, where)
+            return entry.device(audio, key, p, unbatched=audio.ndim == 1)
         # samples checked while staged, before a new plan's metadata goes up
         staged = stage_batch(x, lens, shape, self.placement)
-        return entry.staged(x, staged, key, build, where, self.placement)
-
-    def _from_features(self, features: Any, num_chunks: Any, call_key: Any) -> jaxsync.Embeddings:
-        want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
-        planner = features_planner(num_chunks, self.cfg, self.chunk_buckets, self.project)
-        return self._entry.run(features, call_key, planner, rank=3,
-                               shape=lambda p: (p.chunks, *want), dtype=np.float32)  # fmt: skip
-
-
-FEATURES = "input_features"
-
-
-@reads("live", "dtype", "shape", "metadata")
-def _waveforms(waveforms: Any, lengths: Any, config: MelConfig, *, sampling_rate: Any):
-    """`check_waveforms`: what it reads of a device batch is declared for the call key."""
-    return check_waveforms(waveforms, lengths, config, sampling_rate=sampling_rate)
+        return entry.staged(x, staged, plan_key, build, where, self.placement)

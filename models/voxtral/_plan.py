@@ -182,3 +182,23 @@ def features_planner(
         return ("features", key, rows, on_device, where), build
 
     return planner
+
+
+def audio_given(
+    audio: Any, lengths: Any, input_features: Any, num_chunks: Any, attention_mask: Any,
+    sampling_rate: Any,
+) -> bool:  # fmt: skip
+    """Whether an entry call passes raw audio (else the processor's features).
+
+    Raises:
+      ValueError: both inputs or neither, or an argument of the other input's.
+    """
+    if (audio is None) == (input_features is None):
+        raise ValueError("pass exactly one of audio= and input_features=")
+    if input_features is None:
+        if num_chunks is not None or attention_mask is not None:
+            raise ValueError("num_chunks and attention_mask go with input_features=")
+        return True
+    if lengths is not None or sampling_rate is not None:
+        raise ValueError("lengths and sampling_rate go with audio=, not input_features=")
+    return False

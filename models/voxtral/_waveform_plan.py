@@ -13,10 +13,16 @@ import jax
 import numpy as np
 
 import jaxsync
+from jaxsync._calls import reads
 from jaxsync._host import host_ints
 from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
 from jaxsync.models.voxtral._mel import MelSpec
-from jaxsync.models.voxtral._mel_plan import plan_log_mel, resolve_floor
+from jaxsync.models.voxtral._mel_plan import (
+    check_audio_list,
+    check_waveforms,
+    plan_log_mel,
+    resolve_floor,
+)
 from jaxsync.models.voxtral._plan import rows_per_chunk, window_bucket
 
 
@@ -170,3 +176,24 @@ def waveform_planner(
         return ("audio", lens.tobytes(), shape, where), build, shape
 
     return planner
+
+
+def front_end_spec(mel_config: MelConfig, chunk_frames: int) -> MelSpec:
+    """The encoder's static log-mel settings: one window of `chunk_frames` frames per row,
+    floored at the configured global max when set, else at the per-audio max."""
+    floor = mel_config.floor_value if resolve_floor(mel_config, None) == "global" else None
+    return MelSpec(mel_config, chunk_frames, floor)
+
+
+@reads("live", "dtype", "shape", "metadata")
+def audio_inputs(
+    audio: Any, lengths: Any, config: MelConfig, *, sampling_rate: int | None
+) -> tuple[Any, np.ndarray]:
+    """`(batch, lengths)` of raw audio, checked: a list of 1-D host waveforms (kept as rows,
+    copied straight into their bucket when staged) or a padded `[B, W]` batch with host
+    `lengths`. What it reads of a device batch is declared for the call key."""
+    if isinstance(audio, list | tuple):
+        if lengths is not None:
+            raise ValueError("lengths go with a padded [B, W] batch, not a list of audios")
+        return check_audio_list(audio, config, sampling_rate=sampling_rate)
+    return check_waveforms(audio, lengths, config, sampling_rate=sampling_rate)

@@ -171,7 +171,7 @@ def _chameleon(tmp) -> Case:
         load=functools.partial(chameleon.load_model, ckpt, cfg),
         inputs=inputs,
         forward=chameleon.forward,
-        encoder=lambda tower, **kw: chameleon.ChameleonImageEncoder(tower, buckets=(4,), **kw),
+        encoder=functools.partial(chameleon.ChameleonImageEncoder, buckets=(4,)),
         call=lambda enc: enc(px),
         all_reduces=1,
     )
@@ -298,6 +298,20 @@ def test_entry_refuses_a_bad_out_sharding_at_construction(case, sharded):
     with pytest.raises(ValueError, match="no mesh"):
         case.encoder(case.load(), out_sharding=P("data"))  # one-device weights
     case.encoder(sharded, out_sharding=P("data"))  # control: the mesh's own axis is taken
+
+
+def test_from_pretrained_loads_through_the_family_loader(case, sharded):
+    """`<Entry>.from_pretrained(checkpoint, cfg, mesh=, **options)` is the family's `load_model`
+    then the entry: the same rows, split as asked; a model of another type is refused."""
+    ckpt, cfg = case.load.args
+    entry = getattr(case.encoder, "func", case.encoder)  # the class, options apart
+    options = {**getattr(case.encoder, "keywords", {}), "out_sharding": P("data")}
+    got = case.call(entry.from_pretrained(ckpt, cfg, mesh=_mesh(), **options))
+    want = case.call(case.encoder(sharded, out_sharding=P("data")))
+    assert got.embeddings.sharding.spec == P("data")
+    np.testing.assert_array_equal(np.asarray(got.embeddings), np.asarray(want.embeddings))
+    with pytest.raises(TypeError, match=f"model must be a {type(sharded).__name__}"):
+        case.encoder(object())
 
 
 def test_glm4v_column_split_of_the_stored_qkv_gathers(tmp_path, monkeypatch):
