@@ -1,11 +1,6 @@
 # ruff: noqa: F722 - jaxtyping shape strings are not forward references
-"""`ChameleonImageEncoder`: Chameleon's image tower behind one host object.
-
-Pixels -> VQ codes -> BPE image-token ids -> their text embedding rows in one dispatch of
-`jaxsync.TowerProgram(model, forward)`: the ids are gathered through a device copy of `img2bpe`
-(upstream reads the codes back to the CPU for the lookup), so nothing is read back. The same
-object offers the text-side paths of `ChameleonTextPaths` (logit mask, masked logits, merge).
-"""
+"""`ChameleonImageEncoder`: Chameleon's image tower (and its text-side paths) behind one host
+object, one dispatch of `jaxsync.TowerProgram(model, forward)` per call."""
 
 from __future__ import annotations
 
@@ -33,7 +28,8 @@ from jaxsync.models.chameleon._weights import load_model
 
 
 class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
-    """Image tower of one Chameleon model (and its text-side paths); see `TowerEncoder`.
+    """Image tower of one Chameleon model, and the text-side paths of `ChameleonTextPaths`
+    (logit mask, masked logits, merge); see `TowerEncoder`.
 
     Args:
       model: the tower (`load_model`, or `ChameleonImageTower(cfg, rngs=...)`).

@@ -4,7 +4,9 @@
 The modules mirror `transformers`' `ChameleonVQVAE` (encoder, quant_conv, quantize.embedding);
 the encoder's blocks are in `_vq_encoder.py`. The decoder side (`post_quant_conv`) is not needed
 to tokenize images and is not built. `ChameleonImageTower` adds the text model's token embedding,
-which embeds the image tokens.
+which embeds the image tokens. `forward` runs pixels -> VQ codes -> BPE image-token ids -> their
+embedding rows in one program: the ids are gathered through a device copy of `img2bpe`
+(upstream reads the codes back to the CPU for the lookup), so nothing is read back.
 """
 
 from __future__ import annotations

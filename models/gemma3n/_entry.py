@@ -1,8 +1,5 @@
-"""Host entry of the Gemma 3n audio path: validation, cached plan, one upload, one dispatch.
-
-Host metadata (the frame mask, frame count, placeholder positions) is validated on the host
-before anything is dispatched; device data is never read back.
-"""
+"""Host entry of the Gemma 3n audio path: host metadata validated on the host, cached plan, one
+upload, one dispatch; device data is never read back."""
 
 import dataclasses
 import warnings

@@ -1,12 +1,6 @@
-"""`VoxtralAudioEncoder`: the host entry of the audio path (plan, upload once, one dispatch).
-
-The Voxtral processor (and mistral-common ahead of vLLM) zero-pads every audio to a multiple of
-30 s, computes the log-mel of the whole padded audio (its dynamic-range max spans all its
-windows), cuts it into windows of `2 * max_source_positions` frames and encodes the stacked
-windows. From raw audio the windows are the rows of the on-device log-mel, so no per-audio
-spectrogram of the padded batch width is built, and the per-audio max is a segment max over its
-windows. The processor's own `input_features` go straight in as well.
-"""
+"""`VoxtralAudioEncoder`: the host entry of the audio path, on raw audio (the log-mel computed
+on the device: `_waveform_plan.py`) or the processor's `input_features` (plan, upload once, one
+dispatch)."""
 
 from __future__ import annotations
 

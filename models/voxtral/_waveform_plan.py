@@ -2,6 +2,12 @@
 whole 30-second windows, one log-mel window per encoder window, the waveform buffer's static
 sizes picked from buckets, and the metadata the on-device log-mel and the encoder read. The
 window tables follow `plan`'s (`_plan.py`), so both input kinds share the encoder's rows.
+
+The Voxtral processor (and mistral-common ahead of vLLM) zero-pads every audio to a multiple of
+30 s, computes the log-mel of the whole padded audio (its dynamic-range max spans all its
+windows), cuts it into windows of `2 * max_source_positions` frames and encodes the stacked
+windows. Here the windows are the rows of the on-device log-mel, so no per-audio spectrogram of
+the padded batch width is built, and the per-audio max is a segment max over its windows.
 """
 
 from __future__ import annotations
