@@ -22,6 +22,9 @@ looked up per call (what tests and tools watch).
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
@@ -61,12 +64,38 @@ def assembler(layout: Layout) -> Callable[[Encoded], Embeddings]:
 
 
 def planned(plan: Any, placement: Any) -> Planned:
-    """A plan, its one packed upload to `placement` and its output assembly."""
-    return Planned(
-        plan,
-        jaxsync.upload_packed(plan, placement=placement),
-        assembler(Embeddings.layout(plan.lengths)),
+    """A plan, its one packed upload to `placement` and its output assembly; a plan with a
+    `warning` (a `Warning`, or None) has it emitted by the assembly, on every call with it."""
+    finish = assembler(Embeddings.layout(plan.lengths))
+    warning = getattr(plan, "warning", None)
+    if warning is not None:
+        finish = warning_on(finish, warning)
+    return Planned(plan, jaxsync.upload_packed(plan, placement=placement), finish)
+
+
+def warning_on(finish: Callable[[Encoded], Embeddings], warning: Warning) -> Callable:
+    """`finish` that first warns `warning` at the caller's line (`warn_at_caller`)."""
+
+    def finish_warned(out: Encoded) -> Embeddings:
+        warn_at_caller(warning)
+        return finish(out)
+
+    return finish_warned
+
+
+def warn_at_caller(warning: Warning) -> None:
+    """`warnings.warn(warning)` at the first frame outside jaxsync's packages: the line that
+    called the entry, however many of jaxsync's frames lie between (a kept call, a first call,
+    the `entry_point` wrapper)."""
+    ours = tuple(
+        os.path.join(path, "")
+        for name in ("jaxsync", "jaxsync.models", "jaxsync.kv")
+        for path in getattr(sys.modules.get(name), "__path__", ())
     )
+    frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)
 
 
 def alive(name: str) -> Callable[[jax.Array], None]:
@@ -209,14 +238,22 @@ class TowerEntry:
         dtype: Any = None,
         stage_at: Any = None,
         name: str | None = None,
+        stage: Callable[[Any], jax.Array] | None = None,
+        finite: Callable[[], Any] | None = None,
     ) -> Embeddings:
         """A call on host data `x`: NaN / inf refused before a new plan's metadata goes up, or,
         on a known plan, as `x` is copied into its staging buffer (one pass), zero padded to
         `shape(plan)`, uploaded to `stage_at` (default `placement`), then the program and
-        `finished`."""
+        `finished`. Host data the family stages itself (e.g. a list of rows) gives `stage(plan)`
+        (the copy into the plan's bucket, checked as it copies, uploaded) and `finite()` (the
+        check before a new plan)."""
         name = self.name if name is None else name
-        p = self.planned(key, plan, placement, on_miss=lambda: _host.check_finite(x, name=name))
+        if finite is None:
+            finite = lambda: _host.check_finite(x, name=name)  # noqa: E731
+        p = self.planned(key, plan, placement, on_miss=finite)
         at = placement if stage_at is None else stage_at
+        if stage is not None:
+            return self.finished(x, self.program(stage(p.plan), p.meta), p, at)
         staged = jaxsync.default_staging.put(
             x, None if shape is None else shape(p.plan), dtype=dtype, placement=at, finite=name
         )

@@ -13,6 +13,8 @@ uploaded or compiled) with the documented error, and `jaxsync.precompile` compil
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -273,3 +275,33 @@ def test_from_pretrained_builds_through_the_family_loader(model):
     enc = LoadedToy.from_pretrained("ckpt", "cfg", dtype=jnp.bfloat16, buckets=(16,))
     assert seen == [("ckpt", "cfg", jnp.bfloat16, None)]
     assert isinstance(enc, LoadedToy) and enc.buckets == (16,) and enc.cfg is model.cfg
+
+
+class _WarnedPlan(ToyPlan):
+    @property
+    def warning(self) -> UserWarning:
+        return UserWarning("this plan warns")
+
+
+def test_a_plan_warning_is_emitted_outside_jaxsync_on_every_call(model, monkeypatch):
+    """A plan with a `warning` has the core emit it on every call with it, at the first line
+    outside jaxsync's packages (here the toy entry's own call into the core: the toy lives in
+    this file): host input (a new plan, then a known one) and device input (the first call,
+    then the kept call)."""
+    original = globals()["plan"]
+    monkeypatch.setitem(globals(), "plan", lambda *a, **k: _WarnedPlan(*original(*a, **k)))
+    enc = ToyEncoder(model)
+    body, first = inspect.getsourcelines(inspect.unwrap(ToyEncoder.__call__))
+    host, device = _batch([3, 2]), jax.device_put(_batch([8], seed=3))
+    for x, lengths in [(host, [3, 2]), (host, [3, 2]), (device, [8]), (device, [8])]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            enc(x, lengths)
+        [w] = seen
+        assert (str(w.message), w.filename) == ("this plan warns", __file__)
+        assert first <= w.lineno < first + len(body)
+    monkeypatch.setitem(globals(), "plan", original)  # control: a plan without one warns not
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ToyEncoder(model)(host, [3, 2])
+    assert not seen

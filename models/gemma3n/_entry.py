@@ -2,16 +2,14 @@
 upload, one dispatch; device data is never read back."""
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 import jaxsync
-from jaxsync._calls import prepared_call
 from jaxsync._encoder import TowerEncoder, expect
-from jaxsync._entry import Planned, alive
+from jaxsync._entry import alive
 from jaxsync._out_sharding import OutSharding
 from jaxsync.check import entry_point
 from jaxsync.models.gemma3n._forward import PadEmbedding, encode, forward
@@ -24,7 +22,6 @@ from jaxsync.models.gemma3n._inputs import (
 )
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
 from jaxsync.models.gemma3n._plan import (
-    AudioTruncationWarning,
     entry_buckets,
     host_planner,
     mask_planner,
@@ -113,34 +110,19 @@ class Gemma3nAudioEncoder(TowerEncoder):
                 features, deleted or misplaced device features, more frames or clips than the
                 largest bucket, or (overflow="error") more tower positions than `soft_tokens`.
         """
-        run, call_key = self._calls.find(input_features, input_features_mask)
+        run, key = self._calls.find(input_features, input_features_mask)
         if run is not None:
             return run(input_features)
         if isinstance(input_features, jax.core.Tracer):
             raise TypeError(f"{FEATURES} is traced: inside a jit call `forward` directly")
-        entry, n_mel = self._entry, self.cfg.input_feat_size
-        if not isinstance(input_features, jax.Array):
-            host, valid = host_inputs(input_features, input_features_mask, n_mel)
-            planner = host_planner(valid, self.cfg, buckets=self.buckets, embed=self.embed)
-            key, build = planner(host, self._meta_at)
-            # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as
-            # the features are copied into their staging buffer (one pass over them).
-            p = entry.planned(key, build, self._meta_at, on_miss=lambda: check_host_finite(host))
-            shape = (p.plan.batch, p.plan.frame_bucket, n_mel)
-            return self._embed(stage_features(host, shape, self.placement), p, stacklevel=4)
-        feats = input_features
-        entry.check(feats)
-        where = jaxsync.replicated_near(feats)
-        key, build = mask_planner(input_features_mask, self.cfg, embed=self.embed)(feats, where)
-        p = entry.planned(key, build, where)
-        if not p.plan.truncation:  # the common case: the program and the output's assembly
-            return entry.device(feats, call_key, p)
-        run = prepared_call(  # the caller is 6 frames up: call, lambda, _embed
-            lambda x: self._embed(x, p, stacklevel=6), FEATURES
-        )
-        return self._calls.keep(call_key, run)(feats)
-
-    def _embed(self, feats, p: Planned, stacklevel: int) -> jaxsync.Embeddings:
-        if p.plan.truncation:  # stacklevel: the warning points at the caller's line
-            warnings.warn(p.plan.truncation, AudioTruncationWarning, stacklevel=stacklevel)
-        return p.finish(self.program(feats, p.meta))
+        if isinstance(input_features, jax.Array):  # planned at its shape: the caller's bucket
+            planner = mask_planner(input_features_mask, self.cfg, embed=self.embed)
+            return self._entry.run(input_features, key, planner)
+        n_mel = self.cfg.input_feat_size
+        host, valid = host_inputs(input_features, input_features_mask, n_mel)
+        planner = host_planner(valid, self.cfg, buckets=self.buckets, embed=self.embed)
+        # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as the
+        # features are copied into their bucket (one pass over them).
+        stage = lambda p: stage_features(host, p, n_mel, self.placement)  # noqa: E731
+        return self._entry.host(host, *planner(host, self._meta_at), self._meta_at, stage=stage,
+                                finite=lambda: check_host_finite(host))  # fmt: skip

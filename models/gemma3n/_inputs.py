@@ -153,12 +153,11 @@ def check_host_finite(host: np.ndarray | list[np.ndarray]) -> None:
         check_finite(clip, name=f"{FEATURES}[{i}]")
 
 
-def stage_features(
-    host: np.ndarray | list[np.ndarray], shape: tuple[int, int, int], placement: Any
-):
-    """Host features zero padded into `shape` `[B_pad, S_pad, F]` float32 and uploaded, NaN /
-    inf refused as they are copied (one pass)."""
+def stage_features(host: np.ndarray | list[np.ndarray], plan: Any, n_mel: int, placement: Any):
+    """Host features zero padded into the plan's bucket `[batch, frame_bucket, n_mel]` float32
+    and uploaded, NaN / inf refused as they are copied (one pass)."""
     ring = jaxsync.default_staging
+    shape = (plan.batch, plan.frame_bucket, n_mel)
     if isinstance(host, np.ndarray):
         return ring.put(host, shape, dtype=np.float32, placement=placement, finite=FEATURES)
 

@@ -78,8 +78,8 @@ class Gemma3nPlan(NamedTuple):
         frames: frames per clip as given.
         batch: clips after padding (a clip bucket).
         frame_bucket: frames after padding (a frame bucket).
-        truncation: the warning to emit on every call with this plan (overflow="truncate" and
-            a clip lost real positions), or None.
+        truncation: what every call with this plan warns (overflow="truncate" and a clip lost
+            real positions), or None; `warning` is it as an `AudioTruncationWarning`.
     """
 
     meta: Gemma3nMeta
@@ -94,6 +94,11 @@ class Gemma3nPlan(NamedTuple):
     def offsets(self) -> tuple[int, ...]:
         """First row of each clip: the running sum of `lengths`, from row 0."""
         return tuple(int(o) for o in np.cumsum((0, *self.lengths[:-1])))
+
+    @property
+    def warning(self) -> AudioTruncationWarning | None:
+        """The entry's warning on every call with this plan, at the caller's line."""
+        return None if self.truncation is None else AudioTruncationWarning(self.truncation)
 
 
 def _truncation(cfg: Gemma3nAudioConfig, valid: np.ndarray, t_a: int) -> str:

@@ -1,6 +1,8 @@
 """Gemma 3n audio path vs transformers through our loader (tower, embedder, padding, merge)."""
 
 import dataclasses
+import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +157,24 @@ def test_overflow_truncate_like_vllm(ref, model):
     with pytest.warns(AudioTruncationWarning, match=r"\{0: 1, 1: 1\}"):
         again = R.per_clip(Gemma3nAudioEncoder(truncating, frame_buckets=BUCKET)(feats, mask))
     np.testing.assert_array_equal(again, got)
+
+
+def test_truncation_warns_at_the_callers_line_on_every_call(ref, model):
+    """The warning names the caller's line on every call: host features (a new plan, then a
+    known one) and device features (the first call, then the kept call); control: no
+    truncation, no warning."""
+    emb = Gemma3nAudioEncoder(model, overflow="truncate", frame_buckets=BUCKET)
+    feats, mask = R.mel_batch([71, 70, 30], 71, ref.cfg.input_feat_size, seed=7)
+    short, short_mask = R.mel_batch([40, 30], 40, ref.cfg.input_feat_size, seed=8)
+    device = jnp.asarray(feats)
+    for x, m, warns in [(feats, mask, 1), (feats, mask, 1), (device, mask, 1), (device, mask, 1),
+                        (short, short_mask, 0)]:  # fmt: skip
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            emb(x, m)
+        ours = [w for w in seen if issubclass(w.category, AudioTruncationWarning)]
+        assert [(w.filename, w.lineno) for w in ours] == [(__file__, line)] * warns
 
 
 def test_bf16(ref):
