@@ -91,14 +91,16 @@ class TowerEncoder:
     @classmethod
     def from_pretrained(
         cls, checkpoint: Any, cfg: Any = None, *, dtype: Any = None, mesh: Any = None,
-        **options: Any,
+        partition_rules: Any = None, **options: Any,
     ) -> Any:  # fmt: skip
-        """The encoder of a checkpoint: `cls(load_model(checkpoint, cfg, dtype=, mesh=),
-        **options)` with the family's loader (a directory with `config.json`, or a safetensors
-        file with `cfg`; weights read lazily, split over `mesh` by the family's rules)."""
+        """The encoder of a checkpoint: `cls(load_model(checkpoint, cfg, dtype=, mesh=,
+        partition_rules=), **options)` with the family's loader (a directory with `config.json`,
+        or a safetensors file with `cfg`; weights read lazily, split over `mesh` by the family's
+        `PARTITION_RULES` unless `partition_rules` are given)."""
         if cls.load_model is None:
             raise TypeError(f"{cls.__name__} has no checkpoint loader (`load_model`)")
-        return cls(cls.load_model(checkpoint, cfg, dtype=dtype, mesh=mesh), **options)
+        rules = {} if partition_rules is None else {"partition_rules": partition_rules}
+        return cls(cls.load_model(checkpoint, cfg, dtype=dtype, mesh=mesh, **rules), **options)
 
     def __init__(
         self,

@@ -268,13 +268,15 @@ def test_from_pretrained_builds_through_the_family_loader(model):
 
     class LoadedToy(ToyEncoder):
         @staticmethod
-        def load_model(checkpoint, cfg=None, *, dtype=None, mesh=None):
-            seen.append((checkpoint, cfg, dtype, mesh))
+        def load_model(checkpoint, cfg=None, *, dtype=None, mesh=None, partition_rules="own"):
+            seen.append((checkpoint, cfg, dtype, mesh, partition_rules))
             return model
 
     enc = LoadedToy.from_pretrained("ckpt", "cfg", dtype=jnp.bfloat16, buckets=(16,))
-    assert seen == [("ckpt", "cfg", jnp.bfloat16, None)]
     assert isinstance(enc, LoadedToy) and enc.buckets == (16,) and enc.cfg is model.cfg
+    LoadedToy.from_pretrained("ckpt", partition_rules=(("w", None),))
+    assert seen == [("ckpt", "cfg", jnp.bfloat16, None, "own"), ("ckpt", None, None, None,
+                    (("w", None),))]  # fmt: skip
 
 
 class _WarnedPlan(ToyPlan):
