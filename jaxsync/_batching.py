@@ -21,7 +21,7 @@ import numpy as np
 from jaxsync._calls import prepared_call, reads
 from jaxsync._entry import Planned, TowerEntry
 from jaxsync._outputs import Encoded
-from jaxsync._placement import batch_split, replicated
+from jaxsync._placement import batch_split, committed, replicated
 
 
 @ft.cache
@@ -33,13 +33,6 @@ def pad_batch(sharding: jax.sharding.Sharding | None) -> Callable[[jax.Array, in
         return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
     return jax.jit(pad, static_argnums=1, out_shardings=sharding)
-
-
-def committed(x: jax.Array) -> jax.sharding.Sharding | None:
-    """Where committed device input lives (None: traced by a static scan, or uncommitted)."""
-    if isinstance(x, jax.core.Tracer) or not x.committed:
-        return None
-    return x.sharding
 
 
 class BatchSplit:
@@ -114,7 +107,8 @@ class BucketEntry(TowerEntry):
 
     Args (besides `TowerEntry`'s):
       batch: the plan's batch bucket, `batch(plan) -> rows` (the program's axis 0).
-      output: the entry's output form, `output(encoded, planned)` (e.g. `planned.finish`).
+      output: the entry's output form, `output(encoded, planned)` (default: `planned.finish`,
+        `Embeddings.of(encoded, plan)` on the plan's row layout computed once).
       warm: the encoder's `Warmer`, run after the first call of a bucket.
 
       split: the `BatchSplit` to share with another entry of the encoder (default: its own,
@@ -132,7 +126,7 @@ class BucketEntry(TowerEntry):
         program: Any,
         *,
         batch: Callable[[Any], int],
-        output: Callable[[Encoded, Planned], Any],
+        output: Callable[[Encoded, Planned], Any] = lambda out, p: p.finish(out),
         warm: Warmer,
         name: str,
         checks: Iterable[Callable[[jax.Array], Any]] = (),

@@ -9,14 +9,12 @@ planner, its forward and its options:
         def __init__(self, model, *, placement=None, out_sharding=None):
             expect(model, FooTower)
             super().__init__(model, forward, name="x", checks=(alive("x"), self._check),
-                             inside="x", placement=placement, out_sharding=out_sharding)
+                             inside="x", placement=placement, out_sharding=out_sharding,
+                             plan_of=lambda lengths: lengths_planner(lengths, model.cfg))
 
         @entry_point
         def __call__(self, x, lengths):
-            run, key = self._calls.find(x, lengths)   # the repeated call: one lookup
-            if run is not None:
-                return run(x)
-            return self._entry.run(x, key, self._planner(lengths), ...)
+            return self._entry(x, lengths)   # a repeated call: one lookup; else the full path
 
 The base holds the program (`TowerProgram(model, forward)`, shared by every encoder of the same
 structure), the entry (its plan and call caches), the weights' devices, where per-call data goes
@@ -77,6 +75,8 @@ class TowerEncoder:
       fits, plan_cache_size: as `TowerEntry`'s.
       entry: what builds the entry, called as `TowerEntry` is (default), e.g. a
         `functools.partial` of `jaxsync._batching.BucketEntry` with its options bound.
+      call: the entry's call options (`plan_of`, `rank`, `shape`, `dtype`, `miss`: as
+        `TowerEntry`'s), for `self._entry(x, *metadata)`.
 
     Attributes:
       cfg: the tower's config.
@@ -115,6 +115,7 @@ class TowerEncoder:
         fits: Callable[[jax.Array, Any], Any] | None = None,
         plan_cache_size: int = 64,
         entry: Callable[..., TowerEntry] = TowerEntry,
+        **call: Any,
     ):
         self.cfg = model.cfg
         self._weights = weight_devices(model)
@@ -127,7 +128,7 @@ class TowerEncoder:
         self._programs: list[TowerProgram] = []  # what `load_state` updates
         self.program = self._program_of(model, forward)
         options = dict(name=name, checks=checks, fits=fits, plan_cache_size=plan_cache_size,
-                       placement=self._meta_at, stage_at=self.placement)  # fmt: skip
+                       placement=self._meta_at, stage_at=self.placement, **call)  # fmt: skip
         self._entry_kind, self._entry_options = entry, options  # what `_entry_over` builds with
         self._entry = entry(self.program, **options)
         self.plans = self._entry.plans

@@ -4,10 +4,8 @@ A family's entry (`<Family><Modality>Encoder`) supplies three things: its input 
 planner (`plan(host metadata, cfg, *, buckets=None) -> <Family>Plan`) and its `forward`. The
 `TowerEntry` it holds does the rest:
 
-    run, key = entry.calls.find(x, metadata)      # a repeated call on device input: one hit
-    if run is not None:
-        return run(x)
-    return entry.run(x, key, planner)               # the full path:
+    return entry(x, metadata)   # `calls.find`: a repeated call on device input is one hit;
+    # else `run(x, key, plan_of(metadata))`, the full path:
     # device input: the family's declared checks, `planned` (PlanCache: plan + one upload),
     #   the TowerProgram's prepared call, kept under `key`;
     # host input: host_array, the checks that apply to host data, then `host` (finite, staged)
@@ -35,7 +33,7 @@ from jaxsync import _host
 from jaxsync._calls import CallCache, deleted_message, prepared_call, reads
 from jaxsync._host import host_array
 from jaxsync._outputs import Embeddings, Encoded
-from jaxsync._placement import check_devices, replicated_near
+from jaxsync._placement import check_devices, committed, replicated_near
 from jaxsync._plans import PlanCache
 from jaxsync._tower import TowerProgram
 from jaxsync._transfer import Packed
@@ -109,16 +107,23 @@ def alive(name: str) -> Callable[[jax.Array], None]:
     return check
 
 
-def on_devices(devices: Iterable[jax.Device], name: str) -> Callable[[jax.Array], None]:
+def on_devices(
+    devices: Iterable[jax.Device], name: str, *, uncommitted_moves: bool = False
+) -> Callable[[jax.Array], None]:
     """A check refusing a device input that lives on other devices than `devices` (the
-    weights'), naming both."""
+    weights'), naming both. `uncommitted_moves`: an uncommitted input passes (JAX moves it)."""
     want = frozenset(devices)
 
     @reads("sharding")
     def check(x: jax.Array) -> None:
         check_devices(x, want, name)
 
-    return check
+    @reads("sharding", "committed")
+    def check_committed(x: jax.Array) -> None:
+        if committed(x) is not None:
+            check_devices(x, want, name)
+
+    return check_committed if uncommitted_moves else check
 
 
 class TowerEntry:
@@ -138,6 +143,11 @@ class TowerEntry:
       to_host: host input as numpy (default `host_array(x, name=name)`), before the host checks.
       placement: where host input's metadata goes (`run`'s default; None: JAX's default device).
       stage_at: where host input goes (`run`'s default; None: `placement`).
+      plan_of: the family's planner of a call's host metadata, `plan_of(*metadata) -> planner`
+        (`run`'s `planner`), for `entry(x, *metadata)`.
+      rank, shape, dtype: `run`'s defaults (the program's input rank, padded shape and dtype).
+      miss: the family's own path of a call `calls.find` missed, `miss(x, key, *metadata)`
+        (other input kinds, its own staging); default `run(x, key, plan_of(*metadata))`.
     """
 
     def __init__(
@@ -153,8 +163,16 @@ class TowerEntry:
         to_host: Callable[[Any], Any] | None = None,
         placement: Any = None,
         stage_at: Any = None,
+        plan_of: Callable[..., Callable] | None = None,
+        rank: int | None = None,
+        shape: Callable[[Any], tuple[int, ...]] | None = None,
+        dtype: Any = None,
+        miss: Callable[..., Any] | None = None,
     ):
         self.program = program
+        self.plan_of, self.rank, self.shape, self.dtype = plan_of, rank, shape, dtype
+        if miss is not None:
+            self.miss = miss
         self.placement, self.stage_at = placement, stage_at
         self.to_host = to_host
         self.name = name
@@ -167,6 +185,18 @@ class TowerEntry:
         # host data has no liveness nor placement: the checks reading neither apply to it too
         placed = {"live", "sharding", "committed"}
         self.host_checks = tuple(c for c in self.checks if not c.reads & placed)
+
+    def __call__(self, x: Any, *metadata: Any) -> Any:
+        """A call of the entry point on input `x` and host `metadata`: a repeated call on device
+        input runs the call it kept (one lookup); any other goes to `miss`."""
+        run, key = self.calls.find(x, *metadata)
+        if run is not None:
+            return run(x)
+        return self.miss(x, key, *metadata)
+
+    def miss(self, x: Any, key: Hashable | None, *metadata: Any) -> Any:
+        """The full path of a call `calls.find` missed: `run` with `plan_of(*metadata)`."""
+        return self.run(x, key, self.plan_of(*metadata))
 
     def check(self, x: jax.Array) -> None:
         """Runs the declared checks of a device input (what a kept call of it skips)."""
@@ -193,9 +223,12 @@ class TowerEntry:
         `where`: `near(x)` for a device input (checked by `check`, kept under `key`),
         `placement` for host data (checked by the host checks, then as `host`; a function of
         no argument gives it after the checks). `placement` and `stage_at` default to the
-        entry's. `rank`: the program's input rank; an input one axis short is one item (a
-        leading axis added).
+        entry's, as do `rank`, `shape` and `dtype`. `rank`: the program's input rank; an input
+        one axis short is one item (a leading axis added).
         """
+        rank = self.rank if rank is None else rank
+        shape = self.shape if shape is None else shape
+        dtype = self.dtype if dtype is None else dtype
         if isinstance(x, jax.Array):
             self.check(x)
             where = near(x)

@@ -46,6 +46,13 @@ def devices_of(where: jax.Device | jax.sharding.Sharding | jax.Array) -> frozens
     return frozenset(where.device_set)
 
 
+def committed(x: jax.Array) -> jax.sharding.Sharding | None:
+    """Where committed device input lives (None: traced by a static scan, or uncommitted)."""
+    if isinstance(x, jax.core.Tracer) or not x.committed:
+        return None
+    return x.sharding
+
+
 def check_devices(
     where: Any, devices: Iterable[jax.Device], name: str, *, other: str = "the weights"
 ) -> None:

@@ -97,7 +97,7 @@ X = "x"
 
 class ToyEncoder(jaxsync.TowerEncoder):
     def __init__(self, model: ToyTower, *, buckets=(8, 16, 32), placement=None,
-                 plan_cache_size: int = 64):  # fmt: skip
+                 plan_cache_size: int = 64, miss=None):  # fmt: skip
         expect(model, ToyTower)
         self.buckets = tuple(buckets)
         super().__init__(
@@ -109,6 +109,10 @@ class ToyEncoder(jaxsync.TowerEncoder):
             placement=placement,
             fits=_padded,
             plan_cache_size=plan_cache_size,
+            plan_of=self._planner,
+            shape=lambda p: (p.padded_rows, model.cfg.in_dim),
+            dtype=np.float32,
+            miss=miss,
         )
 
     @reads("shape", "dtype")
@@ -127,16 +131,7 @@ class ToyEncoder(jaxsync.TowerEncoder):
 
     @check.entry_point
     def __call__(self, x, lengths) -> jaxsync.Embeddings:
-        run, key = self._calls.find(x, lengths)
-        if run is not None:
-            return run(x)
-        return self._entry.run(
-            x,
-            key,
-            self._planner(lengths),
-            shape=lambda p: (p.padded_rows, self.cfg.in_dim),
-            dtype=np.float32,
-        )
+        return self._entry(x, lengths)
 
 
 @reads("shape", "metadata")
@@ -307,3 +302,25 @@ def test_a_plan_warning_is_emitted_outside_jaxsync_on_every_call(model, monkeypa
         warnings.simplefilter("always")
         ToyEncoder(model)(host, [3, 2])
     assert not seen
+
+
+def test_a_family_miss_path_runs_for_every_call_the_cache_missed(model):
+    """`miss=` replaces the default path of a missed call (`run` with `plan_of`): host input
+    and a new device signature reach it, a repeated device call runs the call it kept."""
+    seen = []
+
+    def miss(x, key, lengths):
+        seen.append(type(x).__name__ if key is None else "device, keyed")
+        return enc._entry.run(x, key, enc._planner(lengths))
+
+    enc, want = ToyEncoder(model, miss=miss), ToyEncoder(model)
+    x = _batch([5, 3])
+    np.testing.assert_array_equal(np.asarray(enc(x, [5, 3]).embeddings),
+                                  np.asarray(want(x, [5, 3]).embeddings))  # fmt: skip
+    device_x = jax.device_put(x)
+    enc(device_x, [5, 3])
+    enc(device_x, [5, 3])  # kept: not a miss
+    enc(x, [5, 3])  # host input is never kept
+    assert seen == ["ndarray", "device, keyed", "ndarray"]
+    enc(device_x, [3, 5])  # control: other metadata is another signature, a miss
+    assert seen[-1] == "device, keyed" and len(seen) == 4

@@ -12,12 +12,10 @@ from jaxtyping import Array, Float, Int
 
 import jaxsync
 import jaxsync.check
-from jaxsync._batching import BucketEntry, Warmer, committed
-from jaxsync._calls import reads
-from jaxsync._encoder import TowerEncoder, expect
-from jaxsync._entry import Planned, TowerEntry
+from jaxsync._batching import BucketEntry, Warmer
+from jaxsync._encoder import TowerEncoder, expect, weight_devices
+from jaxsync._entry import Planned, on_devices
 from jaxsync._out_sharding import OutSharding
-from jaxsync._placement import check_devices
 from jaxsync.models.chameleon import _modules
 from jaxsync.models.chameleon._inputs import PIXELS, check_pixels, host_pixels, pixel_checks
 from jaxsync.models.chameleon._modules import ChameleonImageTower, token_rows
@@ -71,10 +69,12 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         warm = Warmer(sizes, lambda out, n: token_rows(out.extras["ids"], n, t))
         kind = ft.partial(BucketEntry, batch=attrgetter("rows"), warm=warm, to_host=host_pixels)
         forward = _modules.forward_encoder_only if self.encoder_only else _modules.forward
-        checks = (*pixel_checks(self.image_shape), self._check_placing)
-        TowerEncoder.__init__(self, model, forward, name=PIXELS, checks=checks,
-                              placement=placement, out_sharding=out_sharding,
-                              entry=ft.partial(kind, output=_finish))  # fmt: skip
+        placed = on_devices(weight_devices(model), PIXELS, uncommitted_moves=True)
+        TowerEncoder.__init__(self, model, forward, name=PIXELS,
+                              checks=(*pixel_checks(self.image_shape), placed),
+                              placement=placement, out_sharding=out_sharding, entry=kind,
+                              plan_of=lambda: self._planner,
+                              shape=lambda p: (p.rows, *self.image_shape))  # fmt: skip
         self._split = self._entry.split
         self._tokens = self._entry_over(self.program, output=_token_rows, split=self._split)
         self._vq = jaxsync.TowerProgram(model, _modules.vq_outputs)  # no rows to place
@@ -107,12 +107,12 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
           ValueError: wrong rank or image size, no image, non-finite host pixels, a deleted
             array, pixels apart from the weights or split off the batch axis.
         """
-        return self._run(pixel_values, self._entry)
+        return self._entry(pixel_values)
 
     @jaxsync.check.entry_point
     def get_image_tokens(self, pixel_values) -> Int[Array, "B T"]:
         """BPE ids `[B, T]` of each image's tokens in raster order (HF `get_image_tokens`)."""
-        return self._run(pixel_values, self._tokens)
+        return self._tokens(pixel_values)
 
     def encode(self, pixel_values: jax.Array) -> tuple[Float[Array, "B h w L"], Int[Array, "B T"]]:
         """The VQ model's own outputs, unbucketed (for parity): encoder latents (NHWC, before
@@ -120,25 +120,6 @@ class ChameleonImageEncoder(ChameleonTextPaths, TowerEncoder):
         check_device_array(pixel_values, PIXELS)
         check_pixels(pixel_values, self.image_shape)
         return self._vq(pixel_values)
-
-    @reads("sharding", "committed")
-    def _check_placing(self, pixel_values: jax.Array) -> None:
-        """Committed pixels on the weights' devices (uncommitted ones may move)."""
-        if committed(pixel_values) is not None:
-            check_devices(pixel_values, self._weights, PIXELS)
-
-    def _run(self, pixel_values, entry: TowerEntry):
-        """The call through `entry` (one per output form); a repeated call on device pixels
-        runs the call it kept."""
-        run, key = entry.calls.find(pixel_values)
-        if run is not None:
-            return run(pixel_values)
-        shape = lambda p: (p.rows, *self.image_shape)  # noqa: E731
-        return entry.run(pixel_values, key, self._planner, shape=shape)
-
-
-def _finish(out: jaxsync.Encoded, p: Planned) -> jaxsync.Embeddings:
-    return p.finish(out)  # `Embeddings.of(out, plan)` on the plan's row layout computed once
 
 
 def _token_rows(out: jaxsync.Encoded, p: Planned) -> jax.Array:

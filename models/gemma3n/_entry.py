@@ -21,11 +21,7 @@ from jaxsync.models.gemma3n._inputs import (
     stage_features,
 )
 from jaxsync.models.gemma3n._modules import Gemma3nAudioModel
-from jaxsync.models.gemma3n._plan import (
-    entry_buckets,
-    host_planner,
-    mask_planner,
-)
+from jaxsync.models.gemma3n._plan import entry_buckets, host_planner, mask_planner
 from jaxsync.models.gemma3n._weights import load_model
 
 
@@ -72,7 +68,7 @@ class Gemma3nAudioEncoder(TowerEncoder):
         checks = (alive(FEATURES), device_check(model.cfg.input_feat_size))
         super().__init__(model, forward if self.embed else encode, name=FEATURES, checks=checks,
                          inside=FEATURES, placement=placement, out_sharding=out_sharding,
-                         plan_cache_size=plan_cache_size)  # fmt: skip
+                         plan_cache_size=plan_cache_size, miss=self._miss)  # fmt: skip
         if overflow is not None:
             self.cfg = dataclasses.replace(self.cfg, overflow=overflow)
         self._pad = PadEmbedding(model)
@@ -110,19 +106,20 @@ class Gemma3nAudioEncoder(TowerEncoder):
                 features, deleted or misplaced device features, more frames or clips than the
                 largest bucket, or (overflow="error") more tower positions than `soft_tokens`.
         """
-        run, key = self._calls.find(input_features, input_features_mask)
-        if run is not None:
-            return run(input_features)
-        if isinstance(input_features, jax.core.Tracer):
+        return self._entry(input_features, input_features_mask)
+
+    def _miss(self, features: Any, key: Any, mask: Any) -> jaxsync.Embeddings:
+        """A call the call cache missed: device features planned at their shape (the caller's
+        bucket); host ones padded to their buckets, NaN / inf refused before a new plan's
+        metadata goes up or, on a known plan, as they are copied into it (one pass)."""
+        if isinstance(features, jax.core.Tracer):
             raise TypeError(f"{FEATURES} is traced: inside a jit call `forward` directly")
-        if isinstance(input_features, jax.Array):  # planned at its shape: the caller's bucket
-            planner = mask_planner(input_features_mask, self.cfg, embed=self.embed)
-            return self._entry.run(input_features, key, planner)
+        if isinstance(features, jax.Array):
+            planner = mask_planner(mask, self.cfg, embed=self.embed)
+            return self._entry.run(features, key, planner)
         n_mel = self.cfg.input_feat_size
-        host, valid = host_inputs(input_features, input_features_mask, n_mel)
+        host, valid = host_inputs(features, mask, n_mel)
         planner = host_planner(valid, self.cfg, buckets=self.buckets, embed=self.embed)
-        # NaN / inf refused before a new plan's metadata goes up, or, on a known plan, as the
-        # features are copied into their bucket (one pass over them).
         stage = lambda p: stage_features(host, p, n_mel, self.placement)  # noqa: E731
         return self._entry.host(host, *planner(host, self._meta_at), self._meta_at, stage=stage,
                                 finite=lambda: check_host_finite(host))  # fmt: skip

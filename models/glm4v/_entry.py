@@ -66,6 +66,9 @@ class Glm4vVisionEncoder(TowerEncoder):
             out_sharding=out_sharding,
             fits=padded,
             plan_cache_size=plan_cache_size,
+            plan_of=self._planner,
+            shape=lambda p: (p.padded_patches, model.cfg.patch_dim),
+            dtype=self.dtype,
         )
 
     def _took(self, model: Glm4vVisionTower) -> None:
@@ -102,12 +105,7 @@ class Glm4vVisionEncoder(TowerEncoder):
             count that does not match the grid, non-finite host pixels, device pixels away from
             the weights or not padded to the bucket.
         """
-        run, key = self._calls.find(pixel_values, image_grid_thw)
-        if run is not None:
-            return run(pixel_values)
-        shape = lambda p: (p.padded_patches, self.cfg.patch_dim)  # noqa: E731
-        return self._entry.run(pixel_values, key, self._planner(image_grid_thw), shape=shape,
-                               dtype=self.dtype)  # fmt: skip
+        return self._entry(pixel_values, image_grid_thw)
 
     @entry_point
     def pos_embeds(self, image_grid_thw) -> jax.Array:

@@ -65,14 +65,16 @@ class VoxtralAudioEncoder(TowerEncoder):
         self.chunk_samples = cfg.chunk_frames * self.mel_config.hop_length
         # Device inputs, by kind (a [B, W] audio batch and [F, 2P] features share a shape):
         # one entry each over one plan cache.
+        want = (cfg.num_mel_bins, cfg.chunk_frames)
         super().__init__(model, server_form(project), name=FEATURES, inside="inputs",
                          checks=(alive(FEATURES), features_check(cfg)), placement=placement,
-                         out_sharding=out_sharding)  # fmt: skip
+                         out_sharding=out_sharding, rank=3, dtype=np.float32,
+                         plan_of=lambda n: features_planner(n, cfg, self.chunk_buckets, project),
+                         shape=lambda p: (p.chunks, *want))  # fmt: skip
         self._waveforms = self._program_of(model, server_form(project, self.mel))
-        self._audio = self._entry_over(
-            self._waveforms, name="waveforms", checks=(audio_inputs, self._inside)
-        )
-        self._audio_calls, self._feature_calls = self._audio.calls, self._calls
+        checks = (audio_inputs, self._inside)
+        self._audio = self._entry_over(self._waveforms, name="waveforms", checks=checks,
+                                       miss=self._from_audio)  # fmt: skip
 
     def lower(self, x: jax.Array, meta: jaxsync.Packed) -> Any:
         """`jax.jit(...).lower` of the program on device inputs: `[B, W]` waveforms or `[C, F,
@@ -114,36 +116,23 @@ class VoxtralAudioEncoder(TowerEncoder):
             neither input, more windows than the largest chunk bucket, inputs on other devices
             than the weights; all before any upload or compile.
         """
-        key = None  # the signature a call on device inputs is kept under
-        if sampling_rate is None and attention_mask is None:  # a kept call, if any
-            if input_features is None:
-                run, key = self._audio_calls.find(audio, lengths)
-                if run is not None:
-                    return run(audio)
-            elif audio is None and lengths is None:
-                run, key = self._feature_calls.find(input_features, num_chunks)
-                if run is not None:
-                    return run(input_features)
-        if audio_given(audio, lengths, input_features, num_chunks, attention_mask, sampling_rate):
-            return self._from_audio(audio, lengths, sampling_rate, key)
-        want = (self.cfg.num_mel_bins, self.cfg.chunk_frames)
-        planner = features_planner(num_chunks, self.cfg, self.chunk_buckets, self.project)
-        return self._entry.run(input_features, key, planner, rank=3,
-                               shape=lambda p: (p.chunks, *want), dtype=np.float32)  # fmt: skip
+        if audio_given(audio, lengths, input_features, num_chunks, attention_mask, sampling_rate,
+                       self.mel_config):  # fmt: skip
+            return self._audio(audio, lengths)
+        return self._entry(input_features, num_chunks)
 
-    def _from_audio(self, audio: Any, lengths: Any, rate: Any, key: Any) -> jaxsync.Embeddings:
-        x, lens = audio_inputs(audio, lengths, self.mel_config, sampling_rate=rate)
-        on_device = isinstance(x, jax.Array)
-        if on_device:  # the caller's buffer is the bucket
+    def _from_audio(self, audio: Any, key: Any, lengths: Any) -> jaxsync.Embeddings:
+        """A call on raw audio the call cache missed: a device batch is its own bucket; host
+        samples are checked while staged, before a new plan's metadata goes up."""
+        x, lens = audio_inputs(audio, lengths, self.mel_config)
+        planner = waveform_planner(lens, self.cfg, self.mel_config,
+                                   chunk_buckets=self.chunk_buckets,
+                                   project=self.project)  # fmt: skip
+        if isinstance(x, jax.Array):  # refuses bad plans before any upload
             self._inside(x)
-        where = jaxsync.replicated_near(x) if on_device else self._meta_at
-        plan_key, build, shape = waveform_planner(
-            lens, self.cfg, self.mel_config, chunk_buckets=self.chunk_buckets, project=self.project
-        )(x, where)
-        entry = self._audio
-        if on_device:  # refuses bad plans before any upload
-            p = entry.planned(plan_key, build, where)
-            return entry.device(audio, key, p, unbatched=audio.ndim == 1)
-        # samples checked while staged, before a new plan's metadata goes up
+            where = jaxsync.replicated_near(x)
+            p = self._audio.planned(*planner(x, where)[:2], where)
+            return self._audio.device(audio, key, p, unbatched=audio.ndim == 1)
+        plan_key, build, shape = planner(x, self._meta_at)
         staged = stage_batch(x, lens, shape, self.placement)
-        return entry.staged(x, staged, plan_key, build, where, self.placement)
+        return self._audio.staged(x, staged, plan_key, build, self._meta_at, self.placement)

@@ -54,7 +54,7 @@ def check_waveforms(
     and inf as they are copied into their bucket (`stage_batch`), before any upload. Device
     data is checked by shape and dtype only.
     """
-    _check_rate(sampling_rate, config)
+    check_rate(sampling_rate, config)
     on_device = isinstance(waveforms, jax.Array)
     if on_device:
         check_live(waveforms, name="waveforms")
@@ -89,7 +89,7 @@ def check_audio_list(
     The rows stay as given: `stage_batch` copies them straight into their bucket (and checks
     their samples there), with no padded copy of the whole batch first.
     """
-    _check_rate(sampling_rate, config)
+    check_rate(sampling_rate, config)
     rows = [host_array(a, name=f"audio[{i}]", ndim=1) for i, a in enumerate(audio)]
     if not rows:
         raise ValueError("empty batch: no audio")
@@ -101,7 +101,8 @@ def check_audio_list(
     return rows, lens
 
 
-def _check_rate(sampling_rate: Any, config: MelConfig) -> None:
+def check_rate(sampling_rate: Any, config: MelConfig) -> None:
+    """Refuses a given `sampling_rate` other than the front end's (ValueError)."""
     if sampling_rate is not None:
         sr = host_int(sampling_rate, name="sampling_rate")
         if sr != config.sampling_rate:

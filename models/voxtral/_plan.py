@@ -27,7 +27,8 @@ import jaxsync
 from jaxsync._calls import reads
 from jaxsync._host import host_ints
 from jaxsync._plans import content_key
-from jaxsync.models.voxtral._config import VoxtralAudioConfig
+from jaxsync.models.voxtral._config import MelConfig, VoxtralAudioConfig
+from jaxsync.models.voxtral._mel_plan import check_rate
 
 
 class VoxtralMeta(NamedTuple):
@@ -186,18 +187,20 @@ def features_planner(
 
 def audio_given(
     audio: Any, lengths: Any, input_features: Any, num_chunks: Any, attention_mask: Any,
-    sampling_rate: Any,
+    sampling_rate: Any, mel_config: MelConfig,
 ) -> bool:  # fmt: skip
     """Whether an entry call passes raw audio (else the processor's features).
 
     Raises:
-      ValueError: both inputs or neither, or an argument of the other input's.
+      ValueError: both inputs or neither, an argument of the other input's, or a
+        `sampling_rate` other than the front end's.
     """
     if (audio is None) == (input_features is None):
         raise ValueError("pass exactly one of audio= and input_features=")
     if input_features is None:
         if num_chunks is not None or attention_mask is not None:
             raise ValueError("num_chunks and attention_mask go with input_features=")
+        check_rate(sampling_rate, mel_config)
         return True
     if lengths is not None or sampling_rate is not None:
         raise ValueError("lengths and sampling_rate go with audio=, not input_features=")

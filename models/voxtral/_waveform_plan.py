@@ -193,7 +193,7 @@ def front_end_spec(mel_config: MelConfig, chunk_frames: int) -> MelSpec:
 
 @reads("live", "dtype", "shape", "metadata")
 def audio_inputs(
-    audio: Any, lengths: Any, config: MelConfig, *, sampling_rate: int | None
+    audio: Any, lengths: Any, config: MelConfig, *, sampling_rate: int | None = None
 ) -> tuple[Any, np.ndarray]:
     """`(batch, lengths)` of raw audio, checked: a list of 1-D host waveforms (kept as rows,
     copied straight into their bucket when staged) or a padded `[B, W]` batch with host

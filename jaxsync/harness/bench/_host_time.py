@@ -90,11 +90,11 @@ def _program_inputs(enc: Any, mel: jax.Array) -> tuple:
 
     program._jitted = record
     try:
-        enc._feature_calls.clear()  # the full path, which builds the kept call around `record`
+        enc._calls.clear()  # the full path, which builds the kept call around `record`
         jax.block_until_ready(enc(input_features=mel).embeddings)
     finally:
         program._jitted = jitted
-        enc._feature_calls.clear()
+        enc._calls.clear()
     return program, seen["inputs"]
 
 
