@@ -62,7 +62,9 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         self.buckets = entry_buckets(buckets, window_buckets)
         super().__init__(model, forward, name=FEATURES, inside=FEATURES,
                          checks=(alive(FEATURES), check_dtype), placement=placement,
-                         out_sharding=out_sharding, plan_cache_size=plan_cache_size)  # fmt: skip
+                         out_sharding=out_sharding, plan_cache_size=plan_cache_size,
+                         plan_of=lambda lens: lengths_planner(lens, self.cfg, self.buckets),
+                         dtype=np.float32)  # fmt: skip
 
     def plan(self, features_shape: Sequence[int], feature_lens: Any) -> Qwen3OmniPlan:
         """Validates shapes and lengths on the host and plans the batch (no device work).
@@ -104,13 +106,10 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
           TypeError / ValueError: bad arguments, shapes, dtypes, lengths, placements or
             non-finite host features, before any upload or compile.
         """
-        key = None
-        if input_features is None and feature_attention_mask is None:  # a kept call, if any
-            run, key = self._calls.find(features, feature_lens)
-            if run is not None:
-                return run(features)
+        direct = features is not None and feature_lens is not None
+        if direct and input_features is None and feature_attention_mask is None:
+            return self._entry(features, feature_lens)  # a repeated device call: the kept one
         features, feature_lens, name = call_inputs(
             features, feature_lens, input_features, feature_attention_mask
         )
-        planner = lengths_planner(feature_lens, self.cfg, self.buckets)
-        return self._entry.run(features, key, planner, dtype=np.float32, name=name)
+        return self._entry.run(features, None, self._entry.plan_of(feature_lens), name=name)
