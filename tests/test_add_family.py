@@ -306,7 +306,7 @@ def test_a_plan_warning_is_emitted_outside_jaxsync_on_every_call(model, monkeypa
 
 def test_a_family_miss_path_runs_for_every_call_the_cache_missed(model):
     """`miss=` replaces the default path of a missed call (`run` with `plan_of`): host input
-    and a new device signature reach it, a repeated device call runs the call it kept."""
+    and a new signature of device input reach it; a repeated call runs the call it kept."""
     seen = []
 
     def miss(x, key, lengths):

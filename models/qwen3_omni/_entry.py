@@ -108,7 +108,7 @@ class Qwen3OmniAudioEncoder(TowerEncoder):
         """
         direct = features is not None and feature_lens is not None
         if direct and input_features is None and feature_attention_mask is None:
-            return self._entry(features, feature_lens)  # a repeated device call: the kept one
+            return self._entry(features, feature_lens)  # repeated: the call it kept
         features, feature_lens, name = call_inputs(
             features, feature_lens, input_features, feature_attention_mask
         )
